@@ -1,0 +1,194 @@
+-- The tables of ordering. Applied at every start; every statement is idempotent.
+-- Money columns end in _cents (integers). Times are ISO 8601 UTC strings with milliseconds,
+-- which sort as text. IDs begin with their creation time, so they sort by it as well.
+-- PRAGMA user_version records the schema version; ordering.py migrates older files.
+
+CREATE TABLE IF NOT EXISTS companies (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    slug        TEXT NOT NULL UNIQUE,
+    created_at  TEXT NOT NULL
+);
+
+-- Only the SHA-256 of a key is kept; the key itself is shown once, when it is made.
+CREATE TABLE IF NOT EXISTS api_keys (
+    id          TEXT PRIMARY KEY,
+    company_id  TEXT NOT NULL REFERENCES companies(id),
+    key_hash    TEXT NOT NULL UNIQUE,
+    scopes      TEXT NOT NULL,              -- space separated
+    rate_limit  INTEGER NOT NULL DEFAULT 60 CHECK (rate_limit > 0),
+    expires_at  TEXT,
+    revoked     INTEGER NOT NULL DEFAULT 0,
+    created_at  TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS products (
+    id                   TEXT PRIMARY KEY,
+    company_id           TEXT NOT NULL REFERENCES companies(id),
+    name                 TEXT NOT NULL,
+    sku                  TEXT,
+    description          TEXT,
+    category             TEXT,
+    unit                 TEXT NOT NULL DEFAULT 'each',
+    price_cents          INTEGER NOT NULL CHECK (price_cents >= 0),
+    stock                INTEGER NOT NULL DEFAULT 0,
+    image_url            TEXT,
+    is_active            INTEGER NOT NULL DEFAULT 1,
+    low_stock_threshold  INTEGER,
+    low_stock_alerted    INTEGER NOT NULL DEFAULT 0,  -- product.low_stock fired, not yet re-armed
+    created_at           TEXT NOT NULL,
+    updated_at           TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS products_by_company_newest
+    ON products (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS products_by_company_category_newest
+    ON products (company_id, category, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS products_by_company_active_newest
+    ON products (company_id, is_active, created_at DESC, id DESC);
+
+CREATE TABLE IF NOT EXISTS customers (
+    id                 TEXT PRIMARY KEY,
+    company_id         TEXT NOT NULL REFERENCES companies(id),
+    email              TEXT NOT NULL,
+    email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
+    name               TEXT,
+    status             TEXT NOT NULL DEFAULT 'ACTIVE' CHECK (status IN ('ACTIVE', 'BLOCKED', 'PENDING')),
+    notes              TEXT,
+    credit_limit_cents INTEGER,
+    tax_rate_override  REAL,
+    email_verified     INTEGER NOT NULL DEFAULT 0,
+    password_hash      TEXT,
+    created_at         TEXT NOT NULL,
+    updated_at         TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
+    ON customers (company_id, email_key);
+CREATE INDEX IF NOT EXISTS customers_by_company_newest
+    ON customers (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS customers_by_company_status_newest
+    ON customers (company_id, status, created_at DESC, id DESC);
+
+CREATE TABLE IF NOT EXISTS orders (
+    id               TEXT PRIMARY KEY,
+    company_id       TEXT NOT NULL REFERENCES companies(id),
+    customer_id      TEXT REFERENCES customers(id),
+    status           TEXT NOT NULL CHECK (status IN ('SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', 'CANCELLED')),
+    po_number        TEXT,
+    notes            TEXT,
+    total_cents      INTEGER NOT NULL,
+    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard')),
+    tracking_carrier TEXT,
+    tracking_number  TEXT,
+    tracking_url     TEXT,
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS orders_by_company_newest
+    ON orders (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS orders_by_company_status_newest
+    ON orders (company_id, status, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS orders_by_company_customer_newest
+    ON orders (company_id, customer_id, created_at DESC, id DESC);
+
+CREATE TABLE IF NOT EXISTS order_items (
+    id               TEXT PRIMARY KEY,
+    order_id         TEXT NOT NULL REFERENCES orders(id),
+    position         INTEGER NOT NULL,
+    product_id       TEXT NOT NULL REFERENCES products(id),
+    quantity         INTEGER NOT NULL CHECK (quantity >= 1),
+    unit_price_cents INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS order_items_of_order ON order_items (order_id, position);
+
+CREATE TABLE IF NOT EXISTS returns (
+    id           TEXT PRIMARY KEY,
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    order_id     TEXT NOT NULL REFERENCES orders(id),
+    customer_id  TEXT,
+    status       TEXT NOT NULL CHECK (status IN ('REQUESTED', 'APPROVED', 'RECEIVED', 'REFUNDED')),
+    reason       TEXT NOT NULL,
+    item_count   INTEGER NOT NULL,
+    actor        TEXT,
+    created_at   TEXT NOT NULL,
+    updated_at   TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS refunds (
+    id             TEXT PRIMARY KEY,
+    company_id     TEXT NOT NULL REFERENCES companies(id),
+    return_id      TEXT NOT NULL UNIQUE REFERENCES returns(id),
+    amount_cents   INTEGER NOT NULL,
+    method         TEXT NOT NULL CHECK (method IN ('CREDIT', 'MANUAL')),
+    good_units     INTEGER NOT NULL,
+    damaged_units  INTEGER NOT NULL,
+    subtotal_cents INTEGER NOT NULL,
+    created_at     TEXT NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS invoices (
+    id                  TEXT PRIMARY KEY,
+    company_id          TEXT NOT NULL REFERENCES companies(id),
+    stripe_invoice_id   TEXT NOT NULL UNIQUE,
+    amount_paid_cents   INTEGER NOT NULL,
+    currency            TEXT NOT NULL,
+    hosted_invoice_url  TEXT NOT NULL,
+    number              TEXT NOT NULL,
+    period_start        TEXT NOT NULL,
+    period_end          TEXT NOT NULL,
+    created_at          TEXT NOT NULL
+);
+
+-- The webhook secret is the one secret kept in clear: deliveries must be signed with it.
+CREATE TABLE IF NOT EXISTS webhooks (
+    id                  TEXT PRIMARY KEY,
+    company_id          TEXT NOT NULL REFERENCES companies(id),
+    url                 TEXT NOT NULL,
+    events              TEXT NOT NULL,      -- JSON array of event names
+    is_active           INTEGER NOT NULL DEFAULT 1,
+    secret              TEXT NOT NULL,
+    old_secret          TEXT,
+    grace_expires_at    TEXT,
+    created_at          TEXT NOT NULL,
+    updated_at          TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS webhooks_of_company ON webhooks (company_id, created_at, id);
+
+-- The outbox: an event and its deliveries are written in the transaction of the change.
+CREATE TABLE IF NOT EXISTS events (
+    id          TEXT PRIMARY KEY,
+    company_id  TEXT NOT NULL REFERENCES companies(id),
+    name        TEXT NOT NULL,
+    body        TEXT NOT NULL,              -- the exact JSON envelope that is sent and signed
+    created_at  TEXT NOT NULL
+);
+
+-- A delivery is pending, then sending (claimed by one process until lease_until), then done;
+-- a done row is the delivery log entry of the spec.
+CREATE TABLE IF NOT EXISTS deliveries (
+    id            TEXT PRIMARY KEY,
+    event_id      TEXT NOT NULL REFERENCES events(id),
+    webhook_id    TEXT NOT NULL REFERENCES webhooks(id) ON DELETE CASCADE,
+    state         TEXT NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'sending', 'done')),
+    lease_until   TEXT,
+    status_code   INTEGER,
+    response_body TEXT,
+    duration_ms   INTEGER,
+    success       INTEGER,
+    created_at    TEXT NOT NULL,
+    attempted_at  TEXT
+);
+CREATE INDEX IF NOT EXISTS deliveries_waiting ON deliveries (state, lease_until);
+CREATE INDEX IF NOT EXISTS deliveries_of_webhook ON deliveries (webhook_id, attempted_at);
+CREATE INDEX IF NOT EXISTS deliveries_of_event ON deliveries (event_id);
+
+-- Remembered POST responses, so a retried request is answered without being done twice.
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    company_id   TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    fingerprint  TEXT NOT NULL,
+    status       INTEGER NOT NULL,
+    body         BLOB NOT NULL,
+    expires_at   TEXT NOT NULL,
+    PRIMARY KEY (company_id, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
