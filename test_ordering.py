@@ -495,3 +495,505 @@ def test_product_search_folds_unicode_case(api, tenant):
 def test_unknown_product_is_404(api, tenant):
     assert api.get("/api/v1/products/prod_x", headers=tenant.headers, status=404).json == {
         "error": "Product not found."}
+
+
+# ---------------------------------------------------------------------------------------------
+# Customers
+# ---------------------------------------------------------------------------------------------
+
+def test_create_customer_shape_and_defaults(api, tenant):
+    response = api.post_json("/api/v1/customers", {"email": "  Ann@Example.com ", "name": "Ann"},
+                             headers=tenant.headers, status=201)
+    data = response.json["data"]
+    assert set(data) == CUSTOMER_FIELDS
+    assert data["email"] == "Ann@Example.com"
+    assert (data["name"], data["status"], data["notes"], data["creditLimit"],
+            data["taxRateOverride"], data["emailVerified"]) == ("Ann", "ACTIVE", None, None,
+                                                                None, False)
+    fetched = api.get(f"/api/v1/customers/{data['id']}", headers=tenant.headers).json["data"]
+    assert fetched == data
+
+
+def test_create_customer_with_every_field(api, tenant):
+    body = {"email": "b@example.com", "name": "Bea", "notes": "VIP", "creditLimit": 2500.5,
+            "taxRateOverride": 0.075, "status": "BLOCKED"}
+    data = api.post_json("/api/v1/customers", body, headers=tenant.headers,
+                         status=201).json["data"]
+    assert {k: data[k] for k in body} == body
+
+
+@pytest.mark.parametrize("body,message", [
+    ({}, "Email is required."),
+    ({"email": None}, "Email is required."),
+    ({"email": "   "}, "Email is required."),
+    ({"email": "not-an-email"}, "Invalid email address."),
+    ({"email": "a@b"}, "Invalid email address."),
+    ({"email": "a b@example.com"}, "Invalid email address."),
+    ({"email": "x@example.com", "creditLimit": -1}, "Credit limit must be between 0 and 100000000."),
+    ({"email": "x@example.com", "creditLimit": 100000000.01},
+     "Credit limit must be between 0 and 100000000."),
+    ({"email": "x@example.com", "taxRateOverride": 0.31},
+     "Tax rate override must be between 0 and 0.3."),
+    ({"email": "x@example.com", "taxRateOverride": -0.01},
+     "Tax rate override must be between 0 and 0.3."),
+    ({"email": "x@example.com", "status": "PENDING"}, "Invalid status."),
+    ({"email": "x@example.com", "status": "active"}, "Invalid status."),
+])
+def test_create_customer_messages(api, tenant, body, message):
+    assert_error(api.post_json("/api/v1/customers", body, headers=tenant.headers, status=400),
+                 400, message)
+    assert api.get("/api/v1/customers", headers=tenant.headers).json["data"] == []
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"email": 5}, "email"),
+    ({"email": "x@example.com", "name": ""}, "name"),
+    ({"email": "x@example.com", "name": "n" * 201}, "name"),
+    ({"email": "x@example.com", "name": 7}, "name"),
+    ({"email": "x@example.com", "notes": "n" * 2001}, "notes"),
+    ({"email": "x@example.com", "creditLimit": "100"}, "creditLimit"),
+    ({"email": "x@example.com", "creditLimit": 10.005}, "creditLimit"),
+    ({"email": "x@example.com", "taxRateOverride": True}, "taxRateOverride"),
+])
+def test_create_customer_wrong_types_fail_validation(api, tenant, body, field):
+    error = assert_error(api.post_json("/api/v1/customers", body, headers=tenant.headers,
+                                       status=400), 400, "Validation failed.")
+    assert error["details"][0]["field"] == field
+
+
+def test_customer_email_is_unique_per_company_ignoring_case(api, tenant, other):
+    api.post_json("/api/v1/customers", {"email": "dup@example.com"}, headers=tenant.headers,
+                  status=201)
+    assert_error(api.post_json("/api/v1/customers", {"email": "DUP@Example.COM"},
+                               headers=tenant.headers, status=409), 409,
+                 "A customer with this email already exists.")
+    api.post_json("/api/v1/customers", {"email": "dup@example.com"}, headers=other.headers,
+                  status=201)
+
+
+def test_patch_customer_changes_only_what_is_sent_and_null_clears(api, tenant):
+    customer = api.post_json("/api/v1/customers", {
+        "email": "c@example.com", "name": "Cy", "notes": "n", "creditLimit": 10,
+        "taxRateOverride": 0.1}, headers=tenant.headers).json["data"]
+    time.sleep(0.002)
+    data = api.patch_json(f"/api/v1/customers/{customer['id']}", {
+        "notes": None, "creditLimit": None, "taxRateOverride": None, "status": "BLOCKED"},
+        headers=tenant.headers).json["data"]
+    assert set(data) == CUSTOMER_FIELDS
+    assert (data["name"], data["notes"], data["creditLimit"], data["taxRateOverride"],
+            data["status"]) == ("Cy", None, None, None, "BLOCKED")
+    assert data["updatedAt"] > customer["updatedAt"]
+    assert data["createdAt"] == customer["createdAt"]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"status": "PENDING"}, "Invalid status."),
+    ({"status": None}, "Invalid status."),
+    ({"creditLimit": 100000001}, "Credit limit must be between 0 and 100000000."),
+    ({"taxRateOverride": 1}, "Tax rate override must be between 0 and 0.3."),
+    ({"name": ""}, "Validation failed."),
+])
+def test_patch_customer_messages(api, tenant, body, message):
+    customer = tenant.customer(name="Dee")
+    assert_error(api.patch_json(f"/api/v1/customers/{customer['id']}", body,
+                                headers=tenant.headers, status=400), 400, message)
+    after = api.get(f"/api/v1/customers/{customer['id']}", headers=tenant.headers).json["data"]
+    assert after == customer
+
+
+def test_patch_customer_refuses_email(api, tenant):
+    customer = tenant.customer()
+    error = assert_error(api.patch_json(f"/api/v1/customers/{customer['id']}",
+                                        {"email": "new@example.com"}, headers=tenant.headers,
+                                        status=400), 400, "Validation failed.")
+    assert error["details"] == [{"field": "email", "rule": "cannot be changed"}]
+
+
+def test_patch_unknown_customer_is_404(api, tenant):
+    assert_error(api.patch_json("/api/v1/customers/cus_nope", {"name": "X"},
+                                headers=tenant.headers, status=404), 404, "Customer not found.")
+
+
+def test_pending_is_stored_but_not_settable(api, tenant):
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE customers SET status = 'PENDING' WHERE id = ?", (customer["id"],))
+    assert api.get(f"/api/v1/customers/{customer['id']}",
+                   headers=tenant.headers).json["data"]["status"] == "PENDING"
+    assert_error(api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "PENDING"},
+                                headers=tenant.headers, status=400), 400, "Invalid status.")
+
+
+def test_customer_list_filters(api, tenant):
+    tenant.customer(email="zoe@alpha.example", name="Zoë Quinn")
+    tenant.customer(email="max@beta.example", name="Max", status="BLOCKED")
+
+    def emails(**params):
+        return [c["email"] for c in api.get("/api/v1/customers", params,
+                                            headers=tenant.headers).json["data"]]
+    assert emails() == ["max@beta.example", "zoe@alpha.example"]
+    assert emails(status="BLOCKED") == ["max@beta.example"]
+    assert emails(status="ACTIVE") == ["zoe@alpha.example"]
+    assert emails(search="ALPHA") == ["zoe@alpha.example"]
+    assert emails(search="zoË") == ["zoe@alpha.example"]
+    assert_error(api.get("/api/v1/customers?status=GONE", headers=tenant.headers, status=400),
+                 400, "Invalid status.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Orders
+# ---------------------------------------------------------------------------------------------
+
+def test_place_order_shape_total_and_stock(api, tenant):
+    rice = tenant.product(name="Rice", sku="R-1", price_cents=1250, stock=10)
+    oil = tenant.product(name="Oil", sku=None, price_cents=399, stock=5)
+    customer = tenant.customer()
+    response = place(api, tenant, [{"productId": rice["id"], "quantity": 2},
+                                   {"productId": oil["id"], "quantity": 3}],
+                     customer_id=customer["id"], poNumber="PO-7", notes="Back door")
+    order = response.json["data"]
+    assert set(order) == ORDER_FIELDS
+    assert (order["status"], order["poNumber"], order["notes"], order["customerId"],
+            order["tracking"]) == ("SUBMITTED", "PO-7", "Back door", customer["id"], None)
+    assert order["total"] == 36.97
+    assert [set(item) for item in order["items"]] == [ITEM_FIELDS, ITEM_FIELDS]
+    assert [(i["productId"], i["quantity"], i["unitPrice"], i["productName"], i["productSku"])
+            for i in order["items"]] == [(rice["id"], 2, 12.5, "Rice", "R-1"),
+                                         (oil["id"], 3, 3.99, "Oil", None)]
+    assert order["createdAt"] == order["updatedAt"] and ISO_MS.match(order["createdAt"])
+    assert (tenant.stock(rice["id"]), tenant.stock(oil["id"])) == (8, 2)
+    assert api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"] == order
+
+
+def test_order_without_po_number_and_notes(api, tenant):
+    product = tenant.product()
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    assert order["poNumber"] is None and order["notes"] is None
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"items": [{"productId": "p", "quantity": 1}]}, "customerId is required"),
+    ({"customerId": "", "items": [{"productId": "p", "quantity": 1}]}, "customerId is required"),
+    ({"customerId": "CUSTOMER"}, "At least one item is required"),
+    ({"customerId": "CUSTOMER", "items": []}, "At least one item is required"),
+    ({"customerId": "CUSTOMER", "items": [{"quantity": 1}]}, "productId is required"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT"}]}, "quantity must be a number"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": "2"}]},
+     "quantity must be a number"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": True}]},
+     "quantity must be a number"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": 1.5}]},
+     "quantity must be a whole number"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": 0}]},
+     "quantity must be at least 1"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": -4}]},
+     "quantity must be at least 1"),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "nope", "quantity": 1}]},
+     'Product "nope" not found or is inactive.'),
+    ({"customerId": "cus_nope", "items": [{"productId": "PRODUCT", "quantity": 1}]},
+     "Customer not found."),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": 11}]},
+     'Insufficient stock for product "Rice". Available: 10, requested: 11.'),
+    ({"customerId": "CUSTOMER", "items": [{"productId": "PRODUCT", "quantity": 6},
+                                          {"productId": "PRODUCT", "quantity": 5}]},
+     'Insufficient stock for product "Rice". Available: 10, requested: 11.'),
+])
+def test_place_order_messages(api, tenant, body, message):
+    product = tenant.product(name="Rice", stock=10)
+    customer = tenant.customer()
+    raw = json.dumps(body).replace("CUSTOMER", customer["id"]).replace("PRODUCT", product["id"])
+    response = api.post("/api/v1/orders", raw, headers=dict(
+        tenant.headers, **{"Content-Type": "application/json"}), expect_errors=True)
+    assert_error(response, 404 if message == "Customer not found." else 400, message)
+    assert tenant.stock(product["id"]) == 10
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+
+
+def test_quantity_as_whole_float_is_accepted(api, tenant):
+    product = tenant.product(stock=5)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2.0}]).json["data"]
+    assert order["items"][0]["quantity"] == 2
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"customerId": 5, "items": [{"productId": "p", "quantity": 1}]}, "customerId"),
+    ({"customerId": "c", "items": {"productId": "p"}}, "items"),
+    ({"customerId": "c", "items": ["p"]}, "items[0]"),
+    ({"customerId": "c", "items": [{"productId": 9, "quantity": 1}]}, "items[0].productId"),
+    ({"customerId": "c", "items": [{"productId": "p", "quantity": 10 ** 12}]},
+     "items[0].quantity"),
+    ({"customerId": "c", "items": [{"productId": "p", "quantity": 1}] * 101}, "items"),
+    ({"customerId": "c", "items": [{"productId": "p", "quantity": 1}], "poNumber": 5},
+     "poNumber"),
+    ({"customerId": "c", "items": [{"productId": "p", "quantity": 1}], "poNumber": "x" * 101},
+     "poNumber"),
+    ({"customerId": "c", "items": [{"productId": "p", "quantity": 1}], "notes": "x" * 2001},
+     "notes"),
+])
+def test_place_order_wrong_types_fail_validation(api, tenant, body, field):
+    error = assert_error(api.post_json("/api/v1/orders", body, headers=tenant.headers,
+                                       status=400), 400, "Validation failed.")
+    assert error["details"][0]["field"] == field
+
+
+def test_inactive_and_foreign_products_cannot_be_ordered(api, tenant, other):
+    inactive = tenant.product(is_active=0)
+    foreign = other.product()
+    for product in (inactive, foreign):
+        assert_error(place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                           status=400), 400,
+                     f'Product "{product["id"]}" not found or is inactive.')
+    assert_error(place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 1}],
+                       customer_id=other.customer()["id"], status=404), 404,
+                 "Customer not found.")
+
+
+def test_unit_price_is_frozen_and_product_name_is_read_at_query_time(api, tenant):
+    product = tenant.product(name="Old name", sku="OLD", price_cents=500)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    tenant.update_product(product["id"], name="New name", sku="NEW", price_cents=900)
+    item = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"]["items"][0]
+    assert (item["unitPrice"], item["productName"], item["productSku"]) == (5.0, "New name", "NEW")
+    listed = api.get("/api/v1/orders", headers=tenant.headers).json["data"][0]
+    assert listed["items"][0]["productName"] == "New name" and listed["total"] == 10.0
+
+
+def test_items_keep_placement_order(api, tenant):
+    products = [tenant.product(name=f"P{i}") for i in range(5)]
+    lines = [{"productId": p["id"], "quantity": i + 1} for i, p in enumerate(reversed(products))]
+    order = place(api, tenant, lines).json["data"]
+    fetched = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"]
+    assert [(i["productId"], i["quantity"]) for i in fetched["items"]] == [
+        (line["productId"], line["quantity"]) for line in lines]
+
+
+def test_order_list_shape_and_filters(api, tenant):
+    product = tenant.product(stock=1000)
+    ann, bob = tenant.customer(), tenant.customer()
+    first = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                  customer_id=ann["id"]).json["data"]
+    second = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                   customer_id=bob["id"]).json["data"]
+    api.patch_json(f"/api/v1/orders/{second['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers)
+
+    def ids(**params):
+        page = api.get("/api/v1/orders", params, headers=tenant.headers).json
+        for order in page["data"]:
+            assert set(order) == ORDER_FIELDS
+        return [o["id"] for o in page["data"]]
+    assert ids() == [second["id"], first["id"]]
+    assert ids(status="CONFIRMED") == [second["id"]]
+    assert ids(status="SUBMITTED") == [first["id"]]
+    assert ids(customerId=ann["id"]) == [first["id"]]
+    assert ids(since=first["createdAt"], until=first["createdAt"]) == [first["id"]]
+    assert ids(since=second["createdAt"]) == [second["id"]]
+    assert ids(until="2000-01-01") == []
+    assert ids(since="2000-01-01") == [second["id"], first["id"]]
+    assert ids(since="2000-01-01T00:00:00+05:00", until="2999-01-01T00:00Z") == [
+        second["id"], first["id"]]
+
+
+@pytest.mark.parametrize("param", ["since=yesterday", "until=2026-13-01", "since=2026-02-30",
+                                   "until=22/11/2026"])
+def test_unparseable_dates_are_400(api, tenant, param):
+    error = assert_error(api.get("/api/v1/orders?" + param, headers=tenant.headers, status=400),
+                         400, "Validation failed.")
+    assert error["details"][0]["field"] == param.split("=")[0]
+
+
+def test_unknown_status_filter_is_400(api, tenant):
+    assert_error(api.get("/api/v1/orders?status=LOST", headers=tenant.headers, status=400), 400,
+                 "Invalid order status.")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2026-11-22", "2026-11-22T00:00:00.000Z"),
+    ("2026-11", "2026-11-01T00:00:00.000Z"),
+    ("2026-11-22T10:20:30Z", "2026-11-22T10:20:30.000Z"),
+    ("2026-11-22T10:20:30.5Z", "2026-11-22T10:20:30.500Z"),
+    ("2026-11-22T10:20:30.123456Z", "2026-11-22T10:20:30.123Z"),
+    ("2026-11-22T10:20+02:00", "2026-11-22T08:20:00.000Z"),
+    ("2026-11-22T10:20:30", "2026-11-22T10:20:30.000Z"),
+    ("2026-11-22 10:20:30-0130", "2026-11-22T11:50:30.000Z"),
+])
+def test_javascript_date_forms(text, expected):
+    assert ordering.iso(ordering.js_parse_date(text)) == expected
+
+
+def test_a_page_of_orders_takes_a_fixed_number_of_queries(app, api, tenant):
+    product = tenant.product(stock=10_000)
+    for _ in range(30):
+        place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+              customer_id=tenant.customer()["id"])
+    statements = []
+    conn = app.service.db.conn
+    conn.set_trace_callback(statements.append)
+    try:
+        api.get("/api/v1/orders?limit=30", headers=tenant.headers)
+    finally:
+        conn.set_trace_callback(None)
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) <= 3
+
+
+# PATCH /api/v1/orders/{id}
+
+def new_order(api, tenant, quantity=1):
+    product = tenant.product(stock=100)
+    return place(api, tenant, [{"productId": product["id"], "quantity": quantity}]).json["data"]
+
+
+@pytest.mark.parametrize("path", [
+    ["CONFIRMED", "SUBMITTED"], ["SHIPPED", "SHIPPED"], ["DELIVERED", "SUBMITTED"],
+    ["SUBMITTED", "DELIVERED", "CONFIRMED", "CANCELLED"]])
+def test_any_status_to_any_status_except_out_of_cancelled(api, tenant, path):
+    order = new_order(api, tenant)
+    for status in path:
+        data = api.patch_json(f"/api/v1/orders/{order['id']}", {"status": status},
+                              headers=tenant.headers).json["data"]
+        assert data["status"] == status and set(data) == ORDER_FIELDS
+
+
+@pytest.mark.parametrize("status", ["CANCELLED", "SUBMITTED", "SHIPPED"])
+def test_cancelled_order_is_locked(api, tenant, status):
+    order = new_order(api, tenant)
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers)
+    assert_error(api.patch_json(f"/api/v1/orders/{order['id']}", {"status": status},
+                                headers=tenant.headers, status=422), 422,
+                 "Cannot update a cancelled order.")
+
+
+def test_cancelling_does_not_restore_stock(api, tenant):
+    product = tenant.product(stock=10)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 4}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers)
+    assert tenant.stock(product["id"]) == 6
+
+
+@pytest.mark.parametrize("body,message", [
+    ({}, "Invalid order status."),
+    ({"status": "shipped"}, "Invalid order status."),
+    ({"status": 3}, "Invalid order status."),
+    ({"status": "CONFIRMED", "tracking": {"carrier": "CARRIER_A", "number": "12345"}},
+     "Tracking info is only valid when status is SHIPPED."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "OTHER", "number": "12345"}},
+     "Tracking URL is required when carrier is OTHER."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "OTHER", "number": "12345", "url": ""}},
+     "Tracking URL is required when carrier is OTHER."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "PIGEON", "number": "12345"}},
+     "Validation failed."),
+    ({"status": "SHIPPED", "tracking": {"number": "12345"}}, "Validation failed."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "CARRIER_A", "number": "  12 "}},
+     "Validation failed."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "CARRIER_A", "number": "1" * 65}},
+     "Validation failed."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "CARRIER_A"}}, "Validation failed."),
+    ({"status": "SHIPPED", "tracking": {"carrier": "OTHER", "number": "123",
+                                        "url": "javascript:alert(1)"}}, "Validation failed."),
+    ({"status": "SHIPPED", "tracking": "CARRIER_A 123"}, "Validation failed."),
+])
+def test_patch_order_messages(api, tenant, body, message):
+    order = new_order(api, tenant)
+    assert_error(api.patch_json(f"/api/v1/orders/{order['id']}", body, headers=tenant.headers,
+                                status=400), 400, message)
+    assert api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"] == order
+
+
+def test_patch_unknown_order_is_404(api, tenant):
+    assert_error(api.patch_json("/api/v1/orders/ord_nope", {"status": "CONFIRMED"},
+                                headers=tenant.headers, status=404), 404, "Order not found.")
+    assert_error(api.get("/api/v1/orders/ord_nope", headers=tenant.headers, status=404), 404,
+                 "Order not found.")
+
+
+def test_named_carrier_gets_a_generated_url_and_number_is_stripped(api, tenant):
+    order = new_order(api, tenant)
+    data = api.patch_json(f"/api/v1/orders/{order['id']}", {
+        "status": "SHIPPED", "tracking": {"carrier": "CARRIER_B", "number": "  1Z 99  "}},
+        headers=tenant.headers).json["data"]
+    assert data["tracking"] == {
+        "carrier": "CARRIER_B", "number": "1Z 99",
+        "url": "https://tracking.carrier-b.example/parcels/1Z%2099"}
+
+
+def test_client_url_overrides_template_and_other_carrier_keeps_its_url(api, tenant):
+    order = new_order(api, tenant)
+    tracking = {"carrier": "OTHER", "number": "ABC", "url": "https://track.example/ABC"}
+    data = api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED",
+                                                             "tracking": tracking},
+                          headers=tenant.headers).json["data"]
+    assert data["tracking"] == tracking
+    override = {"carrier": "CARRIER_A", "number": "XYZ", "url": "https://mine.example/XYZ"}
+    data = api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED",
+                                                             "tracking": override},
+                          headers=tenant.headers).json["data"]
+    assert data["tracking"] == override
+
+
+def test_tracking_url_templates_are_configurable(db_path):
+    app = build_app(db_path, tracking_url_templates={"CARRIER_C": "https://c.example/{number}"})
+    try:
+        api, tenant = webtest.TestApp(app), Tenant(app, "Configured")
+        order = new_order(api, tenant)
+        data = api.patch_json(f"/api/v1/orders/{order['id']}", {
+            "status": "SHIPPED", "tracking": {"carrier": "CARRIER_C", "number": "777"}},
+            headers=tenant.headers).json["data"]
+        assert data["tracking"]["url"] == "https://c.example/777"
+    finally:
+        app.service.close(grace=0)
+
+
+def test_tracking_persists_through_later_transitions(api, tenant):
+    order = new_order(api, tenant)
+    tracking = api.patch_json(f"/api/v1/orders/{order['id']}", {
+        "status": "SHIPPED", "tracking": {"carrier": "CARRIER_A", "number": "555"}},
+        headers=tenant.headers).json["data"]["tracking"]
+    for status in ("DELIVERED", "SHIPPED", "CONFIRMED"):
+        data = api.patch_json(f"/api/v1/orders/{order['id']}", {"status": status},
+                              headers=tenant.headers).json["data"]
+        assert data["tracking"] == tracking
+    listed = api.get("/api/v1/orders", headers=tenant.headers).json["data"][0]
+    assert listed["tracking"] == tracking
+
+
+def test_dashboard_workflow_is_stricter_than_the_api(api, tenant):
+    order = new_order(api, tenant)
+    assert ordering.dashboard_allows("SUBMITTED", "CONFIRMED")
+    assert not ordering.dashboard_allows("SHIPPED", "SUBMITTED")
+    with tenant.db.write() as conn:
+        ordering.dashboard_update_order_status(conn, tenant.id, order["id"], "CONFIRMED")
+    with pytest.raises(ordering.ApiError) as refused, tenant.db.write() as conn:
+        ordering.dashboard_update_order_status(conn, tenant.id, order["id"], "SUBMITTED")
+    assert (refused.value.status, refused.value.message) == (
+        422, "The dashboard does not move an order from CONFIRMED to SUBMITTED.")
+    assert [target for target in ordering.ORDER_STATUSES
+            if ordering.dashboard_allows("DELIVERED", target)] == []
+
+
+def test_racing_threads_never_oversell(app, tenant):
+    """Sixteen threads race for the last 10 units, one app, real SQLite file."""
+    product = tenant.product(stock=10)
+    customer = tenant.customer()
+    api = webtest.TestApp(app)
+    statuses, barrier = [], threading.Barrier(16)
+
+    def buy(_):
+        barrier.wait()
+        response = api.post_json("/api/v1/orders", {"customerId": customer["id"], "items": [
+            {"productId": product["id"], "quantity": 1}]}, headers=tenant.headers,
+            expect_errors=True)
+        return response.status_int, response.body
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        for _ in range(3):
+            statuses += list(pool.map(buy, range(16)))
+            barrier.reset()
+    created = [s for s, _ in statuses if s == 201]
+    refused = [b for s, b in statuses if s == 400]
+    assert len(created) == 10 and len(refused) == 38
+    assert all(b"Insufficient stock" in body for body in refused)
+    assert not [b for _, b in statuses if b"locked" in b or b"Internal" in b]
+    assert tenant.stock(product["id"]) == 0
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 10
