@@ -772,6 +772,7 @@ def test_order_list_shape_and_filters(api, tenant):
     ann, bob = tenant.customer(), tenant.customer()
     first = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
                   customer_id=ann["id"]).json["data"]
+    time.sleep(0.003)
     second = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
                    customer_id=bob["id"]).json["data"]
     api.patch_json(f"/api/v1/orders/{second['id']}", {"status": "CONFIRMED"},
@@ -997,3 +998,399 @@ def test_racing_threads_never_oversell(app, tenant):
     assert not [b for _, b in statuses if b"locked" in b or b"Internal" in b]
     assert tenant.stock(product["id"]) == 0
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 10
+
+
+# ---------------------------------------------------------------------------------------------
+# Idempotency-Key
+# ---------------------------------------------------------------------------------------------
+
+def with_key(tenant, value):
+    return dict(tenant.headers, **{"Idempotency-Key": value})
+
+
+def test_retried_order_is_placed_once(api, tenant, receiver):
+    subscribe(api, tenant, receiver.url + "/hook", ["order.created"])
+    product = tenant.product(stock=10)
+    customer = tenant.customer()
+    body = {"customerId": customer["id"], "items": [{"productId": product["id"], "quantity": 3}]}
+    first = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "order-1"), status=201)
+    again = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "order-1"), status=201)
+    assert again.body == first.body
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert "Idempotent-Replayed" not in first.headers
+    assert tenant.stock(product["id"]) == 7
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
+    receiver.wait_for(1)
+    time.sleep(0.5)
+    assert len(receiver.of("order.created")) == 1
+
+
+def test_quoted_key_form_is_the_same_key(api, tenant):
+    body = {"email": "q@example.com"}
+    first = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "abc"), status=201)
+    again = api.post_json("/api/v1/customers", body, headers=with_key(tenant, '"abc"'),
+                          status=201)
+    assert again.body == first.body and again.headers["Idempotent-Replayed"] == "true"
+
+
+def test_same_key_different_request_is_409(api, tenant):
+    api.post_json("/api/v1/customers", {"email": "a@example.com"},
+                  headers=with_key(tenant, "k"), status=201)
+    assert_error(api.post_json("/api/v1/customers", {"email": "b@example.com"},
+                               headers=with_key(tenant, "k"), status=409), 409,
+                 "Idempotency-Key has already been used with a different request.")
+    assert_error(api.post_json("/api/v1/webhooks", {"email": "a@example.com"},
+                               headers=with_key(tenant, "k"), status=409), 409,
+                 "Idempotency-Key has already been used with a different request.")
+
+
+def test_key_order_of_json_fields_does_not_matter(api, tenant):
+    first = api.post("/api/v1/customers", b'{"email": "o@example.com", "name": "O"}',
+                     headers=dict(with_key(tenant, "k2"), **{"Content-Type": "application/json"}),
+                     status=201)
+    again = api.post("/api/v1/customers", b'{"name":"O","email":"o@example.com"}',
+                     headers=dict(with_key(tenant, "k2"), **{"Content-Type": "application/json"}),
+                     status=201)
+    assert again.body == first.body
+
+
+def test_webhook_create_replay_returns_the_secret_again(api, tenant):
+    body = {"url": "https://hooks.example/in", "events": ["order.created"]}
+    first = api.post_json("/api/v1/webhooks", body, headers=with_key(tenant, "wh"), status=201)
+    again = api.post_json("/api/v1/webhooks", body, headers=with_key(tenant, "wh"), status=201)
+    assert again.json["data"]["secret"] == first.json["data"]["secret"]
+    assert len(api.get("/api/v1/webhooks", headers=tenant.headers).json["data"]) == 1
+
+
+def test_client_errors_are_replayed_too(api, tenant):
+    product = tenant.product(stock=1)
+    customer = tenant.customer()
+    body = {"customerId": customer["id"], "items": [{"productId": product["id"], "quantity": 2}]}
+    first = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "e"), status=400)
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE products SET stock = 5")
+    again = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "e"), status=400)
+    assert again.body == first.body and again.headers["Idempotent-Replayed"] == "true"
+
+
+def test_server_errors_are_not_stored(api, tenant, monkeypatch):
+    body = {"email": "s@example.com"}
+    real = ordering.create_customer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(ordering, "create_customer", broken)
+    failed = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "s"), status=500)
+    assert failed.body == b"Internal Server Error"
+    monkeypatch.setattr(ordering, "create_customer", real)
+    retried = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "s"), status=201)
+    assert "Idempotent-Replayed" not in retried.headers
+
+
+@pytest.mark.parametrize("value", ["", "   ", "x" * 256, "naïve", "tab\there"])
+def test_malformed_idempotency_key_is_400(api, tenant, value):
+    response = api.post_json("/api/v1/customers", {"email": "m@example.com"},
+                             headers=with_key(tenant, value), status=400)
+    assert response.json == {
+        "error": "Idempotency-Key must be 1 to 255 printable ASCII characters."}
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 0
+
+
+def test_refused_requests_never_touch_the_store(api, tenant):
+    key = tenant.new_key(["customers:read"])
+    api.post_json("/api/v1/customers", {"email": "r@example.com"},
+                  headers=dict(auth(key), **{"Idempotency-Key": "r"}), status=403)
+    api.post_json("/api/v1/customers", {"email": "r@example.com"},
+                  headers={"Authorization": "Bearer wrong", "Idempotency-Key": "r"}, status=401)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM idempotency_keys").fetchone()[0] == 0
+    api.post_json("/api/v1/customers", {"email": "r@example.com"},
+                  headers=with_key(tenant, "r"), status=201)
+
+
+def test_keys_are_scoped_to_the_company(api, tenant, other):
+    body = {"email": "same@example.com"}
+    mine = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "shared"),
+                         status=201)
+    theirs = api.post_json("/api/v1/customers", body, headers=with_key(other, "shared"),
+                           status=201)
+    assert "Idempotent-Replayed" not in theirs.headers
+    assert mine.json["data"]["id"] != theirs.json["data"]["id"]
+
+
+def test_expired_keys_are_forgotten_and_purged(app, api, tenant):
+    body = {"email": "x@example.com"}
+    api.post_json("/api/v1/customers", body, headers=with_key(tenant, "old"), status=201)
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE idempotency_keys SET expires_at = '2000-01-01T00:00:00.000Z'")
+    assert_error(api.post_json("/api/v1/customers", body, headers=with_key(tenant, "old"),
+                               status=409), 409, "A customer with this email already exists.")
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE idempotency_keys SET expires_at = '2000-01-01T00:00:00.000Z'")
+    app.service.sender.next_housekeeping = 0
+    app.service.sender.notify()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and tenant.db.conn.execute(
+            "SELECT COUNT(*) FROM idempotency_keys").fetchone()[0]:
+        time.sleep(0.05)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM idempotency_keys").fetchone()[0] == 0
+
+
+def test_same_key_from_eight_threads_places_one_order(app, tenant):
+    product = tenant.product(stock=100)
+    customer = tenant.customer()
+    api = webtest.TestApp(app)
+    body = {"customerId": customer["id"], "items": [{"productId": product["id"], "quantity": 1}]}
+    barrier = threading.Barrier(8)
+
+    def send(_):
+        barrier.wait()
+        response = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "burst"),
+                                 expect_errors=True)
+        return response.status_int, response.json, response.headers.get("Idempotent-Replayed")
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, range(8)))
+    originals = [r for r in results if r[0] == 201 and r[2] is None]
+    replays = [r for r in results if r[0] == 201 and r[2] == "true"]
+    busy = [r for r in results if r[0] == 409]
+    assert len(originals) == 1 and len(replays) + len(busy) == 7
+    assert all(r[1] == originals[0][1] for r in replays)
+    assert all(r[1] == {"error": "A request with this Idempotency-Key is still in progress."}
+               for r in busy)
+    assert tenant.stock(product["id"]) == 99
+
+
+# ---------------------------------------------------------------------------------------------
+# Rate limits
+# ---------------------------------------------------------------------------------------------
+
+def test_key_rate_limit_429_and_headers(api, tenant, other):
+    key = tenant.new_key(ALL_SCOPES, rate_limit=3)
+    for remaining in (2, 1, 0):
+        response = api.get("/api/v1/products", headers=auth(key))
+        assert response.headers["X-RateLimit-Limit"] == "3"
+        assert response.headers["X-RateLimit-Remaining"] == str(remaining)
+        assert 1 <= int(response.headers["X-RateLimit-Reset"]) <= 60
+    refused = api.get("/api/v1/products", headers=auth(key), status=429)
+    assert set(refused.json) == {"error", "retryAfter"}
+    assert refused.json["error"] == "Rate limit exceeded. Try again shortly."
+    assert 1 <= refused.json["retryAfter"] <= 60
+    assert refused.headers["Retry-After"] == str(refused.json["retryAfter"])
+    assert refused.headers["X-RateLimit-Remaining"] == "0"
+    api.get("/api/v1/products", headers=tenant.headers, status=200)
+    api.get("/api/v1/products", headers=other.headers, status=200)
+
+
+def test_default_budget_is_sixty_per_minute(api, tenant):
+    assert tenant.key["rateLimit"] == 60
+    response = api.get("/api/v1/products", headers=tenant.headers)
+    assert response.headers["X-RateLimit-Limit"] == "60"
+
+
+def test_window_counter_resets_each_minute():
+    counter = ordering.WindowCounter()
+    assert counter.hit("k", 2, now=120.0)[:2] == (True, 1)
+    assert counter.hit("k", 2, now=150.0)[:2] == (True, 0)
+    allowed, remaining, reset = counter.hit("k", 2, now=170.5)
+    assert (allowed, remaining, reset) == (False, 0, 9.5)
+    assert counter.hit("k", 2, now=180.0)[:2] == (True, 1)
+    assert list(counter.counts) == ["k"]
+
+
+def test_ip_rate_limit_comes_before_authentication(db_path):
+    app = build_app(db_path, ip_rate_limit=2)
+    try:
+        api = webtest.TestApp(app)
+        api.get("/api/v1/products", status=401)
+        api.get("/api/v1/products", status=401)
+        refused = api.get("/api/v1/products", status=429)
+        assert refused.json["error"] == "Rate limit exceeded. Try again shortly."
+        assert refused.json["retryAfter"] >= 1
+        other_client = api.get("/api/v1/products", extra_environ={"REMOTE_ADDR": "10.1.1.1"},
+                               status=401)
+        assert other_client.json["error"] == MISSING
+    finally:
+        app.service.close(grace=0)
+
+
+def test_ip_rate_limit_zero_is_off(db_path):
+    app = build_app(db_path, ip_rate_limit=0)
+    try:
+        api = webtest.TestApp(app)
+        for _ in range(700):
+            api.get("/api/v1/products", status=401)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_forwarded_for_is_trusted_only_when_told(db_path):
+    for trust, expected in ((False, 429), (True, 401)):
+        app = build_app(db_path, ip_rate_limit=1, trust_proxy=trust)
+        try:
+            api = webtest.TestApp(app)
+            api.get("/api/v1/products", headers={"X-Forwarded-For": "1.1.1.1"}, status=401)
+            api.get("/api/v1/products", headers={"X-Forwarded-For": "2.2.2.2"}, status=expected)
+        finally:
+            app.service.close(grace=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line and server
+# ---------------------------------------------------------------------------------------------
+
+def cli_json(db_path, *args):
+    result = run_cli(db_path, *args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def cli_refuses(db_path, *args):
+    result = run_cli(db_path, *args)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.strip()
+    return result.stderr
+
+
+def test_operator_commands_build_a_working_tenant(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Fresh Foods Ltd")
+    assert set(company) == {"id", "name", "slug"} and company["slug"] == "fresh-foods-ltd"
+    key = cli_json(db_path, "key-create", "--company", company["id"], "--scopes",
+                   "products:read,orders:read", "--rate-limit", "120")
+    assert set(key) == {"id", "key", "companyId", "scopes", "rateLimit", "expiresAt"}
+    assert (key["companyId"], key["scopes"], key["rateLimit"], key["expiresAt"]) == (
+        company["id"], ["products:read", "orders:read"], 120, None)
+    product = cli_json(db_path, "product-create", "--company", company["id"], "--name", "Tea",
+                       "--price", "12.50", "--sku", "TEA-1", "--stock", "40", "--category",
+                       "Drinks", "--unit", "case", "--description", "Green",
+                       "--image-url", "https://img.example/tea.png", "--low-stock-threshold", "5")
+    assert set(product) == PRODUCT_FIELDS
+    assert (product["price"], product["stock"], product["unit"], product["isActive"]) == (
+        12.5, 40, "case", True)
+    updated = cli_json(db_path, "product-update", product["id"], "--price", "13", "--active",
+                       "false", "--name", "Green Tea")
+    assert (updated["price"], updated["isActive"], updated["name"]) == (13.0, False, "Green Tea")
+    app = build_app(db_path)
+    try:
+        api = webtest.TestApp(app)
+        listed = api.get("/api/v1/products", headers=auth(key)).json["data"]
+        assert listed == [updated]
+        revoked = cli_json(db_path, "key-revoke", key["id"])
+        assert revoked == {"id": key["id"], "revoked": True}
+        app.service.key_cache.clear()
+        assert api.get("/api/v1/products", headers=auth(key), status=401).json == {
+            "error": INVALID}
+    finally:
+        app.service.close(grace=0)
+
+
+def test_expired_key_from_the_command_line(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Old")
+    key = cli_json(db_path, "key-create", "--company", company["id"], "--scopes",
+                   "products:read", "--expires-at", "2020-01-01")
+    assert key["expiresAt"] == "2020-01-01T00:00:00.000Z"
+    app = build_app(db_path)
+    try:
+        webtest.TestApp(app).get("/api/v1/products", headers=auth(key), status=401)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_operator_commands_refuse_bad_input_and_write_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    assert "already exists" in cli_refuses(db_path, "company-create", "--name", "Acme")
+    cli_refuses(db_path, "key-create", "--company", "co_nope", "--scopes", "orders:read")
+    assert "scopes" in cli_refuses(db_path, "key-create", "--company", company["id"],
+                                   "--scopes", "orders:read,root:write")
+    cli_refuses(db_path, "key-create", "--company", company["id"], "--scopes", "orders:read",
+                "--rate-limit", "0")
+    cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
+                "--price", "-1")
+    cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
+                "--price", "1.234")
+    cli_refuses(db_path, "product-create", "--company", "co_nope", "--name", "X",
+                "--price", "1")
+    cli_refuses(db_path, "product-update", "prod_nope", "--price", "1")
+    cli_refuses(db_path, "key-revoke", "key_nope")
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("SELECT COUNT(*) FROM api_keys").fetchone()[0] == 0
+    assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == 0
+    assert conn.execute("SELECT COUNT(*) FROM companies").fetchone()[0] == 1
+
+
+def test_database_from_environment(tmp_path):
+    path = tmp_path / "env.db"
+    result = subprocess.run([sys.executable, os.path.join(HERE, "ordering.py"), "company-create",
+                             "--name", "Env"], capture_output=True, text=True,
+                            env=dict(os.environ, ORDERING_DB=str(path)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert path.exists()
+
+
+def test_schema_is_versioned_and_applied_idempotently(db_path):
+    for _ in range(2):
+        database = ordering.Database(str(db_path))
+        conn = database.conn
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        database.close()
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(db_path, *extra):
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
+         "--host", "127.0.0.1", "--port", str(port), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, port
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise AssertionError("server did not start: " + process.stderr.read())
+
+
+def http_request(port, method, path, body=None, headers=None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        payload = None if body is None else json.dumps(body).encode()
+        connection.request(method, path, body=payload, headers=dict(
+            headers or {}, **({"Content-Type": "application/json"} if payload else {})))
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        connection.close()
+
+
+import http.client  # noqa: E402  (kept beside the server helpers that use it)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal):
+    company = cli_json(db_path, "company-create", "--name", "Served")
+    key = cli_json(db_path, "key-create", "--company", company["id"], "--scopes",
+                   "products:read")
+    process, port = start_server(db_path, "--threads", "2")
+    try:
+        status, body = http_request(port, "GET", "/api/v1/products", headers=auth(key))
+        assert (status, body) == (200, {"data": [], "pagination": {"hasMore": False,
+                                                                    "nextCursor": None}})
+        status, body = http_request(port, "GET", "/api/v1/products")
+        assert (status, body) == (401, {"error": MISSING})
+    finally:
+        process.send_signal(stop_signal)
+        _, stderr = process.communicate(timeout=20)
+    assert process.returncode == 0, stderr
+    assert '"GET /api/v1/products" 200' in stderr and '"GET /api/v1/products" 401' in stderr
+    assert "stopped" in stderr
