@@ -1884,6 +1884,17 @@ class Service:
     def close(self, grace=None):
         self.sender.stop(grace)
 
+    def health(self):
+        """GET /healthz, for load balancers and supervisors: 200 while the database answers."""
+        bottle.response.content_type = "application/json"
+        try:
+            self.db.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
+        except sqlite3.Error as error:
+            log.error("health check failed: %s", error)
+            bottle.response.status = 503
+            return json_text({"status": "unavailable"})
+        return json_text({"status": "ok"})
+
     # Who is calling
 
     def client_address(self, environ):
@@ -2087,6 +2098,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 
     for found in ROUTES:
         app.route(found.path, found.method, bind(found))
+    app.route("/healthz", "GET", service.health)
     app.error_handler.update({
         404: _error_page(404, "Not found."),
         405: _error_page(405, "Method not allowed."),
@@ -2295,6 +2307,79 @@ def cmd_deliveries(conn, args):
     return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
 
 
+DEMO_SLUG = "demo-wholesale"
+DEMO_CATALOG = (
+    # name, sku, category, unit, price (cents), stock, low-stock threshold, active
+    ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
+    ("Basmati Rice 10kg", "GR-BASM-10", "Grains", "bag", 2390, 80, 15, True),
+    ("Bread Flour 16kg", "GR-FLOUR-16", "Grains", "bag", 1875, 60, 10, True),
+    ("Extra Virgin Olive Oil 5l", "PA-OIL-5", "Pantry", "tin", 3899, 45, 10, True),
+    ("Sea Salt 1kg", "PA-SALT-1", "Pantry", "each", 320, 200, 30, True),
+    ("Canned Tomatoes 2.5kg", "PA-TOM-25", "Pantry", "case", 2160, 3, 5, True),
+    ("Black Tea 500g", "BV-TEA-500", "Beverages", "each", 1150, 90, 10, True),
+    ("Espresso Beans 1kg", "BV-ESP-1", "Beverages", "each", 2475, 70, 10, True),
+    ("Sparkling Water 24x330ml", "BV-WAT-24", "Beverages", "case", 1399, 150, 20, True),
+    ("Paper Napkins 1000", "SU-NAP-1000", "Supplies", "case", 2799, 40, 5, True),
+    ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
+    ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
+)
+
+
+def demo(settings):
+    """A demo company with a small catalog and two customers (made once), and a new key with
+    all seven scopes on every run."""
+    db = Database(settings.db_path, settings)
+    with db.write() as conn:
+        company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
+        if company is None:
+            company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
+            for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG:
+                create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
+                               price_cents=price, stock=stock, low_stock_threshold=threshold,
+                               is_active=active)
+            for email, name in (("orders@corner-cafe.example", "Corner Cafe"),
+                                ("buyer@harbour-bistro.example", "Harbour Bistro")):
+                create_customer(conn, company_id, {"email": email, "name": name})
+        else:
+            company_id = company["id"]
+        key = create_api_key(conn, company_id, list(SCOPES))
+        customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
+                                "LIMIT 1", (company_id,)).fetchone()
+        product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
+                               "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
+    base = f"http://{settings.host}:{settings.port}/api/v1"
+    header = f'-H "Authorization: Bearer {key["key"]}"'
+    order = json_text({"customerId": customer["id"],
+                       "items": [{"productId": product["id"], "quantity": 2}]})
+    return "\n".join([
+        f"Demo company Demo Wholesale ({company_id}) in {settings.db_path}: "
+        f"{len(DEMO_CATALOG)} products, 2 customers.",
+        "API key with all seven scopes (shown once):",
+        key["key"],
+        "Start the server (python ordering.py), then try:",
+        f"  curl -s {header} {base}/products",
+        f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
+        f"  curl -s {header} {base}/orders",
+    ])
+
+
+def backup(settings, destination):
+    """An online, consistent copy of the database (SQLite's backup API), safe while the
+    server runs."""
+    if os.path.exists(destination):
+        raise ApiError(409, f"{destination} already exists; choose a new file.")
+    source = Database(settings.db_path, settings).conn
+    target = sqlite3.connect(destination)
+    try:
+        source.backup(target)
+        pages = target.execute("PRAGMA page_count").fetchone()[0]
+        check = target.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        target.close()
+    return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
+            "integrity": check}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="ordering", description="A multi-tenant wholesale ordering service on SQLite.")
@@ -2398,6 +2483,11 @@ def build_parser():
     sub.add_argument("id", metavar="WEBHOOK_ID")
     sub.add_argument("--grace-hours", type=float, default=24.0, help="grace window (24)")
 
+    command("demo", None, "create a demo company, catalog and customers (once) and print a "
+                          "new key with all seven scopes and curl commands to try")
+    sub = command("backup", None, "copy the database to DEST while the server may be running")
+    sub.add_argument("destination", metavar="DEST")
+
     sub = command("deliveries", cmd_deliveries, "the 5 most recent delivery attempts of a webhook")
     sub.add_argument("id", metavar="WEBHOOK_ID")
     return parser
@@ -2432,11 +2522,17 @@ def main(argv=None):
         settings = Settings.from_environment(**overrides)
     except (ValueError, TypeError) as error:
         parser.error(f"bad setting in the environment: {error}")
-    if args.command in (None, "serve"):
-        serve(settings)
-        return 0
     try:
-        result = run_command(args.handler, args, settings)
+        if args.command in (None, "serve"):
+            serve(settings)
+            return 0
+        if args.command == "demo":
+            print(demo(settings))
+            return 0
+        if args.command == "backup":
+            result = backup(settings, args.destination)
+        else:
+            result = run_command(args.handler, args, settings)
     except ApiError as error:
         details = "".join(f"\n  {d['field']}: {d['rule']}" for d in error.details or ())
         print(f"ordering {args.command}: {error.message}{details}", file=sys.stderr)
