@@ -1394,3 +1394,56 @@ def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal)
     assert process.returncode == 0, stderr
     assert '"GET /api/v1/products" 200' in stderr and '"GET /api/v1/products" 401' in stderr
     assert "stopped" in stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Demo, backup, health
+# ---------------------------------------------------------------------------------------------
+
+def test_demo_is_made_once_and_its_key_places_an_order(db_path):
+    first = run_cli(db_path, "demo")
+    assert first.returncode == 0, first.stderr
+    keys = [line for line in first.stdout.splitlines() if line.startswith("sk_")]
+    assert len(keys) == 1
+    assert first.stdout.count("curl -s") == 3
+    again = run_cli(db_path, "demo")
+    assert again.returncode == 0
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("SELECT COUNT(*) FROM companies").fetchone()[0] == 1
+    assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == 12
+    assert conn.execute("SELECT COUNT(*) FROM products WHERE is_active = 0").fetchone()[0] == 1
+    assert conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 2
+    order_body = re.search(r"-d '([^']+)'", first.stdout).group(1)
+    app = build_app(db_path)
+    try:
+        api = webtest.TestApp(app)
+        headers = {"Authorization": "Bearer " + keys[0]}
+        products = api.get("/api/v1/products?limit=100", headers=headers).json["data"]
+        assert len({p["category"] for p in products}) >= 3
+        assert any(p["stock"] <= 5 and p["isActive"] for p in products)
+        order = api.post("/api/v1/orders", order_body, headers=dict(
+            headers, **{"Content-Type": "application/json"}), status=201).json["data"]
+        assert order["status"] == "SUBMITTED"
+    finally:
+        app.service.close(grace=0)
+
+
+def test_backup_is_a_consistent_copy(api, tenant, db_path, tmp_path):
+    tenant.product(name="Kept")
+    destination = tmp_path / "copy.db"
+    result = cli_json(db_path, "backup", str(destination))
+    assert result["integrity"] == "ok" and result["backup"] == str(destination)
+    copy = sqlite3.connect(destination)
+    assert copy.execute("SELECT name FROM products").fetchall() == [("Kept",)]
+    assert "already exists" in cli_refuses(db_path, "backup", str(destination))
+
+
+def test_health_needs_no_key(api, app, monkeypatch):
+    assert api.get("/healthz").json == {"status": "ok"}
+
+    class Broken:
+        def execute(self, *args):
+            raise sqlite3.OperationalError("disk I/O error")
+    monkeypatch.setattr(type(app.service.db), "conn", property(lambda self: Broken()))
+    response = api.get("/healthz", status=503)
+    assert response.json == {"status": "unavailable"}
