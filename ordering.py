@@ -159,6 +159,9 @@ class Database:
         self.settings = settings or Settings(db_path=path)
         self._local = threading.local()
         self._listeners = []
+        # Writers of this process queue here rather than in SQLite's busy handler, which
+        # sleeps in growing steps and turns lock contention into long tail latency.
+        self._write_lock = threading.Lock()
         with self.write() as conn:
             apply_schema(conn)
 
@@ -201,20 +204,25 @@ class _WriteTransaction:
 
     def __enter__(self):
         conn = self.db.conn
-        conn.execute("BEGIN IMMEDIATE")
+        self.db._write_lock.acquire()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.db._write_lock.release()
+            raise
         _emitted.event_ids = []
         return conn
 
     def __exit__(self, kind, error, tb):
         conn = self.db.conn
         emitted, _emitted.event_ids = _emitted.event_ids, None
-        if kind is None:
-            conn.execute("COMMIT")
-            if emitted:
-                for listener in self.db._listeners:
-                    listener(emitted)
-        else:
-            conn.execute("ROLLBACK")
+        try:
+            conn.execute("COMMIT" if kind is None else "ROLLBACK")
+        finally:
+            self.db._write_lock.release()
+        if kind is None and emitted:
+            for listener in self.db._listeners:
+                listener(emitted)
         return False
 
 
@@ -1432,6 +1440,9 @@ def describe_failure(error, timeout):
     return f"{type(error).__name__}: {error}"[:MAX_LOGGED_BODY]
 
 
+#: WAL size in bytes beyond which the sender's housekeeping truncates it.
+WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
+
 _CLAIMABLE = ("state = 'pending' OR (state = 'sending' AND lease_until < :now)")
 
 
@@ -1547,7 +1558,13 @@ class Sender:
                 log.exception("could not claim webhook deliveries; will try again")
 
     def _housekeeping(self):
-        """Once a minute, off the request path: forget expired idempotency keys."""
+        """Off the request path: keep the WAL file bounded, and once a minute forget expired
+        idempotency keys."""
+        wal = self.db.path + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > WAL_TRUNCATE_BYTES:
+            # Under constant reads SQLite's automatic checkpoints never get to restart the
+            # WAL, so it would grow without end; TRUNCATE waits for a gap between readers.
+            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         if time.monotonic() < self.next_housekeeping:
             return
         self.next_housekeeping = time.monotonic() + 60
