@@ -217,7 +217,14 @@ class _WriteTransaction:
         conn = self.db.conn
         emitted, _emitted.event_ids = _emitted.event_ids, None
         try:
-            conn.execute("COMMIT" if kind is None else "ROLLBACK")
+            if kind is None:
+                try:
+                    conn.execute("COMMIT")
+                except sqlite3.Error:
+                    conn.execute("ROLLBACK")
+                    raise
+            else:
+                conn.execute("ROLLBACK")
         finally:
             self.db._write_lock.release()
         if kind is None and emitted:
@@ -297,7 +304,11 @@ def new_id(prefix):
 def iso(ms):
     """ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z."""
     seconds, millis = divmod(ms, 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%03dZ" % millis
+    t = time.gmtime(seconds)
+    # Formatted by hand: strftime does not zero-pad years below 1000, and these strings are
+    # compared as text.
+    return "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ" % (t.tm_year, t.tm_mon, t.tm_mday, t.tm_hour,
+                                                     t.tm_min, t.tm_sec, millis)
 
 
 def now_iso():
@@ -305,8 +316,11 @@ def now_iso():
 
 
 def money(cents):
-    """Integer cents to the JSON number the API shows (12.5 for 1250, as JSON.stringify would)."""
-    return None if cents is None else cents / 100
+    """Integer cents to the JSON number the API shows, as JSON.stringify writes it: 12.5 for
+    1250, 45 for 4500."""
+    if cents is None:
+        return None
+    return cents // 100 if cents % 100 == 0 else cents / 100
 
 
 def cents_from_number(value):
@@ -325,7 +339,7 @@ def cents_from_text(text):
     return int(match.group(1)) * 100 + int((match.group(2) or "0").ljust(2, "0"))
 
 
-_PARSE_INT = re.compile(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|\d+)")
+_PARSE_INT = re.compile(r"\s*([+-]?)(?:0[xX]([0-9a-fA-F]*)|([0-9]+))", re.ASCII)
 
 
 def js_parse_int(text):
@@ -334,8 +348,14 @@ def js_parse_int(text):
     match = _PARSE_INT.match(text or "")
     if not match:
         return None
-    sign, digits = match.groups()
-    number = int(digits, 16) if digits[:2] in ("0x", "0X") else int(digits)
+    sign, hex_digits, digits = match.groups()
+    if hex_digits == "":
+        return None
+    digits = (hex_digits or digits).lstrip("0") or "0"
+    if len(digits) > 18:
+        number = 10 ** 18  # beyond any limit we clamp, and short of int()'s digit cap
+    else:
+        number = int(digits, 16 if hex_digits else 10)
     return -number if sign == "-" else number
 
 
@@ -370,7 +390,10 @@ def js_parse_date(text):
         hours, minutes = int(zone[1:3]), int(zone[-2:])
         if hours > 23 or minutes > 59:
             return None
-        moment -= sign * datetime.timedelta(hours=hours, minutes=minutes)
+        try:
+            moment -= sign * datetime.timedelta(hours=hours, minutes=minutes)
+        except OverflowError:
+            return None
     return int(moment.timestamp() * 1000)
 
 
@@ -473,7 +496,7 @@ def valid_email(email):
 
 
 def valid_http_url(url):
-    if not isinstance(url, str) or not 1 <= len(url) <= 2048:
+    if not isinstance(url, str) or not 1 <= len(url) <= 2048 or not url.isascii():
         return False
     if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
         return False
@@ -973,6 +996,8 @@ def parse_order_request(body):
         quantity = item.get("quantity")
         if not is_number(quantity):
             raise ApiError(400, "quantity must be a number")
+        if math.isinf(quantity):
+            raise invalid(f"items[{index}].quantity", f"must be at most {MAX_QUANTITY}")
         if quantity != int(quantity):
             raise ApiError(400, "quantity must be a whole number")
         if quantity < 1:
@@ -1023,7 +1048,8 @@ def place_order(conn, company_id, body, source="api"):
                      [(quantity, at, product_id) for product_id, quantity in wanted.items()])
     order = order_with_items(conn, company_id, order_id)
     if source == "api":
-        emit(conn, company_id, "order.created", order)
+        emit(conn, company_id, "order.created",
+             {k: v for k, v in order.items() if k != "tracking"})
     else:
         emit(conn, company_id, "order.created", {
             "id": order_id, "status": "SUBMITTED", "total": order["total"],
@@ -1381,13 +1407,32 @@ def address_allowed(address):
     return ip.is_global and not ip.is_multicast
 
 
+def resolve(host, port, timeout):
+    """getaddrinfo under the delivery deadline (it has no timeout of its own)."""
+    answer = {}
+
+    def lookup():
+        try:
+            answer["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            answer["error"] = error
+    thread = threading.Thread(target=lookup, name="ordering-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in answer:
+        raise answer["error"]
+    if not answer.get("infos"):
+        raise socket.timeout("timed out")
+    return answer["infos"]
+
+
 def post_webhook(url, body, headers, timeout, allow_private=False):
     """One POST, with one deadline for the whole exchange, to the address that was checked
     (so a second DNS answer cannot point it elsewhere). Returns (status, response text)."""
     deadline = time.monotonic() + timeout
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    infos = resolve(parts.hostname, port, timeout)
     if not allow_private:
         for info in infos:
             if not address_allowed(info[4][0]):
@@ -1431,6 +1476,8 @@ def post_webhook(url, body, headers, timeout, allow_private=False):
 
 
 def describe_failure(error, timeout):
+    if isinstance(error, DeliveryRefused):
+        return str(error)
     if isinstance(error, socket.timeout):
         return f"Timed out after {timeout:g} seconds."
     if isinstance(error, ConnectionRefusedError):
@@ -1603,7 +1650,7 @@ class Sender:
         try:
             status, text = post_webhook(job["url"], body, headers, self.settings.webhook_timeout,
                                         self.settings.allow_private_webhooks)
-        except (OSError, DeliveryRefused, http.client.HTTPException, ValueError) as error:
+        except Exception as error:  # every failure of the one attempt is logged, never raised
             status, text = None, describe_failure(error, self.settings.webhook_timeout)
         duration_ms = int((time.monotonic() - started) * 1000)
         success = status is not None and 200 <= status < 300
@@ -1680,20 +1727,36 @@ def rate_limited(reset_seconds, headers):
                     headers=dict(headers, **{"Retry-After": str(retry_after)}))
 
 
-def parse_json_body(raw):
-    def refuse_constant(name):
-        raise ValueError(f"{name} is not JSON")
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not JSON")
 
-    def finite_float(text):
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError("number out of range")
-        return value
+
+def _json_int(text):
+    # Valid JSON, but past int()'s digit cap: as large as JavaScript would make it, so the
+    # field's own range check answers.
+    return int(text) if len(text) < 4000 else float(text)
+
+
+def _has_lone_surrogate(value):
+    if isinstance(value, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
+
+
+def parse_json_body(raw):
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=refuse_constant,
-                          parse_float=finite_float)
+        value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
+                           parse_int=_json_int)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(400, "Invalid JSON body.") from None
+    # A \ud800-style escape decodes to a lone surrogate, which is not text: no UTF-8 form.
+    if b"\\u" in raw and _has_lone_surrogate(value):
+        raise ApiError(400, "Invalid JSON body.")
+    return value
 
 
 def page_limit(text):
@@ -1986,7 +2049,7 @@ class Service:
             if found.method == "GET":
                 call = Call(self.db.conn, key.company_id, query, None, self.settings)
                 return found.status, json_text(found.handler(call, **url_args)).encode(), headers
-            raw = self.read_body(environ)
+            raw = self.read_body(environ) if found.method != "DELETE" else b"{}"
             idempotency_key = None
             if found.method == "POST":
                 idempotency_key = parse_idempotency_key(environ.get("HTTP_IDEMPOTENCY_KEY"))
@@ -2129,32 +2192,62 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 # ---------------------------------------------------------------------------------------------
 
 class AccessLog:
-    """One line per request on the ordering.access logger."""
+    """One line per request on stderr. Lines are queued and written in batches by a thread of
+    their own, so a request never waits on the terminal or a full pipe, and pays no logging
+    framework overhead."""
 
-    def __init__(self, app):
+    def __init__(self, app, stream=None):
         self.app = app
-        self.log = logging.getLogger("ordering.access")
+        self.stream = stream or sys.stderr
+        self.lines = collections.deque()
+        self.wake = threading.Event()
+        self.writer = threading.Thread(target=self._write, name="ordering-access-log",
+                                       daemon=True)
+        self.writer.start()
 
     def __call__(self, environ, start_response):
-        started = time.monotonic()
+        started = time.time()
         status = ["-"]
 
         def start(line, headers, exc_info=None):
-            status[0] = line.split(" ", 1)[0]
+            status[0] = line[:3]
             return start_response(line, headers, exc_info)
         try:
             return self.app(environ, start)
         finally:
-            self.log.info('%s "%s %s" %s %.1fms', environ.get("REMOTE_ADDR", "-"),
-                          environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"), status[0],
-                          (time.monotonic() - started) * 1000)
+            self.lines.append((started, environ.get("REMOTE_ADDR", "-"),
+                               environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"),
+                               status[0], (time.time() - started) * 1000))
+
+    def _write(self):
+        while not self.wake.wait(0.2):
+            self.flush()
+        self.flush()
+
+    def flush(self):
+        batch = []
+        while self.lines:
+            at, address, method, path, status, ms = self.lines.popleft()
+            batch.append(f'{iso(int(at * 1000))} {address} "{method} {path}" {status} '
+                         f'{ms:.1f}ms\n')
+        if batch:
+            self.stream.write("".join(batch))
+            self.stream.flush()
+
+    def close(self):
+        self.wake.set()
+        self.writer.join(5)
 
 
 def serve(settings):
     import waitress
     app = create_app(settings=settings)
-    server = waitress.create_server(AccessLog(app), host=settings.host, port=settings.port,
-                                    threads=settings.threads, ident="ordering")
+    access_log = AccessLog(app)
+    # waitress buffers a body before the app sees it: bound that, well above the app's own
+    # limit, which answers with the JSON 413.
+    server = waitress.create_server(access_log, host=settings.host, port=settings.port,
+                                    threads=settings.threads, ident="ordering",
+                                    max_request_body_size=8 * settings.max_body_bytes)
 
     def stop(signum, frame):
         raise SystemExit(0)
@@ -2169,6 +2262,7 @@ def serve(settings):
         log.info("stopping: waiting up to %gs for webhook deliveries in flight",
                  settings.webhook_timeout)
         app.service.close()
+        access_log.close()
         log.info("stopped")
 
 

@@ -226,10 +226,27 @@ def test_wrong_method_is_json_405(api, tenant):
 
 
 def test_malformed_json_body(api, tenant):
-    for raw in (b"{", b"", b"nul", b"\xff\xfe", b'{"a": NaN}', b"[1e999]"):
+    for raw in (b"{", b"", b"nul", b"\xff\xfe", b'{"a": NaN}', b'{"a": -Infinity}',
+                b'{"email": "\\ud800@example.com"}', b"[" * 100_000):
         response = api.post("/api/v1/customers", raw, headers=dict(
             tenant.headers, **{"Content-Type": "application/json"}), status=400)
         assert response.json == {"error": "Invalid JSON body."}
+
+
+def test_numbers_beyond_double_range_meet_the_fields_own_rule(api, tenant):
+    for raw in (b'{"email": "n@example.com", "creditLimit": 1e400}',
+                b'{"email": "n@example.com", "creditLimit": 1' + b"0" * 5000 + b"}"):
+        response = api.post("/api/v1/customers", raw, headers=dict(
+            tenant.headers, **{"Content-Type": "application/json"}), status=400)
+        assert response.json == {"error": "Credit limit must be between 0 and 100000000."}
+    product = tenant.product()
+    customer = tenant.customer()
+    raw = json.dumps({"customerId": customer["id"], "items": [
+        {"productId": product["id"], "quantity": 0}]}).replace('"quantity": 0', '"quantity": 1e999')
+    error = assert_error(api.post("/api/v1/orders", raw, headers=dict(
+        tenant.headers, **{"Content-Type": "application/json"}), status=400), 400,
+        "Validation failed.")
+    assert error["details"][0]["field"] == "items[0].quantity"
 
 
 def test_body_that_is_not_an_object_fails_validation(api, tenant):
@@ -269,6 +286,9 @@ def test_money_is_a_json_number_from_integer_cents(api, tenant):
     response = api.get(f"/api/v1/products/{product['id']}", headers=tenant.headers)
     assert response.json["data"]["price"] == 19.99
     assert b'"price":19.99' in response.body
+    whole = tenant.product(price_cents=4500)
+    response = api.get(f"/api/v1/products/{whole['id']}", headers=tenant.headers)
+    assert b'"price":45,' in response.body
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +406,9 @@ def test_malformed_ids_are_404(api, tenant, product_id):
 
 @pytest.mark.parametrize("limit,size", [("10abc", 10), ("0", 1), ("-3", 1), ("500", 100),
                                         ("abc", 50), ("", 50), ("2.9", 2), (" 7", 7),
-                                        ("0x10", 16)])
+                                        ("0x10", 16), ("0x", 50), ("0xZ", 50),
+                                        ("\u0661\u0662", 50), ("9" * 5000, 100),
+                                        ("-" + "9" * 5000, 1)])
 def test_limit_is_parsed_like_javascript_parse_int(api, tenant, limit, size):
     with tenant.db.write() as conn:
         for i in range(120):
@@ -796,7 +818,8 @@ def test_order_list_shape_and_filters(api, tenant):
 
 
 @pytest.mark.parametrize("param", ["since=yesterday", "until=2026-13-01", "since=2026-02-30",
-                                   "until=22/11/2026"])
+                                   "until=22/11/2026", "until=9999-12-31T23:59-23:59",
+                                   "since=0001-01-01T00:00%2B01:00"])
 def test_unparseable_dates_are_400(api, tenant, param):
     error = assert_error(api.get("/api/v1/orders?" + param, headers=tenant.headers, status=400),
                          400, "Validation failed.")
@@ -817,6 +840,7 @@ def test_unknown_status_filter_is_400(api, tenant):
     ("2026-11-22T10:20+02:00", "2026-11-22T08:20:00.000Z"),
     ("2026-11-22T10:20:30", "2026-11-22T10:20:30.000Z"),
     ("2026-11-22 10:20:30-0130", "2026-11-22T11:50:30.000Z"),
+    ("0999-01-01", "0999-01-01T00:00:00.000Z"),
 ])
 def test_javascript_date_forms(text, expected):
     assert ordering.iso(ordering.js_parse_date(text)) == expected
@@ -1447,3 +1471,15 @@ def test_health_needs_no_key(api, app, monkeypatch):
     monkeypatch.setattr(type(app.service.db), "conn", property(lambda self: Broken()))
     response = api.get("/healthz", status=503)
     assert response.json == {"status": "unavailable"}
+
+
+def test_delete_webhook_needs_no_body(api, tenant):
+    webhook = subscribe(api, tenant, "https://hooks.example/a", ["order.created"])
+    response = api.delete(f"/api/v1/webhooks/{webhook['id']}", headers=tenant.headers)
+    assert response.json == {"data": {"id": webhook["id"], "deleted": True}}
+
+
+def test_webhook_url_must_be_ascii(api, tenant):
+    assert_error(api.post_json("/api/v1/webhooks", {"url": "https://bücher.example/hook",
+                                                    "events": ["order.created"]},
+                               headers=tenant.headers, status=400), 400, "Invalid URL.")
