@@ -1561,10 +1561,11 @@ class Sender:
             if conn.execute(waiting, args).fetchone() is None:
                 return []
         else:
-            waiting = (f"SELECT id FROM deliveries WHERE state = 'pending' AND event_id IN "
-                       f"(SELECT value FROM json_each(:events)) LIMIT :limit")
+            waiting = ("SELECT id FROM deliveries WHERE state = 'pending' AND event_id IN "
+                       "(SELECT value FROM json_each(:events)) LIMIT :limit")
             args = {"limit": limit, "events": json_text(list(event_ids))}
-        lease = iso(int((time.time() + self.settings.webhook_timeout + 30) * 1000))
+        # A send is bounded by the timeout (DNS included); the slack covers writing its result.
+        lease = iso(int((time.time() + 2 * self.settings.webhook_timeout + 5) * 1000))
         with self.db.write() as conn:
             ids = [row[0] for row in conn.execute(
                 f"UPDATE deliveries SET state = 'sending', lease_until = :lease "

@@ -1,13 +1,14 @@
 """The spec, rule by rule, through WebTest against a real SQLite file; webhooks against a real
 HTTP receiver on 127.0.0.1; the command line through subprocess."""
 
-import base64
+import collections
 import concurrent.futures
 import hashlib
-import hmac
+import http.client
 import http.server
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -1397,9 +1398,6 @@ def http_request(port, method, path, body=None, headers=None):
         connection.close()
 
 
-import http.client  # noqa: E402  (kept beside the server helpers that use it)
-
-
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal):
     company = cli_json(db_path, "company-create", "--name", "Served")
@@ -1483,3 +1481,197 @@ def test_webhook_url_must_be_ascii(api, tenant):
     assert_error(api.post_json("/api/v1/webhooks", {"url": "https://bücher.example/hook",
                                                     "events": ["order.created"]},
                                headers=tenant.headers, status=400), 400, "Invalid URL.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile conditions through the real server (bench/hostile.py runs the heavier variants)
+# ---------------------------------------------------------------------------------------------
+
+class Client:
+    """One keep-alive HTTP connection to the server under test; a network failure is
+    reported as status None."""
+
+    def __init__(self, port, key):
+        self.port = port
+        self.headers = {"Authorization": "Bearer " + key, "Content-Type": "application/json"}
+        self.connection = None
+
+    def call(self, method, path, body=None):
+        for _ in range(2):
+            if self.connection is None:
+                self.connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+            try:
+                self.connection.request(method, path, headers=self.headers,
+                                        body=None if body is None else json.dumps(body))
+                response = self.connection.getresponse()
+                return response.status, response.read()
+            except (OSError, http.client.HTTPException):
+                self.connection.close()
+                self.connection = None
+        return None, b""
+
+
+def seed_company(db_path, products, stock, customers):
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        company = ordering.create_company(conn, "Hostile Co")["id"]
+        key = ordering.create_api_key(conn, company, ALL_SCOPES, rate_limit=10 ** 9)["key"]
+        product_ids = [ordering.create_product(conn, company, name=f"Scarce {i}",
+                                               price_cents=100 * (i + 1), stock=stock)["id"]
+                       for i in range(products)]
+        customer_ids = [ordering.create_customer(conn, company, {
+            "email": f"c{i}@hostile.example"})["id"] for i in range(customers)]
+    database.close()
+    return company, key, product_ids, customer_ids
+
+
+def race_through_server(db_path, threads=16, rounds=20, stock=15):
+    """Clients race for scarce stock while others move the same orders' statuses and edit the
+    same customers. Returns the counts and what the database holds afterwards."""
+    company, key, products, customers = seed_company(db_path, 3, stock, 4)
+    process, port = start_server(db_path, "--threads", "8", "--ip-rate-limit", "0")
+    acknowledged, statuses, placed = {}, collections.Counter(), []
+    lock = threading.Lock()
+
+    def client(number):
+        rng = random.Random(number)
+        session = Client(port, key)
+        for round_number in range(rounds):
+            kind = (number + round_number) % 3
+            if kind == 0:
+                lines = [{"productId": p, "quantity": rng.randint(1, 3)}
+                         for p in rng.sample(products, rng.randint(1, 3))]
+                status, body = session.call("POST", "/api/v1/orders", {
+                    "customerId": rng.choice(customers), "items": lines})
+                if status == 201:
+                    order = json.loads(body)["data"]
+                    with lock:
+                        acknowledged[order["id"]] = order["total"]
+                        placed.append(order["id"])
+            elif kind == 1 and placed:
+                status, body = session.call("PATCH", f"/api/v1/orders/{rng.choice(placed)}", {
+                    "status": rng.choice(["CONFIRMED", "SHIPPED", "DELIVERED", "SUBMITTED"])})
+            else:
+                status, body = session.call("PATCH", f"/api/v1/customers/{rng.choice(customers)}",
+                                            {"name": f"Name {number}-{round_number}"})
+            with lock:
+                statuses[status] += 1
+                if status is None or status >= 500 or b"locked" in body:
+                    statuses["bad"] += 1
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(client, range(threads)))
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)
+    conn = sqlite3.connect(db_path)
+    stored = dict(conn.execute("SELECT id, total_cents FROM orders"))
+    ordered = dict(conn.execute("SELECT product_id, SUM(quantity) FROM order_items "
+                                "GROUP BY product_id"))
+    stock_left = dict(conn.execute("SELECT id, stock FROM products"))
+    return {"requests": sum(v for k, v in statuses.items() if k != "bad"),
+            "acknowledged": acknowledged, "stored": stored, "statuses": statuses,
+            "ordered": ordered, "stock": stock_left, "start_stock": stock, "products": products}
+
+
+def test_race_through_the_real_server_never_oversells_or_loses(tmp_path):
+    result = race_through_server(tmp_path / "race.db")
+    assert result["statuses"]["bad"] == 0, result["statuses"]
+    assert result["statuses"][201] >= 1 and result["statuses"][400] >= 1
+    for product in result["products"]:
+        left = result["stock"][product]
+        assert left >= 0
+        assert left == result["start_stock"] - result["ordered"].get(product, 0)
+    for order_id, total in result["acknowledged"].items():
+        assert result["stored"][order_id] == round(total * 100)
+    assert len(result["stored"]) == len(result["acknowledged"])
+
+
+def kill_and_restart(db_path, receiver, clients=8, run_for=1.5, wait=30):
+    """Clients place orders until the server is killed with SIGKILL; a new server on the same
+    file must hold every acknowledged order and deliver every committed order.created."""
+    company, key, products, customers = seed_company(db_path, 5, 10 ** 6, 5)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        ordering.create_webhook(conn, company, {"url": receiver.url + "/orders",
+                                                "events": ["order.created"]})
+    database.close()
+    env = {"ORDERING_WEBHOOK_TIMEOUT": "2"}
+    process, port = start_server_env(db_path, env, "--allow-private-webhooks",
+                                     "--ip-rate-limit", "0")
+    acknowledged, sent, stop = set(), [0], threading.Event()
+    lock = threading.Lock()
+
+    def client(number):
+        session = Client(port, key)
+        while not stop.is_set():
+            status, body = session.call("POST", "/api/v1/orders", {
+                "customerId": customers[number % len(customers)],
+                "items": [{"productId": products[number % len(products)], "quantity": 1}]})
+            with lock:
+                sent[0] += 1
+                if status == 201:
+                    acknowledged.add(json.loads(body)["data"]["id"])
+            if status is None:
+                return
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, n) for n in range(clients)]
+        time.sleep(run_for)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        stop.set()
+        for future in futures:
+            future.result()
+    conn = sqlite3.connect(db_path)
+    integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+    conn.close()
+    restarted, _ = start_server_env(db_path, env, "--allow-private-webhooks", "--port",
+                                    str(port), "--ip-rate-limit", "0")
+    try:
+        conn = sqlite3.connect(db_path)
+        committed = {row[0] for row in conn.execute("SELECT id FROM orders")}
+        conn.close()
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            delivered = {r["json"]["data"]["id"] for r in receiver.of("order.created")}
+            if committed <= delivered:
+                break
+            time.sleep(0.2)
+    finally:
+        restarted.terminate()
+        restarted.communicate(timeout=30)
+    return {"requests": sent[0], "acknowledged": acknowledged, "committed": committed,
+            "delivered": delivered, "integrity": integrity,
+            "deliveries": len(receiver.of("order.created"))}
+
+
+def start_server_env(db_path, env, *extra):
+    """start_server with extra environment; --port among extra reuses that port."""
+    args = list(extra)
+    port = int(args[args.index("--port") + 1]) if "--port" in args else free_port()
+    if "--port" in args:
+        del args[args.index("--port"):args.index("--port") + 2]
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
+         "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **env))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return process, port
+        except OSError:
+            time.sleep(0.05)
+    process.kill()
+    raise AssertionError("server did not start")
+
+
+def test_kill_and_restart_keeps_every_acknowledged_order_and_delivers_its_event(tmp_path,
+                                                                                 receiver):
+    result = kill_and_restart(tmp_path / "kill.db", receiver)
+    assert result["integrity"] == "ok"
+    assert len(result["acknowledged"]) > 0
+    assert result["acknowledged"] <= result["committed"]
+    assert result["committed"] <= result["delivered"]

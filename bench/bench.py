@@ -8,7 +8,6 @@ measurement, the ratio of each to its ceiling, the server's peak RSS and the WAL
 """
 
 import argparse
-import json
 import os
 import random
 import re
