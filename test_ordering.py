@@ -1369,12 +1369,15 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def start_server(db_path, *extra):
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
-         "--host", "127.0.0.1", "--port", str(port), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start_server(db_path, *extra, env=None, port=None):
+    """`ordering.py serve` on 127.0.0.1; its output goes to DB.log (a pipe nobody reads would
+    fill up and stall the server)."""
+    port = port or free_port()
+    with open(f"{db_path}.log", "a") as log:
+        process = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
+             "--host", "127.0.0.1", "--port", str(port), *extra],
+            stdout=log, stderr=log, env=dict(os.environ, **(env or {})))
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         try:
@@ -1383,7 +1386,12 @@ def start_server(db_path, *extra):
         except OSError:
             time.sleep(0.05)
     process.kill()
-    raise AssertionError("server did not start: " + process.stderr.read())
+    raise AssertionError("server did not start: " + server_log(db_path))
+
+
+def server_log(db_path):
+    with open(f"{db_path}.log") as log:
+        return log.read()
 
 
 def http_request(port, method, path, body=None, headers=None):
@@ -1412,7 +1420,8 @@ def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal)
         assert (status, body) == (401, {"error": MISSING})
     finally:
         process.send_signal(stop_signal)
-        _, stderr = process.communicate(timeout=20)
+        process.wait(timeout=20)
+    stderr = server_log(db_path)
     assert process.returncode == 0, stderr
     assert '"GET /api/v1/products" 200' in stderr and '"GET /api/v1/products" 401' in stderr
     assert "stopped" in stderr
@@ -1564,7 +1573,7 @@ def race_through_server(db_path, threads=16, rounds=20, stock=15):
             list(pool.map(client, range(threads)))
     finally:
         process.terminate()
-        process.communicate(timeout=30)
+        process.wait(timeout=30)
     conn = sqlite3.connect(db_path)
     stored = dict(conn.execute("SELECT id, total_cents FROM orders"))
     ordered = dict(conn.execute("SELECT product_id, SUM(quantity) FROM order_items "
@@ -1598,8 +1607,8 @@ def kill_and_restart(db_path, receiver, clients=8, run_for=1.5, wait=30):
                                                 "events": ["order.created"]})
     database.close()
     env = {"ORDERING_WEBHOOK_TIMEOUT": "2"}
-    process, port = start_server_env(db_path, env, "--allow-private-webhooks",
-                                     "--ip-rate-limit", "0")
+    process, port = start_server(db_path, "--allow-private-webhooks", "--ip-rate-limit", "0",
+                                 env=env)
     acknowledged, sent, stop = set(), [0], threading.Event()
     lock = threading.Lock()
 
@@ -1627,8 +1636,8 @@ def kill_and_restart(db_path, receiver, clients=8, run_for=1.5, wait=30):
     conn = sqlite3.connect(db_path)
     integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
     conn.close()
-    restarted, _ = start_server_env(db_path, env, "--allow-private-webhooks", "--port",
-                                    str(port), "--ip-rate-limit", "0")
+    restarted, _ = start_server(db_path, "--allow-private-webhooks", "--ip-rate-limit", "0",
+                                env=env, port=port)
     try:
         conn = sqlite3.connect(db_path)
         committed = {row[0] for row in conn.execute("SELECT id FROM orders")}
@@ -1641,31 +1650,10 @@ def kill_and_restart(db_path, receiver, clients=8, run_for=1.5, wait=30):
             time.sleep(0.2)
     finally:
         restarted.terminate()
-        restarted.communicate(timeout=30)
+        restarted.wait(timeout=30)
     return {"requests": sent[0], "acknowledged": acknowledged, "committed": committed,
             "delivered": delivered, "integrity": integrity,
             "deliveries": len(receiver.of("order.created"))}
-
-
-def start_server_env(db_path, env, *extra):
-    """start_server with extra environment; --port among extra reuses that port."""
-    args = list(extra)
-    port = int(args[args.index("--port") + 1]) if "--port" in args else free_port()
-    if "--port" in args:
-        del args[args.index("--port"):args.index("--port") + 2]
-    process = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
-         "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **env))
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return process, port
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    raise AssertionError("server did not start")
 
 
 def test_kill_and_restart_keeps_every_acknowledged_order_and_delivers_its_event(tmp_path,
