@@ -2390,8 +2390,8 @@ def return_json(row):
 
 
 def cmd_return_open(conn, args):
-    return return_json(open_return(conn, _company_of_order(conn, args.order), args.reason,
-                                   args.item_count, "staff" if args.staff else None))
+    return return_json(open_return(conn, _company_of_order(conn, args.order), args.order,
+                                   args.reason, args.item_count, "staff" if args.staff else None))
 
 
 def cmd_return_approve(conn, args):

@@ -1,9 +1,11 @@
 """The spec, rule by rule, through WebTest against a real SQLite file; webhooks against a real
 HTTP receiver on 127.0.0.1; the command line through subprocess."""
 
+import base64
 import collections
 import concurrent.futures
 import hashlib
+import hmac
 import http.client
 import http.server
 import json
@@ -1663,3 +1665,1273 @@ def test_kill_and_restart_keeps_every_acknowledged_order_and_delivers_its_event(
     assert len(result["acknowledged"]) > 0
     assert result["acknowledged"] <= result["committed"]
     assert result["committed"] <= result["delivered"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Events and webhooks: the subscription API, delivery of the twelve catalog events through a
+# real receiver, the delivery log, the outbox, address checks, secret rotation and the operator
+# commands that emit events.
+# ---------------------------------------------------------------------------------------------
+
+HOOK = "https://hooks.example.com/endpoint"  # a URL for tests in which nothing is delivered
+ALLOW_PRIVATE = {"ORDERING_ALLOW_PRIVATE_WEBHOOKS": "1", "ORDERING_WEBHOOK_TIMEOUT": "5"}
+DELIVERY_FIELDS = {"id", "event", "payload", "statusCode", "responseBody", "durationMs",
+                   "success", "createdAt"}
+SECRET_FORMAT = re.compile(r"^whsec_[A-Za-z0-9_-]{32}$")
+PERMISSION = 'Insufficient permissions. This key lacks the "{}" scope.'
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def header(request, name):
+    """A received header, looked up case-insensitively (None when absent)."""
+    for key, value in request["headers"].items():
+        if key.lower() == name.lower():
+            return value
+    return None
+
+
+def read_db(db_path):
+    conn = sqlite3.connect(str(db_path), timeout=10)
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
+def settle(db_path, timeout=10):
+    """Wait until the outbox has no delivery that is not done; True when it got there."""
+    deadline = time.monotonic() + timeout
+    conn = read_db(db_path)
+    try:
+        while True:
+            left = conn.execute("SELECT COUNT(*) FROM deliveries WHERE state != 'done'").fetchone()[0]
+            if left == 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    finally:
+        conn.close()
+
+
+def done_rows(db_path, webhook_id, count=1, timeout=10):
+    """The done delivery rows of one webhook (with the event name), once count exist."""
+    deadline = time.monotonic() + timeout
+    conn = read_db(db_path)
+    try:
+        while True:
+            rows = conn.execute(
+                "SELECT d.*, e.name AS event, e.body AS body FROM deliveries d "
+                "JOIN events e ON e.id = d.event_id WHERE d.webhook_id = ? AND d.state = 'done' "
+                "ORDER BY d.attempted_at, d.id", (webhook_id,)).fetchall()
+            if len(rows) >= count or time.monotonic() > deadline:
+                return [dict(row) for row in rows]
+            time.sleep(0.05)
+    finally:
+        conn.close()
+
+
+def event_count(db_path, name, company_id=None):
+    conn = read_db(db_path)
+    try:
+        sql, args = "SELECT COUNT(*) FROM events WHERE name = ?", [name]
+        if company_id:
+            sql += " AND company_id = ?"
+            args.append(company_id)
+        return conn.execute(sql, args).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def assert_signed(request, secret, event, db_path=None):
+    """The headers and envelope every delivery carries; returns the data object."""
+    body = request["body"]
+    assert header(request, "Content-Type") == "application/json"
+    assert header(request, "X-Webhook-Event") == event
+    assert header(request, "User-Agent") == ordering.USER_AGENT
+    assert header(request, "User-Agent").startswith("ordering-webhooks/")
+    webhook_id_header = header(request, "X-Webhook-Id")
+    assert isinstance(webhook_id_header, str) and webhook_id_header
+    expected = "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+    assert header(request, "X-Webhook-Signature") == expected
+    assert ordering.verify_signature(secret, body, header(request, "X-Webhook-Signature"))
+    assert not ordering.verify_signature(secret + "x", body, header(request, "X-Webhook-Signature"))
+    envelope = json.loads(body)
+    assert set(envelope) == {"event", "timestamp", "data"}
+    assert envelope["event"] == event
+    assert ISO_MS.match(envelope["timestamp"])
+    assert isinstance(envelope["data"], dict)
+    if db_path is not None:
+        conn = read_db(db_path)
+        try:
+            row = conn.execute("SELECT name, body FROM events WHERE id = ?",
+                               (webhook_id_header,)).fetchone()
+        finally:
+            conn.close()
+        assert row is not None, "X-Webhook-Id is not the event's id"
+        assert row["name"] == event
+        assert row["body"].encode("utf-8") == body
+    return envelope["data"]
+
+
+def one(receiver, event, path=None, timeout=10):
+    requests = [r for r in receiver.wait_for(1, timeout=timeout, event=event)
+                if path is None or r["path"] == path]
+    assert len(requests) == 1, [r["json"] for r in receiver.requests]
+    return requests[0]
+
+
+def closed_port():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def scoped_headers(tenant, scopes):
+    return auth(tenant.new_key(scopes))
+
+
+@pytest.fixture
+def quiet(db_path):
+    """An app that records events but never delivers them (delivery left to another process)."""
+    app = build_app(db_path, deliver=False)
+    yield app
+    app.service.close(grace=0)
+
+
+@pytest.fixture
+def quiet_tenant(quiet):
+    return Tenant(quiet, "Acme Wholesale")
+
+
+@pytest.fixture
+def quiet_api(quiet):
+    return webtest.TestApp(quiet)
+
+
+def quiet_subscribe(quiet_api, quiet_tenant, url, events):
+    return subscribe(quiet_api, quiet_tenant, url, events)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Webhook subscriptions API
+# ---------------------------------------------------------------------------------------------
+
+def test_webhook_create_returns_201_with_fields_and_secret(api, tenant):
+    response = api.post_json("/api/v1/webhooks",
+                             {"url": HOOK + "/hook", "events": ["order.created"]},
+                             headers=tenant.headers, status=201)
+    assert response.status_int == 201
+    assert response.content_type == "application/json"
+    data = response.json["data"]
+    assert set(response.json) == {"data"}
+    assert set(data) == WEBHOOK_FIELDS | {"secret"}
+    assert data["url"] == HOOK + "/hook"
+    assert data["events"] == ["order.created"]
+    assert data["isActive"] is True
+    assert data["secretRotationGraceExpiresAt"] is None
+    assert ISO_MS.match(data["createdAt"]) and ISO_MS.match(data["updatedAt"])
+    assert isinstance(data["id"], str) and data["id"]
+
+
+def test_webhook_secret_format_is_whsec_and_base64url_of_24_bytes(api, tenant):
+    secrets_seen = set()
+    for _ in range(3):
+        secret = subscribe(api, tenant, HOOK, ["order.created"])["secret"]
+        assert SECRET_FORMAT.match(secret), secret
+        raw = base64.urlsafe_b64decode(secret[len("whsec_"):])
+        assert len(raw) == 24
+        secrets_seen.add(secret)
+    assert len(secrets_seen) == 3
+
+
+def test_webhook_create_inactive_with_isActive_false(api, tenant):
+    data = subscribe(api, tenant, HOOK, ["order.created"], isActive=False)
+    assert data["isActive"] is False
+    fetched = api.get(f"/api/v1/webhooks/{data['id']}", headers=tenant.headers).json["data"]
+    assert fetched["isActive"] is False
+
+
+def test_webhook_list_has_no_secret_and_no_pagination(api, tenant, other):
+    first = subscribe(api, tenant, HOOK + "/a", ["order.created"])
+    second = subscribe(api, tenant, HOOK + "/b", ["customer.created", "order.shipped"])
+    subscribe(api, other, HOOK + "/other", ["order.created"])
+    response = api.get("/api/v1/webhooks", headers=tenant.headers, status=200)
+    assert set(response.json) == {"data"}
+    data = response.json["data"]
+    assert isinstance(data, list)
+    assert {w["id"] for w in data} == {first["id"], second["id"]}
+    for webhook in data:
+        assert set(webhook) == WEBHOOK_FIELDS
+        assert "secret" not in webhook
+    by_id = {w["id"]: w for w in data}
+    assert by_id[second["id"]]["events"] == ["customer.created", "order.shipped"]
+    assert first["secret"] not in response.text and second["secret"] not in response.text
+
+
+def test_webhook_fetch_has_no_secret(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    response = api.get(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers, status=200)
+    data = response.json["data"]
+    assert set(data) == WEBHOOK_FIELDS
+    assert {k: v for k, v in created.items() if k != "secret"} == data
+    assert created["secret"] not in response.text
+
+
+@pytest.mark.parametrize("method", ["GET", "PATCH", "DELETE"])
+def test_webhook_unknown_id_is_404(api, tenant, method):
+    path = "/api/v1/webhooks/wh_00000000000000000000000000"
+    if method == "GET":
+        response = api.get(path, headers=tenant.headers, status="*")
+    elif method == "PATCH":
+        response = api.patch_json(path, {"isActive": False}, headers=tenant.headers, status="*")
+    else:
+        response = api.delete(path, headers=tenant.headers, status="*")
+    assert_error(response, 404, "Webhook not found.")
+
+
+def test_webhook_malformed_id_is_404(api, tenant):
+    assert_error(api.get("/api/v1/webhooks/not-an-id", headers=tenant.headers, status="*"),
+                 404, "Webhook not found.")
+
+
+@pytest.mark.parametrize("method", ["GET", "PATCH", "DELETE"])
+def test_webhook_of_other_company_is_404(api, tenant, other, method):
+    theirs = subscribe(api, other, HOOK, ["order.created"])
+    path = f"/api/v1/webhooks/{theirs['id']}"
+    if method == "GET":
+        response = api.get(path, headers=tenant.headers, status="*")
+    elif method == "PATCH":
+        response = api.patch_json(path, {"isActive": False}, headers=tenant.headers, status="*")
+    else:
+        response = api.delete(path, headers=tenant.headers, status="*")
+    assert_error(response, 404, "Webhook not found.")
+    still = api.get(path, headers=other.headers, status=200).json["data"]
+    assert still["isActive"] is True
+
+
+def test_webhook_patch_replaces_events_list(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created", "order.shipped"])
+    response = api.patch_json(f"/api/v1/webhooks/{created['id']}",
+                              {"events": ["customer.created"]}, headers=tenant.headers,
+                              status=200)
+    data = response.json["data"]
+    assert set(data) == WEBHOOK_FIELDS
+    assert data["events"] == ["customer.created"]
+    assert data["url"] == created["url"]
+    fetched = api.get(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers).json["data"]
+    assert fetched["events"] == ["customer.created"]
+
+
+def test_webhook_patch_replaced_events_govern_delivery(api, tenant, receiver, db_path):
+    created = subscribe(api, tenant, receiver.url + "/hook", ["order.created"])
+    api.patch_json(f"/api/v1/webhooks/{created['id']}", {"events": ["customer.created"]},
+                   headers=tenant.headers, status=200)
+    customer = api.post_json("/api/v1/customers", {"email": "patched@example.com"},
+                             headers=tenant.headers, status=201).json["data"]
+    one(receiver, "customer.created")
+    product = tenant.product(stock=10)
+    place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+          customer_id=customer["id"])
+    assert settle(db_path)
+    assert receiver.of("order.created") == []
+    assert event_count(db_path, "order.created") == 0
+
+
+def test_webhook_patch_isActive(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    off = api.patch_json(f"/api/v1/webhooks/{created['id']}", {"isActive": False},
+                         headers=tenant.headers, status=200).json["data"]
+    assert off["isActive"] is False
+    assert off["events"] == ["order.created"]
+    assert "secret" not in off
+    on = api.patch_json(f"/api/v1/webhooks/{created['id']}", {"isActive": True},
+                        headers=tenant.headers, status=200).json["data"]
+    assert on["isActive"] is True
+
+
+def test_webhook_patch_url(api, tenant):
+    created = subscribe(api, tenant, HOOK + "/old", ["order.created"])
+    data = api.patch_json(f"/api/v1/webhooks/{created['id']}", {"url": HOOK + "/new"},
+                          headers=tenant.headers, status=200).json["data"]
+    assert data["url"] == HOOK + "/new"
+    assert set(data) == WEBHOOK_FIELDS
+
+
+def test_webhook_delete_returns_deleted_and_removes_delivery_log(api, tenant, receiver, db_path):
+    created = subscribe(api, tenant, receiver.url + "/hook", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "logged@example.com"}, headers=tenant.headers,
+                  status=201)
+    assert len(done_rows(db_path, created["id"], 1)) == 1
+    response = api.delete(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers,
+                          status=200)
+    assert response.json == {"data": {"id": created["id"], "deleted": True}}
+    conn = read_db(db_path)
+    try:
+        left = conn.execute("SELECT COUNT(*) FROM deliveries WHERE webhook_id = ?",
+                            (created["id"],)).fetchone()[0]
+    finally:
+        conn.close()
+    assert left == 0
+    assert_error(api.get(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers,
+                         status="*"), 404, "Webhook not found.")
+    assert api.get("/api/v1/webhooks", headers=tenant.headers).json == {"data": []}
+    assert_error(api.delete(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers,
+                            status="*"), 404, "Webhook not found.")
+
+
+def test_delete_webhook_operation_removes_its_delivery_log(api, tenant, receiver, db_path):
+    kept = subscribe(api, tenant, receiver.url + "/kept", ["customer.created"])
+    gone = subscribe(api, tenant, receiver.url + "/gone", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "op-delete@example.com"},
+                  headers=tenant.headers, status=201)
+    assert len(done_rows(db_path, gone["id"], 1)) == 1
+    assert len(done_rows(db_path, kept["id"], 1)) == 1
+    with tenant.db.write() as conn:
+        assert ordering.delete_webhook(conn, tenant.id, gone["id"]) == {"id": gone["id"],
+                                                                       "deleted": True}
+    conn = read_db(db_path)
+    try:
+        counts = dict(conn.execute("SELECT webhook_id, COUNT(*) FROM deliveries "
+                                   "GROUP BY webhook_id").fetchall())
+    finally:
+        conn.close()
+    assert counts == {kept["id"]: 1}
+    assert ordering.recent_deliveries(tenant.db.conn, gone["id"]) == []
+    assert_error(api.get(f"/api/v1/webhooks/{gone['id']}", headers=tenant.headers,
+                         status="*"), 404, "Webhook not found.")
+
+
+def test_webhook_cap_is_ten_per_company(api, tenant, other):
+    for number in range(10):
+        subscribe(api, tenant, f"{HOOK}/{number}", ["order.created"])
+    response = api.post_json("/api/v1/webhooks",
+                             {"url": HOOK + "/eleventh", "events": ["order.created"]},
+                             headers=tenant.headers, status="*")
+    assert_error(response, 409, "Maximum of 10 webhooks per company.")
+    assert len(api.get("/api/v1/webhooks", headers=tenant.headers).json["data"]) == 10
+    subscribe(api, other, HOOK + "/other", ["order.created"])
+
+
+def test_webhook_cap_frees_a_slot_after_delete(api, tenant):
+    ids = [subscribe(api, tenant, f"{HOOK}/{n}", ["order.created"])["id"]
+           for n in range(10)]
+    api.delete(f"/api/v1/webhooks/{ids[0]}", headers=tenant.headers, status=200)
+    subscribe(api, tenant, HOOK + "/again", ["order.created"])
+
+
+@pytest.mark.parametrize("body", [{"events": ["order.created"]},
+                                  {"url": "", "events": ["order.created"]},
+                                  {"url": None, "events": ["order.created"]}])
+def test_webhook_url_is_required(api, tenant, body):
+    assert_error(api.post_json("/api/v1/webhooks", body, headers=tenant.headers, status="*"),
+                 400, "URL is required.")
+
+
+INVALID_URLS = ["ftp://example.com/hook", "http://", "http:///path", "example.com/hook",
+                "https://example.com/" + "a" * 2030]
+
+
+@pytest.mark.parametrize("url", INVALID_URLS)
+def test_webhook_invalid_url_on_create(api, tenant, url):
+    if url.startswith("https://example.com/"):
+        assert len(url) > 2048
+    assert_error(api.post_json("/api/v1/webhooks", {"url": url, "events": ["order.created"]},
+                               headers=tenant.headers, status="*"), 400, "Invalid URL.")
+
+
+@pytest.mark.parametrize("url", INVALID_URLS)
+def test_webhook_invalid_url_on_patch(api, tenant, url):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    assert_error(api.patch_json(f"/api/v1/webhooks/{created['id']}", {"url": url},
+                                headers=tenant.headers, status="*"), 400, "Invalid URL.")
+    fetched = api.get(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers).json["data"]
+    assert fetched["url"] == HOOK
+
+
+def test_webhook_url_of_2048_characters_is_accepted(api, tenant):
+    url = "https://example.com/" + "a" * (2048 - len("https://example.com/"))
+    assert len(url) == 2048
+    assert subscribe(api, tenant, url, ["order.created"])["url"] == url
+
+
+@pytest.mark.parametrize("body", [{}, {"events": []}, {"events": None}])
+def test_webhook_at_least_one_event_is_required(api, tenant, body):
+    assert_error(api.post_json("/api/v1/webhooks", dict(body, url=HOOK),
+                               headers=tenant.headers, status="*"),
+                 400, "At least one event is required.")
+
+
+def test_webhook_patch_empty_events_is_refused(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    assert_error(api.patch_json(f"/api/v1/webhooks/{created['id']}", {"events": []},
+                                headers=tenant.headers, status="*"),
+                 400, "At least one event is required.")
+
+
+def test_webhook_unknown_event(api, tenant):
+    assert_error(api.post_json("/api/v1/webhooks",
+                               {"url": HOOK, "events": ["order.created", "nope"]},
+                               headers=tenant.headers, status="*"),
+                 400, 'Unknown event: "nope".')
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    assert_error(api.patch_json(f"/api/v1/webhooks/{created['id']}", {"events": ["nope"]},
+                                headers=tenant.headers, status="*"),
+                 400, 'Unknown event: "nope".')
+    assert api.get("/api/v1/webhooks", headers=tenant.headers).json["data"][0]["events"] == [
+        "order.created"]
+
+
+def test_webhook_every_catalog_event_is_accepted(api, tenant):
+    data = subscribe(api, tenant, HOOK, list(ordering.EVENT_CATALOG))
+    assert data["events"] == list(ordering.EVENT_CATALOG)
+    assert len(data["events"]) == 12
+
+
+def test_webhook_read_scope_is_required_for_get(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    write_only = scoped_headers(tenant, ["webhooks:write"])
+    assert_error(api.get("/api/v1/webhooks", headers=write_only, status="*"), 403,
+                 PERMISSION.format("webhooks:read"))
+    assert_error(api.get(f"/api/v1/webhooks/{created['id']}", headers=write_only, status="*"),
+                 403, PERMISSION.format("webhooks:read"))
+
+
+def test_webhook_write_scope_is_required_for_changes(api, tenant):
+    created = subscribe(api, tenant, HOOK, ["order.created"])
+    read_only = scoped_headers(tenant, ["webhooks:read"])
+    message = PERMISSION.format("webhooks:write")
+    assert_error(api.post_json("/api/v1/webhooks", {"url": HOOK,
+                                                    "events": ["order.created"]},
+                               headers=read_only, status="*"), 403, message)
+    assert_error(api.patch_json(f"/api/v1/webhooks/{created['id']}", {"isActive": False},
+                                headers=read_only, status="*"), 403, message)
+    assert_error(api.delete(f"/api/v1/webhooks/{created['id']}", headers=read_only,
+                            status="*"), 403, message)
+    assert api.get("/api/v1/webhooks", headers=read_only, status=200).json["data"][0][
+        "isActive"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Every catalog event, delivered and signed
+# ---------------------------------------------------------------------------------------------
+
+def test_event_customer_created_from_api(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url + "/hook", ["customer.created"])["secret"]
+    customer = api.post_json("/api/v1/customers", {"email": "new@example.com", "name": "New"},
+                             headers=tenant.headers, status=201).json["data"]
+    data = assert_signed(one(receiver, "customer.created"), secret, "customer.created", db_path)
+    assert set(data) == {"id", "email", "name", "status", "source"}
+    assert data == {"id": customer["id"], "email": "new@example.com", "name": "New",
+                    "status": "ACTIVE", "source": "api"}
+
+
+def test_event_customer_updated_with_and_without_status_change(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["customer.updated"])["secret"]
+    customer = tenant.customer(email="upd@example.com", name="Before")
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"name": "After"},
+                   headers=tenant.headers, status=200)
+    data = assert_signed(one(receiver, "customer.updated"), secret, "customer.updated", db_path)
+    assert set(data) == {"id", "email", "name", "status"}
+    assert data == {"id": customer["id"], "email": "upd@example.com", "name": "After",
+                    "status": "ACTIVE"}
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "BLOCKED"},
+                   headers=tenant.headers, status=200)
+    second = [r for r in receiver.wait_for(2, event="customer.updated")
+              if r["json"]["data"]["status"] == "BLOCKED"]
+    assert len(second) == 1
+    data = assert_signed(second[0], secret, "customer.updated", db_path)
+    assert set(data) == {"id", "email", "name", "status", "previousStatus"}
+    assert data["status"] == "BLOCKED" and data["previousStatus"] == "ACTIVE"
+
+
+def test_event_order_created_from_api_carries_full_order(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["order.created"])["secret"]
+    product = tenant.product(name="Flour", price_cents=450, stock=50, sku="FL-1")
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 3}],
+                  poNumber="PO-7", notes="rush").json["data"]
+    data = assert_signed(one(receiver, "order.created"), secret, "order.created", db_path)
+    listed = {"id", "status", "poNumber", "notes", "total", "createdAt", "updatedAt",
+              "customerId", "items"}
+    # The Payloads section lists these fields; the Order shape may add tracking (null).
+    assert listed <= set(data) <= listed | {"tracking"}
+    assert data.get("tracking") is None
+    assert data["id"] == order["id"] and data["status"] == "SUBMITTED"
+    assert data["total"] == 13.5 and data["poNumber"] == "PO-7" and data["notes"] == "rush"
+    assert data["customerId"] == order["customerId"]
+    assert len(data["items"]) == 1
+    assert set(data["items"][0]) == {"id", "quantity", "unitPrice", "productId", "productName",
+                                     "productSku"}
+    assert data["items"][0]["quantity"] == 3 and data["items"][0]["unitPrice"] == 4.5
+    assert data["items"][0]["productSku"] == "FL-1"
+
+
+def test_event_order_status_changed_from_patch(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["order.status_changed"])["secret"]
+    product = tenant.product(stock=50)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    data = assert_signed(one(receiver, "order.status_changed"), secret, "order.status_changed",
+                         db_path)
+    assert set(data) == ORDER_FIELDS | {"previousStatus"}
+    assert data["id"] == order["id"]
+    assert data["status"] == "CONFIRMED" and data["previousStatus"] == "SUBMITTED"
+    assert data["tracking"] is None and data["total"] == order["total"]
+    assert data["customerId"] == order["customerId"] and len(data["items"]) == 1
+
+
+def test_event_order_shipped_with_tracking(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url, ["order.shipped", "order.status_changed"])
+    product = tenant.product(stock=50)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}",
+                   {"status": "SHIPPED", "tracking": {"carrier": "CARRIER_B", "number": "ZX123"}},
+                   headers=tenant.headers, status=200)
+    data = assert_signed(one(receiver, "order.shipped"), hook["secret"], "order.shipped", db_path)
+    assert set(data) == {"id", "previousStatus", "total", "customerId", "tracking"}
+    assert data["id"] == order["id"] and data["previousStatus"] == "SUBMITTED"
+    assert data["tracking"] == {"carrier": "CARRIER_B", "number": "ZX123",
+                                "url": "https://tracking.carrier-b.example/parcels/ZX123"}
+    changed = assert_signed(one(receiver, "order.status_changed"), hook["secret"],
+                            "order.status_changed", db_path)
+    assert changed["status"] == "SHIPPED" and changed["tracking"] == data["tracking"]
+
+
+def test_event_order_cancelled(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["order.cancelled"])["secret"]
+    product = tenant.product(stock=50)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers, status=200)
+    data = assert_signed(one(receiver, "order.cancelled"), secret, "order.cancelled", db_path)
+    assert set(data) == {"id", "previousStatus", "total", "customerId"}
+    assert data == {"id": order["id"], "previousStatus": "SUBMITTED", "total": order["total"],
+                    "customerId": order["customerId"]}
+
+
+def test_event_product_updated_full_payload(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["product.updated"])["secret"]
+    product = tenant.product(name="Oil", price_cents=900, stock=40, sku="OIL-5", category="Pantry")
+    tenant.update_product(product["id"], price_cents=1050, stock=35)
+    data = assert_signed(one(receiver, "product.updated"), secret, "product.updated", db_path)
+    assert set(data) == {"id", "sku", "name", "price", "stock", "isActive", "category"}
+    assert data == {"id": product["id"], "sku": "OIL-5", "name": "Oil", "price": 10.5,
+                    "stock": 35, "isActive": True, "category": "Pantry"}
+
+
+def test_event_product_updated_toggle_has_lighter_payload(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["product.updated"])["secret"]
+    product = tenant.product(name="Salt", sku="SALT-1", category="Pantry")
+    tenant.update_product(product["id"], is_active=False)
+    data = assert_signed(one(receiver, "product.updated"), secret, "product.updated", db_path)
+    assert set(data) == {"id", "sku", "name", "isActive"}
+    assert data == {"id": product["id"], "sku": "SALT-1", "name": "Salt", "isActive": False}
+
+
+def test_event_product_updated_not_on_creation(api, tenant, receiver, db_path):
+    subscribe(api, tenant, receiver.url, ["product.updated", "customer.created"])
+    tenant.product(name="Fresh")
+    tenant.customer()
+    one(receiver, "customer.created")
+    assert settle(db_path)
+    assert receiver.of("product.updated") == []
+    assert event_count(db_path, "product.updated") == 0
+
+
+def test_event_product_low_stock_from_order_fires_once_until_rearmed(api, tenant, receiver,
+                                                                    db_path):
+    secret = subscribe(api, tenant, receiver.url, ["product.low_stock"])["secret"]
+    product = tenant.product(name="Sugar", sku="SUG-1", stock=8, low_stock_threshold=5)
+    customer = tenant.customer()
+    first = place(api, tenant, [{"productId": product["id"], "quantity": 3}],
+                  customer_id=customer["id"]).json["data"]
+    data = assert_signed(one(receiver, "product.low_stock"), secret, "product.low_stock", db_path)
+    assert set(data) == {"id", "sku", "name", "currentStock", "threshold", "triggeringOrderId"}
+    assert data == {"id": product["id"], "sku": "SUG-1", "name": "Sugar", "currentStock": 5,
+                    "threshold": 5, "triggeringOrderId": first["id"]}
+    # Still at or below the threshold: no second alert.
+    place(api, tenant, [{"productId": product["id"], "quantity": 1}], customer_id=customer["id"])
+    tenant.update_product(product["id"], stock=5)
+    assert settle(db_path)
+    assert event_count(db_path, "product.low_stock") == 1
+    assert len(receiver.of("product.low_stock")) == 1
+    # Back above the threshold re-arms it; the next drop fires again.
+    tenant.update_product(product["id"], stock=6)
+    again = place(api, tenant, [{"productId": product["id"], "quantity": 2}],
+                  customer_id=customer["id"]).json["data"]
+    requests = receiver.wait_for(2, event="product.low_stock")
+    assert len(requests) == 2
+    data = assert_signed(requests[1], secret, "product.low_stock", db_path)
+    assert data["currentStock"] == 4 and data["triggeringOrderId"] == again["id"]
+    assert event_count(db_path, "product.low_stock") == 2
+
+
+def test_event_product_low_stock_from_manual_adjustment_has_null_order(api, tenant, receiver,
+                                                                       db_path):
+    secret = subscribe(api, tenant, receiver.url, ["product.low_stock"])["secret"]
+    product = tenant.product(name="Tea", sku="TEA", stock=20, low_stock_threshold=3)
+    tenant.update_product(product["id"], stock=2)
+    data = assert_signed(one(receiver, "product.low_stock"), secret, "product.low_stock", db_path)
+    assert data == {"id": product["id"], "sku": "TEA", "name": "Tea", "currentStock": 2,
+                    "threshold": 3, "triggeringOrderId": None}
+
+
+def test_event_customer_created_from_storefront(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["customer.created"])["secret"]
+    with tenant.db.write() as conn:
+        customer = ordering.storefront_register(conn, tenant.company["slug"], "self@example.com",
+                                                name="Self", password="hunter22")
+    data = assert_signed(one(receiver, "customer.created"), secret, "customer.created", db_path)
+    assert set(data) == {"id", "email", "name", "storeSlug", "source"}
+    assert data == {"id": customer["id"], "email": "self@example.com", "name": "Self",
+                    "storeSlug": tenant.company["slug"], "source": "storefront"}
+
+
+def test_event_order_created_from_storefront_has_item_count(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["order.created"])["secret"]
+    rice = tenant.product(name="Rice", price_cents=1000, stock=50)
+    beans = tenant.product(name="Beans", price_cents=250, stock=50)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.storefront_place_order(
+            conn, tenant.company["slug"], customer["id"],
+            [{"productId": rice["id"], "quantity": 4}, {"productId": beans["id"], "quantity": 2}],
+            po_number="SF-1")
+    data = assert_signed(one(receiver, "order.created"), secret, "order.created", db_path)
+    assert set(data) == {"id", "status", "total", "customerId", "poNumber", "itemCount"}
+    assert "items" not in data
+    assert data == {"id": order["id"], "status": "SUBMITTED", "total": 45.0,
+                    "customerId": customer["id"], "poNumber": "SF-1", "itemCount": 2}
+
+
+def _order_for_return(api, tenant):
+    first = tenant.product(name="A", price_cents=1000, stock=50)
+    second = tenant.product(name="B", price_cents=500, stock=50)
+    return place(api, tenant, [{"productId": first["id"], "quantity": 2},
+                               {"productId": second["id"], "quantity": 1}]).json["data"]
+
+
+def test_event_return_created_by_staff_and_by_customer(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["return.created"])["secret"]
+    order = _order_for_return(api, tenant)
+    with tenant.db.write() as conn:
+        staff = ordering.open_return(conn, tenant.id, order["id"], "Damaged in transit",
+                                     actor="staff")
+    data = assert_signed(one(receiver, "return.created"), secret, "return.created", db_path)
+    assert set(data) == {"id", "orderId", "customerId", "itemCount", "reason", "status", "actor"}
+    assert data == {"id": staff["id"], "orderId": order["id"], "customerId": order["customerId"],
+                    "itemCount": 2, "reason": "Damaged in transit", "status": "REQUESTED",
+                    "actor": "staff"}
+    with tenant.db.write() as conn:
+        mine = ordering.open_return(conn, tenant.id, order["id"], "Wrong size", item_count=1)
+    requests = [r for r in receiver.wait_for(2, event="return.created")
+                if r["json"]["data"]["id"] == mine["id"]]
+    assert len(requests) == 1
+    data = assert_signed(requests[0], secret, "return.created", db_path)
+    assert set(data) == {"id", "orderId", "customerId", "itemCount", "reason", "status"}
+    assert "actor" not in data
+    assert data["itemCount"] == 1 and data["reason"] == "Wrong size"
+
+
+def test_event_return_approved(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["return.approved"])["secret"]
+    order = _order_for_return(api, tenant)
+    with tenant.db.write() as conn:
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Not needed")
+    with tenant.db.write() as conn:
+        ordering.approve_return(conn, tenant.id, opened["id"])
+    data = assert_signed(one(receiver, "return.approved"), secret, "return.approved", db_path)
+    assert set(data) == {"id", "orderId", "customerId", "status"}
+    assert data == {"id": opened["id"], "orderId": order["id"],
+                    "customerId": order["customerId"], "status": "APPROVED"}
+
+
+def test_event_refund_processed(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["refund.processed"])["secret"]
+    order = _order_for_return(api, tenant)
+    with tenant.db.write() as conn:
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Not needed")
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+    with tenant.db.write() as conn:
+        refund = ordering.refund_return(conn, tenant.id, opened["id"], "CREDIT", 2, 1, 2500,
+                                        amount_cents=2000)
+    data = assert_signed(one(receiver, "refund.processed"), secret, "refund.processed", db_path)
+    assert set(data) == {"id", "returnId", "orderId", "customerId", "amount", "method",
+                         "breakdown"}
+    assert data == {"id": refund["id"], "returnId": opened["id"], "orderId": order["id"],
+                    "customerId": order["customerId"], "amount": 20.0, "method": "CREDIT",
+                    "breakdown": {"goodUnits": 2, "damagedUnits": 1, "subtotal": 25.0}}
+
+
+def test_event_invoice_paid(api, tenant, receiver, db_path):
+    secret = subscribe(api, tenant, receiver.url, ["invoice.paid"])["secret"]
+    with tenant.db.write() as conn:
+        ordering.record_invoice_paid(conn, tenant.id, "in_123", 4900, "usd",
+                                     "https://billing.example/i/in_123", "INV-0001",
+                                     "2026-01-01T00:00:00Z", "2026-02-01T00:00:00.000Z")
+    data = assert_signed(one(receiver, "invoice.paid"), secret, "invoice.paid", db_path)
+    assert set(data) == {"stripeInvoiceId", "amountPaid", "currency", "hostedInvoiceUrl",
+                         "number", "periodStart", "periodEnd"}
+    assert data == {"stripeInvoiceId": "in_123", "amountPaid": 49.0, "currency": "usd",
+                    "hostedInvoiceUrl": "https://billing.example/i/in_123", "number": "INV-0001",
+                    "periodStart": "2026-01-01T00:00:00.000Z",
+                    "periodEnd": "2026-02-01T00:00:00.000Z"}
+
+
+def test_event_goes_only_to_the_company_that_caused_it(api, tenant, other, receiver, db_path):
+    subscribe(api, tenant, receiver.url + "/mine", ["customer.created"])
+    subscribe(api, other, receiver.url + "/theirs", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "only-mine@example.com"},
+                  headers=tenant.headers, status=201)
+    one(receiver, "customer.created", path="/mine")
+    assert settle(db_path)
+    assert [r["path"] for r in receiver.requests] == ["/mine"]
+
+
+def test_event_reaches_every_subscribed_webhook(api, tenant, receiver, db_path):
+    first = subscribe(api, tenant, receiver.url + "/one", ["customer.created"])
+    second = subscribe(api, tenant, receiver.url + "/two", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "both@example.com"}, headers=tenant.headers,
+                  status=201)
+    requests = receiver.wait_for(2, event="customer.created")
+    by_path = {r["path"]: r for r in requests}
+    assert set(by_path) == {"/one", "/two"}
+    assert_signed(by_path["/one"], first["secret"], "customer.created", db_path)
+    assert_signed(by_path["/two"], second["secret"], "customer.created", db_path)
+    assert by_path["/one"]["body"] == by_path["/two"]["body"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The delivery log
+# ---------------------------------------------------------------------------------------------
+
+def test_delivery_log_records_2xx_as_success(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url + "/ok", ["customer.created"])
+    receiver.behaviour["/ok"] = (202, 0, {})
+    api.post_json("/api/v1/customers", {"email": "log@example.com"}, headers=tenant.headers,
+                  status=201)
+    rows = done_rows(db_path, hook["id"], 1)
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["success"] == 1 and row["status_code"] == 202
+    assert row["response_body"] == "ok"
+    assert isinstance(row["duration_ms"], int) and row["duration_ms"] >= 0
+    log = ordering.recent_deliveries(tenant.db.conn, hook["id"])
+    assert len(log) == 1
+    assert set(log[0]) == DELIVERY_FIELDS
+    assert log[0]["event"] == "customer.created"
+    assert log[0]["success"] is True and log[0]["statusCode"] == 202
+    assert log[0]["responseBody"] == "ok"
+    assert log[0]["payload"] == receiver.requests[0]["json"]
+    assert ISO_MS.match(log[0]["createdAt"])
+
+
+def test_delivery_log_records_500_as_failure(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url + "/broken", ["customer.created"])
+    receiver.behaviour["/broken"] = (500, 0, {})
+    api.post_json("/api/v1/customers", {"email": "fail@example.com"}, headers=tenant.headers,
+                  status=201)
+    rows = done_rows(db_path, hook["id"], 1)
+    assert len(rows) == 1
+    assert rows[0]["success"] == 0 and rows[0]["status_code"] == 500
+    log = ordering.recent_deliveries(tenant.db.conn, hook["id"])
+    assert log[0]["success"] is False and log[0]["statusCode"] == 500
+
+
+def test_delivery_redirect_is_a_failure_and_is_not_followed(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url + "/moved", ["customer.created"])
+    receiver.behaviour["/moved"] = (302, 0, {"Location": receiver.url + "/elsewhere"})
+    api.post_json("/api/v1/customers", {"email": "moved@example.com"}, headers=tenant.headers,
+                  status=201)
+    rows = done_rows(db_path, hook["id"], 1)
+    assert len(rows) == 1
+    assert rows[0]["success"] == 0 and rows[0]["status_code"] == 302
+    assert settle(db_path)
+    time.sleep(0.2)
+    assert [r["path"] for r in receiver.requests] == ["/moved"]
+
+
+def test_delivery_connection_refused_has_no_status_and_logs_the_error(api, tenant, db_path):
+    hook = subscribe(api, tenant, f"http://127.0.0.1:{closed_port()}/hook", ["customer.created"])
+    started = time.monotonic()
+    api.post_json("/api/v1/customers", {"email": "refused@example.com"},
+                  headers=tenant.headers, status=201)
+    assert time.monotonic() - started < 1.0
+    rows = done_rows(db_path, hook["id"], 1)
+    assert len(rows) == 1
+    assert rows[0]["success"] == 0
+    assert rows[0]["status_code"] is None
+    assert isinstance(rows[0]["response_body"], str) and rows[0]["response_body"]
+    assert "refused" in rows[0]["response_body"].lower()
+    log = ordering.recent_deliveries(tenant.db.conn, hook["id"])
+    assert log[0]["statusCode"] is None and log[0]["success"] is False
+    assert log[0]["responseBody"] == rows[0]["response_body"]
+
+
+def test_delivery_timeout_is_a_failure(db_path, receiver):
+    app = build_app(db_path, webhook_timeout=1)
+    try:
+        api = webtest.TestApp(app)
+        tenant = Tenant(app, "Slow Receivers Inc")
+        hook = subscribe(api, tenant, receiver.url + "/slow", ["customer.created"])
+        receiver.behaviour["/slow"] = (200, 2.5, {})
+        api.post_json("/api/v1/customers", {"email": "slow@example.com"},
+                      headers=tenant.headers, status=201)
+        rows = done_rows(db_path, hook["id"], 1, timeout=8)
+        assert len(rows) == 1
+        assert rows[0]["success"] == 0
+        assert rows[0]["status_code"] is None
+        assert isinstance(rows[0]["response_body"], str) and rows[0]["response_body"]
+        assert 900 <= rows[0]["duration_ms"] < 2400
+    finally:
+        app.service.close(grace=0)
+
+
+def test_delivery_to_hanging_receiver_does_not_slow_the_api(api, tenant, receiver, db_path):
+    subscribe(api, tenant, receiver.url + "/hang", ["customer.created"])
+    receiver.behaviour["/hang"] = (200, 3, {})
+    started = time.monotonic()
+    api.post_json("/api/v1/customers", {"email": "fast@example.com"}, headers=tenant.headers,
+                  status=201)
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0, elapsed
+    started = time.monotonic()
+    api.post_json("/api/v1/customers", {"email": "faster@example.com"},
+                  headers=tenant.headers, status=201)
+    assert time.monotonic() - started < 1.0
+    assert receiver.requests == []
+
+
+def test_delivery_log_keeps_the_five_most_recent(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url, ["customer.created"])
+    emails = [f"n{number}@example.com" for number in range(6)]
+    for email in emails:
+        api.post_json("/api/v1/customers", {"email": email}, headers=tenant.headers, status=201)
+    assert len(done_rows(db_path, hook["id"], 6)) == 6
+    log = ordering.recent_deliveries(tenant.db.conn, hook["id"])
+    assert len(log) == 5
+    stamps = [entry["createdAt"] for entry in log]
+    assert stamps == sorted(stamps, reverse=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Inactive webhooks and unsubscribed events
+# ---------------------------------------------------------------------------------------------
+
+def test_inactive_webhook_gets_nothing(api, tenant, receiver, db_path):
+    sleeping = subscribe(api, tenant, receiver.url + "/inactive", ["customer.created"],
+                         isActive=False)
+    subscribe(api, tenant, receiver.url + "/sentinel", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "quiet@example.com"}, headers=tenant.headers,
+                  status=201)
+    one(receiver, "customer.created", path="/sentinel")
+    assert settle(db_path)
+    assert [r["path"] for r in receiver.requests] == ["/sentinel"]
+    assert done_rows(db_path, sleeping["id"], 0) == []
+
+
+def test_webhook_deactivated_by_patch_stops_receiving(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url + "/toggled", ["customer.created"])
+    subscribe(api, tenant, receiver.url + "/sentinel", ["customer.created"])
+    api.patch_json(f"/api/v1/webhooks/{hook['id']}", {"isActive": False},
+                   headers=tenant.headers, status=200)
+    api.post_json("/api/v1/customers", {"email": "off@example.com"}, headers=tenant.headers,
+                  status=201)
+    one(receiver, "customer.created", path="/sentinel")
+    assert settle(db_path)
+    assert [r["path"] for r in receiver.requests] == ["/sentinel"]
+
+
+def test_unsubscribed_event_is_not_delivered(api, tenant, receiver, db_path):
+    subscribe(api, tenant, receiver.url + "/orders-only", ["order.created"])
+    subscribe(api, tenant, receiver.url + "/sentinel", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "unsub@example.com"}, headers=tenant.headers,
+                  status=201)
+    one(receiver, "customer.created", path="/sentinel")
+    assert settle(db_path)
+    assert [r["path"] for r in receiver.requests] == ["/sentinel"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. The outbox survives a process that does not deliver
+# ---------------------------------------------------------------------------------------------
+
+def test_outbox_event_is_delivered_by_a_later_app(db_path, receiver):
+    first = build_app(db_path, deliver=False)
+    api = webtest.TestApp(first)
+    tenant = Tenant(first, "Outbox Traders")
+    hook = subscribe(api, tenant, receiver.url + "/later", ["customer.created"])
+    customer = api.post_json("/api/v1/customers", {"email": "later@example.com"},
+                             headers=tenant.headers, status=201).json["data"]
+    conn = read_db(db_path)
+    try:
+        states = [row[0] for row in conn.execute(
+            "SELECT state FROM deliveries WHERE webhook_id = ?", (hook["id"],))]
+    finally:
+        conn.close()
+    assert states == ["pending"]
+    time.sleep(0.3)
+    assert receiver.requests == []
+    first.service.close(grace=0)
+    second = build_app(db_path)
+    try:
+        data = assert_signed(one(receiver, "customer.created"), hook["secret"],
+                             "customer.created", db_path)
+        assert data["id"] == customer["id"]
+        rows = done_rows(db_path, hook["id"], 1)
+        assert len(rows) == 1 and rows[0]["success"] == 1
+    finally:
+        second.service.close(grace=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Loopback and private destinations
+# ---------------------------------------------------------------------------------------------
+
+def test_loopback_destination_is_refused_by_default(db_path, receiver):
+    app = build_app(db_path, allow_private_webhooks=False)
+    try:
+        api = webtest.TestApp(app)
+        tenant = Tenant(app, "Careful Co")
+        hook = subscribe(api, tenant, receiver.url + "/private", ["customer.created"])
+        api.post_json("/api/v1/customers", {"email": "private@example.com"},
+                      headers=tenant.headers, status=201)
+        rows = done_rows(db_path, hook["id"], 1)
+        assert len(rows) == 1
+        assert rows[0]["success"] == 0 and rows[0]["status_code"] is None
+        assert "Refused" in rows[0]["response_body"]
+        time.sleep(0.2)
+        assert receiver.requests == []
+    finally:
+        app.service.close(grace=0)
+
+
+def test_loopback_destination_is_allowed_with_the_flag(db_path, receiver):
+    app = build_app(db_path, allow_private_webhooks=True)
+    try:
+        api = webtest.TestApp(app)
+        tenant = Tenant(app, "Lab Co")
+        hook = subscribe(api, tenant, receiver.url + "/private", ["customer.created"])
+        api.post_json("/api/v1/customers", {"email": "lab@example.com"},
+                      headers=tenant.headers, status=201)
+        one(receiver, "customer.created")
+        rows = done_rows(db_path, hook["id"], 1)
+        assert rows[0]["success"] == 1 and rows[0]["status_code"] == 200
+    finally:
+        app.service.close(grace=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Secret rotation
+# ---------------------------------------------------------------------------------------------
+
+def test_secret_rotation_signs_with_new_and_old_secret(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url, ["customer.created"])
+    old = hook["secret"]
+    with tenant.db.write() as conn:
+        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=1)
+    new = rotated["secret"]
+    assert SECRET_FORMAT.match(new) and new != old
+    api.post_json("/api/v1/customers", {"email": "rotated@example.com"},
+                  headers=tenant.headers, status=201)
+    request = one(receiver, "customer.created")
+    assert_signed(request, new, "customer.created", db_path)
+    old_header = header(request, "X-Webhook-Signature-Old")
+    expected_old = "sha256=" + hmac.new(old.encode(), request["body"], hashlib.sha256).hexdigest()
+    assert old_header == expected_old
+    assert ordering.verify_signature(old, request["body"], old_header)
+    assert not ordering.verify_signature(old, request["body"],
+                                         header(request, "X-Webhook-Signature"))
+    fetched = api.get(f"/api/v1/webhooks/{hook['id']}", headers=tenant.headers).json["data"]
+    grace = fetched["secretRotationGraceExpiresAt"]
+    assert grace is not None and ISO_MS.match(grace)
+    assert grace == rotated["secretRotationGraceExpiresAt"]
+    grace_ms = ordering.js_parse_date(grace)
+    assert abs(grace_ms - (time.time() + 3600) * 1000) < 60_000
+    assert "secret" not in fetched
+
+
+def test_secret_rotation_without_grace_drops_old_signature(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url, ["customer.created"])
+    with tenant.db.write() as conn:
+        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=0)
+    assert rotated["secretRotationGraceExpiresAt"] is None
+    api.post_json("/api/v1/customers", {"email": "nograce@example.com"},
+                  headers=tenant.headers, status=201)
+    request = one(receiver, "customer.created")
+    assert_signed(request, rotated["secret"], "customer.created", db_path)
+    assert header(request, "X-Webhook-Signature-Old") is None
+    fetched = api.get(f"/api/v1/webhooks/{hook['id']}", headers=tenant.headers).json["data"]
+    assert fetched["secretRotationGraceExpiresAt"] is None
+
+
+def test_delivery_without_rotation_has_no_old_signature(api, tenant, receiver):
+    subscribe(api, tenant, receiver.url, ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "plain@example.com"}, headers=tenant.headers,
+                  status=201)
+    assert header(one(receiver, "customer.created"), "X-Webhook-Signature-Old") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Operator commands that emit events
+# ---------------------------------------------------------------------------------------------
+
+def ev_cli_json(db_path, *args):
+    result = run_cli(db_path, *args, env=ALLOW_PRIVATE)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout
+    value = json.loads(lines[0])
+    assert isinstance(value, dict)
+    return value
+
+
+def ev_cli_fails(db_path, *args, message=None):
+    result = run_cli(db_path, *args, env=ALLOW_PRIVATE)
+    assert result.returncode != 0
+    assert result.stdout.strip() == ""
+    assert result.stderr.strip()
+    if message is not None:
+        assert message in result.stderr, result.stderr
+    return result
+
+
+def test_cli_storefront_register_prints_customer_and_delivers(quiet_api, quiet_tenant, receiver,
+                                                              db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])["secret"]
+    printed = ev_cli_json(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
+                       "--email", "cli@example.com", "--name", "Cli", "--password", "s3cret!!")
+    assert set(printed) == CUSTOMER_FIELDS
+    assert printed["email"] == "cli@example.com" and printed["name"] == "Cli"
+    # The command delivers before it exits.
+    request = one(receiver, "customer.created", timeout=2)
+    data = assert_signed(request, secret, "customer.created", db_path)
+    assert data == {"id": printed["id"], "email": "cli@example.com", "name": "Cli",
+                    "storeSlug": quiet_tenant.company["slug"], "source": "storefront"}
+
+
+def test_cli_storefront_register_bad_input_fails(quiet_tenant, db_path):
+    ev_cli_fails(db_path, "storefront-register", "--store", "no-such-store", "--email",
+              "x@example.com", message="Store not found.")
+    ev_cli_fails(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
+              "--email", "not-an-email", message="Invalid email address.")
+
+
+def test_cli_storefront_order_prints_order_and_delivers(quiet_api, quiet_tenant, receiver,
+                                                        db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["order.created"])["secret"]
+    product = quiet_tenant.product(price_cents=300, stock=20)
+    customer = quiet_tenant.customer()
+    printed = ev_cli_json(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
+                       "--customer", customer["id"], "--item", f"{product['id']}:3",
+                       "--item", f"{product['id']}:1", "--po-number", "PO-CLI")
+    assert set(printed) == ORDER_FIELDS
+    assert printed["status"] == "SUBMITTED" and printed["total"] == 12.0
+    data = assert_signed(one(receiver, "order.created", timeout=2), secret, "order.created",
+                         db_path)
+    assert data == {"id": printed["id"], "status": "SUBMITTED", "total": 12.0,
+                    "customerId": customer["id"], "poNumber": "PO-CLI", "itemCount": 2}
+
+
+def test_cli_storefront_order_bad_input_fails(quiet_tenant, db_path):
+    customer = quiet_tenant.customer()
+    ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
+              "--customer", customer["id"], "--item", "no-quantity")
+    ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
+              "--customer", customer["id"], "--item", "prod_missing:1",
+              message='Product "prod_missing" not found or is inactive.')
+
+
+def _quiet_order(quiet_api, quiet_tenant, lines=1):
+    products = [quiet_tenant.product(name=f"P{n}", price_cents=1000, stock=20)
+                for n in range(lines)]
+    return place(quiet_api, quiet_tenant,
+                 [{"productId": p["id"], "quantity": 2} for p in products]).json["data"]
+
+
+def _quiet_return(quiet_tenant, order, to="REQUESTED"):
+    with quiet_tenant.db.write() as conn:
+        opened = ordering.open_return(conn, quiet_tenant.id, order["id"], "Opened in process")
+        if to in ("APPROVED", "RECEIVED"):
+            ordering.approve_return(conn, quiet_tenant.id, opened["id"])
+        if to == "RECEIVED":
+            ordering.receive_return(conn, quiet_tenant.id, opened["id"])
+    return opened
+
+
+def test_cli_return_open_prints_return_and_delivers(quiet_api, quiet_tenant, receiver, db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["return.created"])["secret"]
+    order = _quiet_order(quiet_api, quiet_tenant, lines=2)
+    printed = ev_cli_json(db_path, "return-open", "--order", order["id"], "--reason",
+                          "Broken seal", "--item-count", "1")
+    assert printed["status"] == "REQUESTED" and printed["orderId"] == order["id"]
+    assert printed["actor"] is None and printed["itemCount"] == 1
+    data = assert_signed(one(receiver, "return.created", timeout=2), secret, "return.created",
+                         db_path)
+    assert data == {"id": printed["id"], "orderId": order["id"],
+                    "customerId": order["customerId"], "itemCount": 1, "reason": "Broken seal",
+                    "status": "REQUESTED"}
+
+
+def test_cli_return_open_by_staff_carries_actor(quiet_api, quiet_tenant, receiver, db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["return.created"])["secret"]
+    order = _quiet_order(quiet_api, quiet_tenant)
+    printed = ev_cli_json(db_path, "return-open", "--order", order["id"], "--reason",
+                          "Staff call", "--staff")
+    assert printed["actor"] == "staff"
+    data = assert_signed(one(receiver, "return.created", timeout=2), secret, "return.created",
+                         db_path)
+    assert data["actor"] == "staff" and data["itemCount"] == 1
+
+
+def test_cli_return_open_short_reason_fails_validation(quiet_api, quiet_tenant, db_path):
+    order = _quiet_order(quiet_api, quiet_tenant)
+    ev_cli_fails(db_path, "return-open", "--order", order["id"], "--reason", "no",
+                 message="Validation failed.\n  reason: must be 3 to 2000 characters")
+
+
+def test_cli_return_open_unknown_order_fails(quiet_tenant, db_path):
+    ev_cli_fails(db_path, "return-open", "--order", "ord_missing", "--reason", "Whatever",
+                 message="Order not found.")
+    ev_cli_fails(db_path, "return-open", "--reason", "Whatever")  # --order is required
+
+
+def test_cli_return_approve_prints_and_delivers(quiet_api, quiet_tenant, receiver, db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["return.approved"])["secret"]
+    order = _quiet_order(quiet_api, quiet_tenant)
+    opened = _quiet_return(quiet_tenant, order)
+    printed = ev_cli_json(db_path, "return-approve", opened["id"])
+    assert printed["id"] == opened["id"] and printed["status"] == "APPROVED"
+    data = assert_signed(one(receiver, "return.approved", timeout=2), secret, "return.approved",
+                         db_path)
+    assert data == {"id": opened["id"], "orderId": order["id"],
+                    "customerId": order["customerId"], "status": "APPROVED"}
+
+
+def test_cli_return_receive_then_refund_prints_and_delivers(quiet_api, quiet_tenant, receiver,
+                                                            db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["refund.processed"])["secret"]
+    order = _quiet_order(quiet_api, quiet_tenant)
+    opened = _quiet_return(quiet_tenant, order, to="APPROVED")
+    received = ev_cli_json(db_path, "return-receive", opened["id"])
+    assert received["status"] == "RECEIVED"
+    refund = ev_cli_json(db_path, "return-refund", opened["id"], "--method", "MANUAL",
+                         "--good-units", "3", "--damaged-units", "1", "--subtotal", "40.00",
+                         "--amount", "35.50")
+    data = assert_signed(one(receiver, "refund.processed", timeout=2), secret,
+                         "refund.processed", db_path)
+    assert data == refund
+    assert set(data) == {"id", "returnId", "orderId", "customerId", "amount", "method",
+                         "breakdown"}
+    assert data["amount"] == 35.5 and data["method"] == "MANUAL"
+    assert data["breakdown"] == {"goodUnits": 3, "damagedUnits": 1, "subtotal": 40.0}
+    assert data["returnId"] == opened["id"] and data["orderId"] == order["id"]
+
+
+def test_cli_return_refund_amount_defaults_to_subtotal(quiet_api, quiet_tenant, receiver,
+                                                       db_path):
+    quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["refund.processed"])
+    order = _quiet_order(quiet_api, quiet_tenant)
+    opened = _quiet_return(quiet_tenant, order, to="RECEIVED")
+    refund = ev_cli_json(db_path, "return-refund", opened["id"], "--method", "CREDIT",
+                         "--good-units", "2", "--damaged-units", "0", "--subtotal", "20.00")
+    assert refund["amount"] == 20.0 and refund["method"] == "CREDIT"
+    assert one(receiver, "refund.processed", timeout=2)["json"]["data"] == refund
+
+
+def test_cli_return_commands_bad_input_fail(quiet_api, quiet_tenant, db_path):
+    order = _quiet_order(quiet_api, quiet_tenant)
+    opened = _quiet_return(quiet_tenant, order)
+    ev_cli_fails(db_path, "return-approve", "ret_missing", message="Return not found.")
+    ev_cli_fails(db_path, "return-receive", opened["id"],
+                 message="Return is REQUESTED; only a APPROVED return can become RECEIVED.")
+    ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--good-units",
+                 "1", "--damaged-units", "0", "--subtotal", "10.00",
+                 message="Return is REQUESTED; only a RECEIVED return can become REFUNDED.")
+    ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CASH", "--good-units",
+                 "1", "--damaged-units", "0", "--subtotal", "10.00")
+    ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--good-units",
+                 "-1", "--damaged-units", "0", "--subtotal", "10.00")
+    conn = read_db(db_path)
+    try:
+        assert conn.execute("SELECT status FROM returns WHERE id = ?",
+                            (opened["id"],)).fetchone()[0] == "REQUESTED"
+        assert conn.execute("SELECT COUNT(*) FROM refunds").fetchone()[0] == 0
+    finally:
+        conn.close()
+
+
+def test_cli_invoice_paid_prints_and_delivers(quiet_api, quiet_tenant, receiver, db_path):
+    secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["invoice.paid"])["secret"]
+    printed = ev_cli_json(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id",
+                       "in_cli_1", "--amount-paid", "99.00", "--currency", "eur",
+                       "--hosted-invoice-url", "https://billing.example/in_cli_1",
+                       "--number", "INV-9", "--period-start", "2026-03-01",
+                       "--period-end", "2026-04-01T00:00:00Z")
+    data = assert_signed(one(receiver, "invoice.paid", timeout=2), secret, "invoice.paid",
+                         db_path)
+    assert data == printed
+    assert data == {"stripeInvoiceId": "in_cli_1", "amountPaid": 99.0, "currency": "eur",
+                    "hostedInvoiceUrl": "https://billing.example/in_cli_1", "number": "INV-9",
+                    "periodStart": "2026-03-01T00:00:00.000Z",
+                    "periodEnd": "2026-04-01T00:00:00.000Z"}
+
+
+def test_cli_invoice_paid_bad_input_fails(quiet_tenant, db_path):
+    common = ["--amount-paid", "1.00", "--hosted-invoice-url", "https://billing.example/x",
+              "--number", "N1", "--period-start", "2026-03-01", "--period-end", "2026-04-01"]
+    ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
+              "--currency", "USD", *common)
+    ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
+              "--currency", "usd", "--amount-paid", "lots",
+              *common[2:])
+
+
+def test_cli_webhook_rotate_secret_prints_new_secret(quiet_api, quiet_tenant, receiver,
+                                                     db_path):
+    hook = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])
+    printed = ev_cli_json(db_path, "webhook-rotate-secret", hook["id"], "--grace-hours", "2")
+    assert set(printed) == {"id", "secret", "secretRotationGraceExpiresAt"}
+    assert printed["id"] == hook["id"]
+    assert SECRET_FORMAT.match(printed["secret"]) and printed["secret"] != hook["secret"]
+    assert ISO_MS.match(printed["secretRotationGraceExpiresAt"])
+    fetched = quiet_api.get(f"/api/v1/webhooks/{hook['id']}",
+                            headers=quiet_tenant.headers).json["data"]
+    assert fetched["secretRotationGraceExpiresAt"] == printed["secretRotationGraceExpiresAt"]
+    ev_cli_fails(db_path, "webhook-rotate-secret", "wh_missing", message="Webhook not found.")
+    ev_cli_fails(db_path, "webhook-rotate-secret", hook["id"], "--grace-hours", "-1")
+
+
+def test_cli_deliveries_prints_recent_log(quiet_api, quiet_tenant, receiver, db_path):
+    hook = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])
+    ev_cli_json(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
+             "--email", "logged-cli@example.com")
+    printed = ev_cli_json(db_path, "deliveries", hook["id"])
+    assert set(printed) == {"webhookId", "deliveries"}
+    assert printed["webhookId"] == hook["id"]
+    assert len(printed["deliveries"]) == 1
+    entry = printed["deliveries"][0]
+    assert set(entry) == DELIVERY_FIELDS
+    assert entry["event"] == "customer.created" and entry["success"] is True
+    assert entry["statusCode"] == 200 and entry["responseBody"] == "ok"
+    assert entry["payload"]["data"]["email"] == "logged-cli@example.com"
+    ev_cli_fails(db_path, "deliveries", "wh_missing", message="Webhook not found.")
+
+
+def test_cli_delivery_to_loopback_refused_without_flag(quiet_api, quiet_tenant, receiver,
+                                                       db_path):
+    hook = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])
+    result = run_cli(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
+                     "--email", "guarded@example.com",
+                     env={"ORDERING_ALLOW_PRIVATE_WEBHOOKS": "0"})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["email"] == "guarded@example.com"
+    rows = done_rows(db_path, hook["id"], 1, timeout=2)
+    assert len(rows) == 1
+    assert rows[0]["success"] == 0 and "Refused" in rows[0]["response_body"]
+    assert receiver.requests == []
