@@ -990,15 +990,15 @@ def parse_order_request(body):
         quantity = item.get("quantity")
         if not is_number(quantity):
             raise ApiError(400, "quantity must be a number")
-        if math.isinf(quantity):
-            raise invalid(f"items[{index}].quantity", f"must be at most {MAX_QUANTITY}")
-        if quantity != int(quantity):
-            raise ApiError(400, "quantity must be a whole number")
+        if isinstance(quantity, float) and not math.isinf(quantity):
+            if not quantity.is_integer():
+                raise ApiError(400, "quantity must be a whole number")
+            quantity = int(quantity)
         if quantity < 1:
             raise ApiError(400, "quantity must be at least 1")
         if quantity > MAX_QUANTITY:
             raise invalid(f"items[{index}].quantity", f"must be at most {MAX_QUANTITY}")
-        lines.append((product_id, int(quantity)))
+        lines.append((product_id, quantity))
     po_number = optional_text(body, "poNumber", MAX_PO_NUMBER)
     notes = optional_text(body, "notes", MAX_ORDER_NOTES)
     return customer_id, lines, po_number, notes
@@ -1743,12 +1743,17 @@ def _json_int(text):
 
 
 def _has_lone_surrogate(value):
-    if isinstance(value, str):
-        return any("\ud800" <= ch <= "\udfff" for ch in value)
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
+    pending = [value]  # a loop, not recursion: bodies may nest deeper than the stack
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if any("\ud800" <= ch <= "\udfff" for ch in value):
+                return True
+        elif isinstance(value, dict):
+            pending.extend(value)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
     return False
 
 

@@ -9,6 +9,7 @@ import hmac
 import http.client
 import http.server
 import json
+import logging
 import os
 import random
 import re
@@ -17,13 +18,23 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.parse
 
+import hypothesis.configuration
 import pytest
 import webtest
+from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import strategies as st
 
 import ordering
+
+# Hypothesis keeps caches in ./.hypothesis; keep them out of the checkout unless told where.
+if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+    hypothesis.configuration.set_hypothesis_home_dir(
+        os.path.join(tempfile.gettempdir(), "ordering-hypothesis"))
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALL_SCOPES = list(ordering.SCOPES)
@@ -2935,3 +2946,951 @@ def test_cli_delivery_to_loopback_refused_without_flag(quiet_api, quiet_tenant, 
     assert len(rows) == 1
     assert rows[0]["success"] == 0 and "Refused" in rows[0]["response_body"]
     assert receiver.requests == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input and tenant isolation
+#
+# A. Malformed input everywhere (property-based): for each of the 15 operations in
+#    ordering.ROUTES, arbitrary JSON, wrong types, huge and unicode strings, deep nesting, raw
+#    bytes, odd Content-Types, odd query strings and odd path IDs. Property: every answer is a
+#    2xx, or a 4xx whose body is JSON {"error": <non-empty str>, ...}; never a 500; and a refused
+#    request leaves every business table exactly as it was.
+# B. Tenant isolation matrix: company A's key can neither read, change, list nor infer
+#    company B's records, on every endpoint and method.
+# ---------------------------------------------------------------------------------------------
+
+BUSINESS_TABLES = ("products", "customers", "orders", "order_items", "webhooks", "events",
+                   "deliveries")
+ROUTES = [(r.method, r.path) for r in ordering.ROUTES]
+ROUTE_IDS = [f"{method} {path}" for method, path in ROUTES]
+ID_ROUTES = [(m, p) for m, p in ROUTES if "<" in p]
+LIST_ROUTES = [(m, p) for m, p in ROUTES if m == "GET" and "<" not in p]
+BODY_ROUTES = [(m, p) for m, p in ROUTES if m in ("POST", "PATCH")]
+KIND_OF_PATH = {"products": "product", "orders": "order", "customers": "customer",
+                "webhooks": "webhook"}
+RESOURCE = {"product": "Product", "order": "Order", "customer": "Customer",
+            "webhook": "Webhook"}
+PREFIX = {"product": "prod", "order": "ord", "customer": "cus", "webhook": "wh"}
+EMPTY_PAGE = {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
+SEED_HOOK = "https://hooks.example/x"
+
+assert len(ROUTES) == 15, ROUTES
+
+
+def kind_of(path):
+    return KIND_OF_PATH[path.split("/")[3]]
+
+
+def with_id(path, record_id_in_path):
+    return re.sub(r"<[^>]+>", lambda _: record_id_in_path, path)
+
+
+def snapshot(db):
+    """Every row of every business table (idempotency_keys left out on purpose)."""
+    return {table: [tuple(row) for row in db.conn.execute(f"SELECT * FROM {table} ORDER BY id")]
+            for table in BUSINESS_TABLES}
+
+
+def weighted(*choices):
+    """A strategy picked by weight. (st.one_of would drop repeated branches, so repeating a
+    strategy in it does not weight it.)"""
+    return st.sampled_from([strategy for weight, strategy in choices
+                            for _ in range(weight)]).flatmap(lambda strategy: strategy)
+
+
+def json_body(value):
+    return json.dumps(value).encode()
+
+
+HYPOTHESIS = dict(deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                         HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                         HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------------------------------------
+# A. Malformed input everywhere
+# ---------------------------------------------------------------------------------------------
+
+class Seeded:
+    """One app (no delivery threads, so the database only changes through requests) with a
+    company, a key without a practical rate limit, products, customers, orders and a webhook."""
+
+    def __init__(self, app):
+        self.app = app
+        self.db = app.service.db
+        self.api = webtest.TestApp(app)
+        self.unlinted_api = webtest.TestApp(app, lint=False)  # for environs lint refuses
+        self.tenant = Tenant(app, "Hostile Input Co")
+        self.headers = auth(self.tenant.new_key(ALL_SCOPES, rate_limit=10 ** 9))
+        t = self.tenant
+        self.products = [
+            t.product("Jasmine Rice 25kg", 4250, stock=10 ** 8, sku="GR-RICE", category="Grains"),
+            t.product("ÉCLAIRS au thé", 450, stock=10 ** 8, category="Pâtisserie"),
+            t.product("Retired Stirrers", 100, stock=3, is_active=0),
+        ]
+        self.customers = [t.customer("alice@example.com", name="Alice"),
+                          t.customer("bob@example.com", name="Bob", status="BLOCKED")]
+        self.webhooks = [self.api.post_json(
+            "/api/v1/webhooks", {"url": SEED_HOOK, "events": list(ordering.EVENT_CATALOG)},
+            headers=self.headers, status=201).json["data"]]
+        self.orders = [place(self.api, t, [{"productId": self.products[i % 2]["id"],
+                                            "quantity": 1 + i}],
+                             customer_id=self.customers[i % 2]["id"], headers=self.headers,
+                             poNumber=f"PO-{i}").json["data"] for i in range(3)]
+        self.ids = {"product": [p["id"] for p in self.products],
+                    "customer": [c["id"] for c in self.customers],
+                    "order": [o["id"] for o in self.orders],
+                    "webhook": [w["id"] for w in self.webhooks]}
+        self.all_ids = [i for ids in self.ids.values() for i in ids]
+        self.strategies = {}
+
+
+@pytest.fixture
+def seeded(tmp_path):
+    app = build_app(tmp_path / "hostile.db", deliver=False)
+    try:
+        yield Seeded(app)
+    finally:
+        app.service.close(grace=0)
+
+
+def check(seeded, caplog, method, url, body=None, headers=None, environ=None):
+    """Send one request and check the property; returns the response."""
+    before = snapshot(seeded.db)
+    caplog.clear()
+    request = webtest.TestRequest.blank(url, method=method)
+    if body is not None:
+        request.body = body
+    request.headers.pop("Content-Type", None)
+    for name, value in (headers or {}).items():
+        if value is not None:
+            request.headers[name] = value
+    request.environ.update(environ or {})
+    api = seeded.unlinted_api if environ else seeded.api
+    response = api.do_request(request, expect_errors=True)
+    status = response.status_int
+    shown = body if body is None or len(body) <= 400 else body[:400] + b"..."
+    described = f"{method} {url[:400]} headers={headers!r} body={shown!r}"
+    assert status != 500, f"500 {response.body[:100]!r} for {described}"
+    assert 200 <= status < 300 or 400 <= status < 500, f"{status} for {described}"
+    failures = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failures, f"error logged for {described}: {failures[0].getMessage()}"
+    if status >= 400:
+        assert response.content_type == "application/json", described
+        payload = json.loads(response.body)
+        assert isinstance(payload, dict), described
+        assert isinstance(payload.get("error"), str) and payload["error"].strip(), described
+        assert snapshot(seeded.db) == before, f"refused ({status}) but changed the db: {described}"
+    else:
+        assert response.content_type == "application/json", described
+        assert "data" in json.loads(response.body), described
+    return response
+
+
+# Strategies --------------------------------------------------------------------------------
+
+ODD_STRINGS = ["", " ", "\t\n", "null", "true", "0", "-1", "1e400", "NaN", "SUBMITTED",
+               "submitted", "CANCELLED", "SHIPPED", "ACTIVE", "BLOCKED", "PENDING", "OTHER",
+               "CARRIER_A", "order.created", "http://", "https://", SEED_HOOK, "a@b.co", "\u0000",
+               "\x7f", "é", "ÉCLAIR", "ß", "İ", "𝟚", "٢٠٢٦", "\ufeff", "\u202e", "🙂", "%00",
+               "%", "' OR 1=1 --", '"; DROP TABLE orders; --', "../../etc/passwd", "<script>",
+               "{}", "[]", "\\", "\\u0000"]
+LENGTHS = [0, 1, 2, 3, 63, 64, 65, 99, 100, 101, 199, 200, 201, 254, 255, 256, 1999, 2000,
+           2001, 2047, 2048, 2049, 5000]
+
+surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
+                     max_size=2)
+texts = weighted(
+    (3, st.text(max_size=12)),
+    (3, st.text(st.characters(codec="utf-8"), max_size=40)),
+    (3, st.sampled_from(ODD_STRINGS)),
+    (2, st.builds(lambda ch, n: ch * n, st.sampled_from(["a", "é", "𝟚", "\u0000", " ", "🙂",
+                                                         "x "]), st.sampled_from(LENGTHS))),
+    (1, st.builds(lambda a, s, b: a + s + b, st.text(max_size=3), surrogates,
+                  st.text(max_size=3))),
+)
+huge_texts = st.builds(lambda ch, n: ch * n, st.sampled_from(["a", "é"]),
+                       st.sampled_from([100_000, 600_000]))  # the second is over 1 MiB as UTF-8
+ints = st.one_of(st.integers(-3, 10), st.integers(),
+                 st.sampled_from([2 ** 31, 2 ** 53 + 1, 2 ** 63 - 1, 2 ** 63, -2 ** 63 - 1,
+                                  2 ** 64, 10 ** 9, 10 ** 9 + 1, 10 ** 18, 10 ** 308, 10 ** 309,
+                                  -(10 ** 400), 10 ** 3998]))
+floats = st.one_of(st.floats(allow_nan=False, allow_infinity=False),
+                   st.sampled_from([0.1, 0.125, 1e-7, 5e-324, 1.7976931348623157e308, -0.0, 0.3,
+                                    0.30000000000000004, 1e8, 100000000.01, 1e9, 1e9 + 0.5,
+                                    2.0, 12.345]))
+leaves = st.one_of(st.none(), st.booleans(), ints, floats, texts)
+FIELD_NAMES = ["customerId", "items", "productId", "quantity", "poNumber", "notes", "status",
+               "tracking", "carrier", "number", "url", "email", "name", "creditLimit",
+               "taxRateOverride", "events", "isActive", "id", "__proto__", "constructor"]
+keys = st.one_of(st.sampled_from(FIELD_NAMES), texts)
+json_values = st.recursive(
+    leaves, lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(keys, children, max_size=4), max_leaves=12)
+
+
+def mixed(plausible):
+    """Mostly plausible values (to get past the first check), sometimes anything at all."""
+    return weighted((3, plausible), (1, json_values))
+
+
+def body_strategy(seeded, method, path):
+    """Arbitrary JSON, or an object with the real field names of this body and random values."""
+    cached = seeded.strategies.get((method, path))
+    if cached is not None:
+        return cached
+    ids = {kind: st.sampled_from(values) for kind, values in seeded.ids.items()}
+    any_id = st.one_of(st.sampled_from(seeded.all_ids), texts)
+    text_fields = st.one_of(texts, st.builds(lambda n: "n" * n, st.sampled_from(LENGTHS)))
+    quantity = st.one_of(st.integers(-2, 5), st.integers(1, 10 ** 9 + 1), floats, ints,
+                         json_values)
+    item = st.one_of(st.fixed_dictionaries({}, optional={
+        "productId": mixed(st.one_of(ids["product"], any_id)), "quantity": quantity}),
+        json_values)
+    items = st.one_of(st.lists(item, max_size=4),
+                      st.builds(lambda it, n: [it] * n, item, st.sampled_from([100, 101, 500])))
+    numbers = st.one_of(ints, floats, st.sampled_from([0, 0.3, 0.31, 100000000, 100000001,
+                                                       12.5, 12.505, -1]))
+    emails = st.one_of(st.emails(), st.sampled_from(["alice@example.com", "ALICE@example.com",
+                                                     " bob@example.com ", "a@b", "@x.io",
+                                                     "x@-a.io", "a..b@x.io", "a@b.c" + "o" * 250]),
+                       texts)
+    urls = st.one_of(st.sampled_from([
+        SEED_HOOK, "http://127.0.0.1:1/x", "http://[::1", "http://a:99999/", "ftp://x.io/",
+        "https://user:pw@x.io/", "https://ünï.example/", "https://x.io/" + "a" * 2040,
+        "https:///nohost", "javascript:1", "http://x.io/\x00", "http://[v1.x]/"]), texts)
+    events = st.one_of(st.lists(st.sampled_from(list(ordering.EVENT_CATALOG)
+                                                + ["order.*", "ORDER.CREATED", ""]), max_size=14),
+                       json_values)
+    fields = {
+        ("POST", "/api/v1/orders"): {
+            "customerId": mixed(st.one_of(ids["customer"], any_id)), "items": mixed(items),
+            "poNumber": mixed(text_fields), "notes": mixed(text_fields)},
+        ("PATCH", "/api/v1/orders/<order_id>"): {
+            "status": mixed(st.sampled_from(list(ordering.ORDER_STATUSES) + ["shipped", ""])),
+            "tracking": mixed(st.fixed_dictionaries({}, optional={
+                "carrier": mixed(st.sampled_from(list(ordering.CARRIERS) + ["carrier_a", "UPS"])),
+                "number": mixed(text_fields), "url": mixed(urls)}))},
+        ("POST", "/api/v1/customers"): {
+            "email": mixed(emails), "name": mixed(text_fields), "notes": mixed(text_fields),
+            "creditLimit": mixed(numbers), "taxRateOverride": mixed(numbers),
+            "status": mixed(st.sampled_from(["ACTIVE", "BLOCKED", "PENDING", "active"]))},
+        ("PATCH", "/api/v1/customers/<customer_id>"): {
+            "email": mixed(emails), "name": mixed(text_fields), "notes": mixed(text_fields),
+            "creditLimit": mixed(numbers), "taxRateOverride": mixed(numbers),
+            "status": mixed(st.sampled_from(["ACTIVE", "BLOCKED", "PENDING", "active"]))},
+        ("POST", "/api/v1/webhooks"): {
+            "url": mixed(urls), "events": mixed(events), "isActive": mixed(st.booleans())},
+        ("PATCH", "/api/v1/webhooks/<webhook_id>"): {
+            "url": mixed(urls), "events": mixed(events), "isActive": mixed(st.booleans())},
+    }
+    # Bodies that get past validation most of the time, with the other fields random.
+    plausible_items = st.lists(st.fixed_dictionaries({
+        "productId": weighted((3, ids["product"]), (1, any_id)),
+        "quantity": weighted((3, st.integers(1, 5)), (1, quantity))}),
+        min_size=1, max_size=3)
+    plausible_tracking = st.fixed_dictionaries(
+        {"carrier": st.sampled_from(ordering.CARRIERS), "number": st.one_of(
+            st.text(min_size=3, max_size=20), text_fields)}, optional={"url": mixed(urls)})
+    near_valid = {
+        ("POST", "/api/v1/orders"): ({"customerId": ids["customer"], "items": plausible_items},
+                                     ("poNumber", "notes")),
+        ("PATCH", "/api/v1/orders/<order_id>"): (
+            {"status": st.sampled_from(ordering.ORDER_STATUSES)}, ()),
+        ("POST", "/api/v1/customers"): ({"email": emails}, ("name", "notes", "creditLimit",
+                                                            "taxRateOverride", "status")),
+        ("PATCH", "/api/v1/customers/<customer_id>"): ({}, ("name", "notes", "creditLimit",
+                                                            "taxRateOverride", "status")),
+        ("POST", "/api/v1/webhooks"): ({"url": urls, "events": st.lists(st.sampled_from(
+            ordering.EVENT_CATALOG), min_size=1, max_size=4)}, ("isActive",)),
+        ("PATCH", "/api/v1/webhooks/<webhook_id>"): ({}, ("url", "events", "isActive")),
+    }
+    shaped = [st.fixed_dictionaries({}, optional=f) for f in fields.values()]
+    own = fields.get((method, path))
+    if own is not None:  # this body's own fields, most of the time
+        required, optional = near_valid[(method, path)]
+        optional = {name: own[name] for name in optional}
+        if path == "/api/v1/orders/<order_id>":
+            optional["tracking"] = mixed(plausible_tracking)
+        shaped = [(12, st.fixed_dictionaries(required, optional=optional)),
+                  (6, st.fixed_dictionaries({}, optional=own))] + [(1, s) for s in shaped]
+    else:
+        shaped = [(1, s) for s in shaped]
+    strategy = weighted((3, json_values), (1, huge_texts.map(lambda s: {"notes": s, "name": s})),
+                        *shaped)
+    seeded.strategies[(method, path)] = strategy
+    return strategy
+
+
+def encode_json(value, ascii_only):
+    """JSON bytes; lone surrogates come out as \\udXXX escapes (ascii_only) or as the invalid
+    UTF-8 bytes ED xx xx."""
+    return json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+def quote_id(text, safe=""):
+    return urllib.parse.quote(text.encode("utf-8", "surrogatepass"), safe=safe)
+
+
+def id_strategy(seeded, kind):
+    """Real IDs of this kind most of the time (so that bodies are applied), odd ones otherwise."""
+    real = st.sampled_from(seeded.ids[kind]).map(quote_id)
+    odd = st.one_of(
+        texts.filter(bool).map(quote_id),  # (empty IDs: test_odd_path_ids_are_the_resources_404)
+        st.text(max_size=8).map(lambda t: quote_id(t, safe=";,=@!$&'()*+:~")),
+        st.sampled_from(seeded.all_ids).map(quote_id),
+        st.sampled_from(seeded.ids[kind]).map(lambda i: quote_id(i.swapcase())),
+        st.sampled_from(seeded.ids[kind]).map(lambda i: quote_id(i + " ")),
+        st.sampled_from(seeded.ids[kind]).map(lambda i: quote_id(i) + "%00"),
+        st.sampled_from(seeded.ids[kind]).map(lambda i: i + "/"),
+        st.sampled_from([".", "..", "%2E%2E", "%2F", "%25", "%FF", "%C0%AF", "%ED%A0%80", "null",
+                         "undefined", "0", "-1", PREFIX[kind] + "_", "%C3%BC" * 300]),
+    )
+    return weighted((2, real), (1, odd))
+
+
+CONTENT_TYPES = [None, "application/json", "application/json; charset=utf-8", "text/plain",
+                 "application/x-www-form-urlencoded", "multipart/form-data; boundary=xyz",
+                 "application/xml", "", "*/*", "application/json; charset=latin-1",
+                 "application/merge-patch+json"]
+content_types = st.sampled_from(CONTENT_TYPES)
+idempotency_keys = st.one_of(
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=8),
+    st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=250, max_size=260),
+    st.sampled_from(['""', '"abc"', '"', "  ", "é", "\u00ff\u00fe", "k\tk"]))
+
+PARAMS = ["limit", "cursor", "status", "since", "until", "search", "category", "active",
+          "customerId"]
+PLAUSIBLE_QUERY = ["10abc", "0x10", "0x", "-1", "0", "101", "9" * 30, "2.9", " 7", "١٢",
+                   "2026-11-22", "2026-11", "2026", "2026-11-22T10:00Z", "2026-11-22T10:00:00Z",
+                   "2026-11-22T10:00:00.123456789+05:30", "2026-11-22 10:00", "2026-02-30",
+                   "9999-12-31T23:59:59-23:59", "0001-01-01T00:00+23:59", "0000-01-01",
+                   "2026-11-22T10:00:00+24:00", "٢٠٢٦-١١-٢٢", "𝟚𝟘𝟚𝟞", "SUBMITTED", "ACTIVE",
+                   "PENDING", "BLOCKED", "true", "false", "TRUE", "Grains", "ÉCLAIR", "éclair",
+                   "%", "_", "'", "\u0000"]
+raw_query_chars = st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#")
+
+
+def query_strategy(seeded):
+    value = st.one_of(
+        texts.map(quote_id),
+        st.sampled_from(PLAUSIBLE_QUERY).map(quote_id),
+        st.sampled_from(PLAUSIBLE_QUERY),
+        st.sampled_from(seeded.all_ids),
+        st.text(raw_query_chars, max_size=12),
+        st.sampled_from(["%", "%z", "%zz", "%FF", "%C3", "%ED%A0%80", "%00", "+", "%2B", "a+b",
+                         "%25", "%%", "=", "=="]),
+    )
+    name = weighted((4, st.sampled_from(PARAMS)), (1, st.text(raw_query_chars, max_size=6)))
+    pair = weighted((6, st.builds(lambda n, v: f"{n}={v}", name, value)), (1, name),
+                    (1, st.text(raw_query_chars, max_size=10)))
+    return st.lists(pair, max_size=6).map("&".join)
+
+
+def request_parts(data, seeded, method, path):
+    url = path
+    if "<" in path:  # (a real ID two times out of three)
+        url = with_id(path, data.draw(id_strategy(seeded, kind_of(path)), label="id"))
+    headers = dict(seeded.headers)
+    headers["Content-Type"] = data.draw(content_types, label="content type")
+    if method == "POST" and data.draw(st.sampled_from([False] * 7 + [True] * 3), label="keyed"):
+        headers["Idempotency-Key"] = data.draw(idempotency_keys, label="idempotency key")
+    if data.draw(st.sampled_from([False, False, True]), label="with query"):
+        query = data.draw(query_strategy(seeded), label="query")
+        if query:
+            url += "?" + query
+    return url, headers
+
+
+# Properties --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,path", ROUTES, ids=ROUTE_IDS)
+@settings(max_examples=100, **HYPOTHESIS)
+@given(data=st.data())
+def test_any_json_body_is_answered_2xx_or_json_4xx_without_side_effects(seeded, caplog, method,
+                                                                        path, data):
+    value = data.draw(body_strategy(seeded, method, path), label="body")
+    raw = encode_json(value, data.draw(st.sampled_from([True, True, False]), label="ascii only"))
+    url, headers = request_parts(data, seeded, method, path)
+    check(seeded, caplog, method, url, raw, headers)
+
+
+def _mutations(valid):
+    """Ways to break a valid JSON document."""
+    return st.one_of(
+        st.builds(lambda cut: valid[:cut], st.integers(0, max(0, len(valid) - 1))),
+        st.builds(lambda at, junk: valid[:at] + junk + valid[at:],
+                  st.integers(0, len(valid)),
+                  st.sampled_from([b"NaN", b"Infinity", b"-Infinity", b"\xff", b"\xc3",
+                                   b"\xed\xa0\x80", b"\x00", b",", b"}", b"]", b'"', b"\\",
+                                   b"1e400", b"-0", b"01", b"0x10", b"'a'", b"/*c*/", b"\n"])),
+        st.just(b"\xef\xbb\xbf" + valid),
+        st.just(valid.decode().encode("utf-16")),
+        st.just(valid.decode().encode("utf-32-le")),
+        st.just(valid + b" trailing"),
+        st.just(b" \t\r\n" + valid + b"\n"),
+    )
+
+
+RAW_CONSTANTS = [b"", b"{", b"}", b"[", b"nul", b"null", b"true", b"0", b'""', b"NaN",
+                 b"Infinity", b"-Infinity", b'{"a": NaN}', b'{"a": Infinity}', b"1e400",
+                 b'{"email": "\\ud800@example.com"}', b'{"email": "\\udc00"}',
+                 b'{"\\ud800": 1}', b'{"email": "a@b.co", "email": 5}',
+                 b'{"creditLimit": 1' + b"0" * 5000 + b', "email": "big@example.com"}',
+                 b'{"quantity": -' + b"9" * 4500 + b"}",
+                 b'{"status": "SHIPPED", "tracking": {"carrier": "OTHER", "number": "123", '
+                 b'"url": "http://[::1"}}',
+                 b'{"customerId": 1e400, "items": [{"productId": "x", "quantity": 1e400}]}',
+                 b'{"items": [{"quantity": 1E+999, "productId": "p"}], "customerId": "c"}',
+                 b"\xff\xfe\x00\x00", b"\x00" * 10, b"{" * 5000, b"[" * 100_000,
+                 b'{"a":' * 2000 + b"1" + b"}" * 2000]
+
+
+@pytest.mark.parametrize("method,path", ROUTES, ids=ROUTE_IDS)
+@settings(max_examples=100, **HYPOTHESIS)
+@given(data=st.data())
+def test_raw_bytes_are_answered_2xx_or_json_4xx_without_side_effects(seeded, caplog, method,
+                                                                     path, data):
+    valid = encode_json(data.draw(body_strategy(seeded, method, path), label="valid"), True)
+    raw = data.draw(st.one_of(st.binary(max_size=64), st.sampled_from(RAW_CONSTANTS),
+                              _mutations(valid), _mutations(valid)), label="raw body")
+    url, headers = request_parts(data, seeded, method, path)
+    check(seeded, caplog, method, url, raw, headers)
+
+
+@pytest.mark.parametrize("method,path", LIST_ROUTES, ids=[f"{m} {p}" for m, p in LIST_ROUTES])
+@settings(max_examples=200, **HYPOTHESIS)
+@given(data=st.data())
+def test_odd_query_strings_on_lists(seeded, caplog, method, path, data):
+    query = data.draw(query_strategy(seeded), label="query")
+    response = check(seeded, caplog, method, path + ("?" + query if query else ""),
+                     headers=seeded.headers)
+    if response.status_int == 200:
+        page = response.json
+        own = {row[0] for table in ("products", "customers", "orders", "webhooks")
+               for row in seeded.db.conn.execute(f"SELECT id FROM {table}")}
+        assert all(record["id"] in own for record in page["data"])
+        if path != "/api/v1/webhooks":
+            assert set(page["pagination"]) == {"hasMore", "nextCursor"}
+            assert len(page["data"]) <= 100
+
+
+def _valid_body(seeded, method, path):
+    return {
+        "PATCH /api/v1/orders/<order_id>": {"status": "CONFIRMED"},
+        "PATCH /api/v1/customers/<customer_id>": {"name": "Renamed"},
+        "PATCH /api/v1/webhooks/<webhook_id>": {"isActive": True},
+    }.get(f"{method} {path}")
+
+
+@pytest.mark.parametrize("method,path", ID_ROUTES, ids=[f"{m} {p}" for m, p in ID_ROUTES])
+@settings(max_examples=100, **HYPOTHESIS)
+@given(data=st.data())
+def test_odd_path_ids_are_the_resources_404(seeded, caplog, method, path, data):
+    kind = kind_of(path)
+    odd = data.draw(st.one_of(texts, st.text(max_size=30), st.sampled_from(seeded.all_ids),
+                              st.sampled_from(["", ".", "..", "/", "?", "#", "%", "\\"])),
+                    label="id")
+    # What the route sees: bottle decodes the path as UTF-8 and drops invalid bytes.
+    seen = odd.encode("utf-8", "surrogatepass").decode("utf-8", "ignore")
+    assume(seen not in seeded.ids[kind])
+    body = _valid_body(seeded, method, path)
+    response = check(seeded, caplog, method, with_id(path, quote_id(odd)),
+                     None if body is None else json_body(body),
+                     dict(seeded.headers, **{"Content-Type": "application/json"}))
+    assert response.status_int == 404
+    # the route's own message, or the router's when the ID leaves the route (empty, or a "/")
+    routed = seen and "/" not in seen
+    expected = {"error": f"{RESOURCE[kind]} not found."} if routed else {"error": "Not found."}
+    assert response.json == expected
+
+
+@pytest.mark.parametrize("method,path", BODY_ROUTES, ids=[f"{m} {p}" for m, p in BODY_ROUTES])
+@settings(max_examples=40, **HYPOTHESIS)
+@given(data=st.data())
+def test_deeply_nested_bodies(seeded, caplog, method, path, data):
+    depth = data.draw(st.one_of(st.integers(1, 120), st.integers(120, 3000),
+                                st.sampled_from([10_000, 200_000])), label="depth")
+    opener, closer = data.draw(st.sampled_from([(b"[", b"]"), (b'{"a":', b"}"),
+                                                (b'{"items":[', b"]}")]), label="container")
+    leaf = data.draw(st.sampled_from([b"1", b'"x"', b'"\\u00e9"', b'"\\ud800"', b"null"]),
+                     label="leaf")
+    balanced = data.draw(st.booleans(), label="balanced")
+    raw = opener * depth + leaf + (closer * depth if balanced else b"")
+    if data.draw(st.booleans(), label="inside a real field"):
+        raw = b'{"email": "deep@example.com", "name": ' + raw + b', "status": ' + raw + b"}"
+    url = path if "<" not in path else with_id(path, seeded.ids[kind_of(path)][0])
+    check(seeded, caplog, method, url, raw,
+          dict(seeded.headers, **{"Content-Type": "application/json"}))
+
+
+ALLOWED = {}
+for _method, _path in ROUTES:
+    ALLOWED.setdefault(_path, set()).add(_method)
+WRONG_METHODS = [(m, p) for p in ALLOWED for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
+                 if m not in ALLOWED[p]]
+
+
+@pytest.mark.parametrize("method,path", WRONG_METHODS,
+                         ids=[f"{m} {p}" for m, p in WRONG_METHODS])
+def test_methods_outside_the_routes_are_json_405(seeded, caplog, method, path):
+    url = with_id(path, seeded.ids[kind_of(path)][0])
+    response = check(seeded, caplog, method, url, b'{"status": "CANCELLED"}',
+                     dict(seeded.headers, **{"Content-Type": "application/json"}))
+    assert response.status_int == 405
+    assert response.json == {"error": "Method not allowed."}
+
+
+@pytest.mark.parametrize("length", ["abc", "-1", "1e3", " 12 ", "", "99999999999999999999",
+                                    "0x10", "١٢"])
+@pytest.mark.parametrize("method,path", BODY_ROUTES, ids=[f"{m} {p}" for m, p in BODY_ROUTES])
+def test_odd_content_length_headers(seeded, caplog, method, path, length):
+    url = path if "<" not in path else with_id(path, seeded.ids[kind_of(path)][0])
+    check(seeded, caplog, method, url, b'{"name": "x"}',
+          dict(seeded.headers, **{"Content-Type": "application/json"}),
+          environ={"CONTENT_LENGTH": length})
+
+
+# Bugs found -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantity", [b"1" + b"0" * 309, b"-1" + b"0" * 309, b"9" * 3999],
+                         ids=["1e309", "-1e309", "3999 nines"])
+def test_huge_integer_quantity_is_400_not_500(seeded, caplog, quantity):
+    raw = b'{"customerId":"c","items":[{"productId":"p","quantity":' + quantity + b"}]}"
+    response = check(seeded, caplog, "POST", "/api/v1/orders", raw,
+                     dict(seeded.headers, **{"Content-Type": "application/json"}))
+    assert response.status_int == 400
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # hypothesis' failure report imports
+@settings(max_examples=20, phases=[Phase.generate], **HYPOTHESIS)
+@given(quantity=st.one_of(st.integers(min_value=2 ** 1024, max_value=10 ** 3998),
+                          st.integers(min_value=-(10 ** 3998), max_value=-(2 ** 1024))))
+def test_any_integer_quantity_beyond_doubles_is_400(seeded, caplog, quantity):
+    body = {"customerId": seeded.ids["customer"][0],
+            "items": [{"productId": seeded.ids["product"][0], "quantity": quantity}]}
+    response = check(seeded, caplog, "POST", "/api/v1/orders", json_body(body),
+                     dict(seeded.headers, **{"Content-Type": "application/json"}))
+    assert response.status_int == 400
+
+
+@pytest.mark.parametrize("method,path", BODY_ROUTES, ids=[f"{m} {p}" for m, p in BODY_ROUTES])
+def test_deep_nesting_with_unicode_escape_is_400_not_500(seeded, caplog, method, path):
+    url = path if "<" not in path else with_id(path, seeded.ids[kind_of(path)][0])
+    for depth in range(50, 1500, 10):  # the failing window depends on the stack in use
+        raw = b"[" * depth + b'"\\u0041"' + b"]" * depth
+        response = check(seeded, caplog, method, url, raw,
+                         dict(seeded.headers, **{"Content-Type": "application/json"}))
+        assert response.status_int == 400  # Invalid JSON body. / Validation failed.
+
+
+# ---------------------------------------------------------------------------------------------
+# B. Tenant isolation matrix
+# ---------------------------------------------------------------------------------------------
+
+class Companies:
+    """A (the `tenant` fixture) and B (the `other` fixture), each with products, customers,
+    orders and webhooks. B's names, SKUs, categories and emails carry tokens that nothing of
+    A's matches. Webhooks are created last, so no event is pending and nothing changes in the
+    background while a test looks."""
+
+    def __init__(self, app, api, a, b):
+        self.app, self.api, self.a, self.b = app, api, a, b
+        self.db = app.service.db
+        self.a_products = [a.product("Alpha Rice", 1000, stock=50, sku="AL-1",
+                                     category="Alphacat")]
+        self.b_products = [b.product("Zanzibarite Quinoa", 2000, stock=40, sku="ZQ-77",
+                                     category="Zanzicat"),
+                           b.product("Zanzibarite Old Stock", 500, stock=9, sku="ZQ-OLD",
+                                     category="Zanzicat", is_active=0)]
+        self.a_customers = [a.customer("alpha@alpha.example", name="Alpha Buyer")]
+        self.b_customers = [b.customer("zed@zanzibar.example", name="Zelda Zanzibar"),
+                            b.customer("blocked@zanzibar.example", name="Zoltan Blocked",
+                                       status="BLOCKED")]
+        self.a_orders = [self._order(a, self.a_customers[0], self.a_products[0])]
+        self.b_orders = [self._order(b, self.b_customers[0], self.b_products[0]),
+                         self._order(b, self.b_customers[1], self.b_products[0])]
+        api.patch_json(f"/api/v1/orders/{self.b_orders[1]['id']}", {
+            "status": "SHIPPED", "tracking": {"carrier": "CARRIER_A", "number": "ZZ123"}},
+            headers=b.headers, status=200)
+        self.a_webhooks = [self._webhook(a)]
+        self.b_webhooks = [self._webhook(b)]
+        self.records = {
+            "a": {"product": self.a_products, "customer": self.a_customers,
+                  "order": self.a_orders, "webhook": self.a_webhooks},
+            "b": {"product": self.b_products, "customer": self.b_customers,
+                  "order": self.b_orders, "webhook": self.b_webhooks},
+        }
+        self.b_ids = {r["id"] for records in self.records["b"].values() for r in records}
+
+    def _order(self, tenant, customer, product):
+        return place(self.api, tenant, [{"productId": product["id"], "quantity": 2}],
+                     customer_id=customer["id"], poNumber="PO-" + tenant.company["slug"]
+                     ).json["data"]
+
+    def _webhook(self, tenant):
+        return self.api.post_json("/api/v1/webhooks", {
+            "url": SEED_HOOK, "events": list(ordering.EVENT_CATALOG)}, headers=tenant.headers,
+            status=201).json["data"]
+
+    def b_id(self, kind, index=0):
+        return self.records["b"][kind][index]["id"]
+
+    def b_state(self):
+        """Every row that belongs to B, in every business table."""
+        company = self.b.id
+        conn = self.db.conn
+        state = {}
+        for table in ("products", "customers", "orders", "webhooks", "events"):
+            state[table] = [tuple(r) for r in conn.execute(
+                f"SELECT * FROM {table} WHERE company_id = ? ORDER BY id", (company,))]
+        state["order_items"] = [tuple(r) for r in conn.execute(
+            "SELECT i.* FROM order_items i JOIN orders o ON o.id = i.order_id "
+            "WHERE o.company_id = ? ORDER BY i.id", (company,))]
+        state["deliveries"] = [tuple(r) for r in conn.execute(
+            "SELECT d.* FROM deliveries d JOIN webhooks w ON w.id = d.webhook_id "
+            "WHERE w.company_id = ? ORDER BY d.id", (company,))]
+        return state
+
+    def b_view(self, kind, record_id):
+        """B's own view of one of its records (its key, its GET)."""
+        return self.api.get(f"/api/v1/{kind}s/{record_id}", headers=self.b.headers,
+                            status=200).json
+
+
+@pytest.fixture
+def companies(app, api, tenant, other):
+    return Companies(app, api, tenant, other)
+
+
+def made_up(kind):
+    """An ID of the right shape that no company has."""
+    return ordering.new_id(PREFIX[kind])
+
+
+def as_a(companies, method, url, body=None):
+    """A request with A's key; returns (status, JSON body)."""
+    headers = dict(companies.a.headers)
+    raw = None
+    if body is not None:
+        raw = body if isinstance(body, bytes) else json_body(body)
+        headers["Content-Type"] = "application/json"
+    params = {} if raw is None else {"body": raw}
+    response = companies.api.request(url, method=method, headers=headers, expect_errors=True,
+                                     **params)
+    assert response.status_int != 500, f"500 for {method} {url} {raw!r}"
+    assert response.content_type == "application/json"
+    return response.status_int, response.json
+
+
+KINDS = ["product", "order", "customer", "webhook"]
+ID_FORMS = {
+    "exact": lambda i: i,
+    "percent-encoded": lambda i: "".join(f"%{b:02X}" for b in i.encode()),
+    "swapped case": lambda i: i.swapcase(),
+    "padded": lambda i: urllib.parse.quote(" " + i + " "),
+    "with NUL": lambda i: i + "%00",
+}
+
+
+@pytest.mark.parametrize("form", list(ID_FORMS))
+@pytest.mark.parametrize("kind", KINDS)
+def test_get_of_other_companys_record_is_the_same_404_as_a_made_up_id(companies, kind, form):
+    before = companies.b_state()
+    status, body = as_a(companies, "GET", f"/api/v1/{kind}s/{ID_FORMS[form](companies.b_id(kind))}")
+    made_status, made_body = as_a(companies, "GET",
+                                  f"/api/v1/{kind}s/{ID_FORMS[form](made_up(kind))}")
+    assert (status, body) == (404, {"error": f"{RESOURCE[kind]} not found."})
+    assert (status, body) == (made_status, made_body)
+    assert companies.b_state() == before
+
+
+PATCHES = [
+    ("order", {"status": "CANCELLED"}),
+    ("order", {"status": "SUBMITTED"}),
+    ("order", {"status": "SHIPPED", "tracking": {"carrier": "OTHER", "number": "EVIL-1",
+                                                 "url": "https://evil.example/track"}}),
+    ("customer", {"name": "Hijacked"}),
+    ("customer", {"status": "BLOCKED"}),
+    ("customer", {"notes": "owned", "creditLimit": 1, "taxRateOverride": 0.3}),
+    ("customer", {}),
+    ("webhook", {"url": "https://evil.example/steal"}),
+    ("webhook", {"isActive": False}),
+    ("webhook", {"events": ["order.created"]}),
+    ("webhook", {}),
+]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["first", "second"])
+@pytest.mark.parametrize("kind,body", PATCHES,
+                         ids=[f"{k}-{json.dumps(b)[:40]}" for k, b in PATCHES])
+def test_patch_of_other_companys_record_is_404_and_changes_nothing(companies, kind, body, index):
+    records = companies.records["b"][kind]
+    target = records[min(index, len(records) - 1)]["id"]
+    view = companies.b_view(kind, target)
+    before = companies.b_state()
+    status, answer = as_a(companies, "PATCH", f"/api/v1/{kind}s/{target}", body)
+    made = as_a(companies, "PATCH", f"/api/v1/{kind}s/{made_up(kind)}", body)
+    assert (status, answer) == (404, {"error": f"{RESOURCE[kind]} not found."})
+    assert (status, answer) == made
+    assert companies.b_state() == before
+    assert companies.b_view(kind, target) == view
+
+
+@pytest.mark.parametrize("body", [None, {}, {"confirm": True}], ids=["no body", "empty", "junk"])
+def test_delete_of_other_companys_webhook_is_404_and_keeps_it(companies, body):
+    target = companies.b_id("webhook")
+    view = companies.b_view("webhook", target)
+    before = companies.b_state()
+    status, answer = as_a(companies, "DELETE", f"/api/v1/webhooks/{target}", body)
+    made = as_a(companies, "DELETE", f"/api/v1/webhooks/{made_up('webhook')}", body)
+    assert (status, answer) == (404, {"error": "Webhook not found."})
+    assert (status, answer) == made
+    assert companies.b_state() == before
+    assert companies.b_view("webhook", target) == view
+
+
+# The same answer for B's ID as for an ID nobody has, whatever the body: no operation lets A
+# tell "exists elsewhere" from "does not exist".
+INFER_BODIES = {
+    "valid": {"order": {"status": "CONFIRMED"}, "customer": {"name": "N"},
+              "webhook": {"isActive": True}},
+    "invalid": {"order": {"status": "BOGUS"}, "customer": {"email": "x@y.io"},
+                "webhook": {"url": "ftp://x"}},
+    "wrong type": {"order": [], "customer": "text", "webhook": 7},
+    "not JSON": {"order": b"{", "customer": b"\xff", "webhook": b"NaN"},
+}
+
+
+@pytest.mark.parametrize("body_kind", list(INFER_BODIES))
+@pytest.mark.parametrize("method,path", ID_ROUTES, ids=[f"{m} {p}" for m, p in ID_ROUTES])
+def test_no_answer_tells_other_companys_id_from_a_made_up_one(companies, method, path,
+                                                              body_kind):
+    kind = kind_of(path)
+    body = INFER_BODIES[body_kind].get(kind, {"ignored": True})
+    before = companies.b_state()
+    for index, record in enumerate(companies.records["b"][kind]):
+        theirs = as_a(companies, method, with_id(path, record["id"]), body)
+        nobodys = as_a(companies, method, with_id(path, made_up(kind)), body)
+        assert theirs == nobodys
+        assert theirs[0] in (400, 404)
+    assert companies.b_state() == before
+
+
+LIST_QUERIES = [
+    ("products", ""), ("products", "limit=100"), ("products", "limit=1"),
+    ("products", "active=true"), ("products", "active=false"), ("products", "search=%25"),
+    ("products", "search=_"), ("products", "search=a"), ("products", "search=%20"),
+    ("orders", ""), ("orders", "limit=100"), ("orders", "limit=1"), ("orders", "status=SHIPPED"),
+    ("orders", "status=SUBMITTED"), ("orders", "since=2000-01-01"),
+    ("orders", "until=2999-01-01"),
+    ("customers", ""), ("customers", "limit=100"), ("customers", "limit=1"),
+    ("customers", "status=BLOCKED"), ("customers", "status=ACTIVE"),
+    ("customers", "search=%40"), ("customers", "search=example"), ("customers", "search=e"),
+    ("webhooks", ""), ("webhooks", "limit=100"),
+]
+
+
+@pytest.mark.parametrize("resource,query", LIST_QUERIES,
+                         ids=[f"{r}?{q}" for r, q in LIST_QUERIES])
+def test_lists_never_contain_other_companys_records(companies, resource, query):
+    kind = KIND_OF_PATH[resource]
+    a_ids = {r["id"] for r in companies.records["a"][kind]}
+    seen, url = [], f"/api/v1/{resource}?{query}"
+    for _ in range(10):  # follow the cursor through every page
+        status, page = as_a(companies, "GET", url)
+        assert status == 200
+        seen += [record["id"] for record in page["data"]]
+        cursor = (page.get("pagination") or {}).get("nextCursor")
+        if not cursor:
+            break
+        url = f"/api/v1/{resource}?{query}&cursor={cursor}"
+    assert not set(seen) & companies.b_ids
+    assert set(seen) <= a_ids
+
+
+CURSOR_CASES = [(r, k) for r in ("products", "orders", "customers") for k in KINDS]
+
+
+@pytest.mark.parametrize("resource,kind", CURSOR_CASES,
+                         ids=[f"{r}-cursor-of-{k}" for r, k in CURSOR_CASES])
+def test_other_companys_id_as_cursor_gives_the_empty_last_page(companies, resource, kind):
+    for record in companies.records["b"][kind]:
+        for query in (f"cursor={record['id']}", f"cursor={record['id']}&limit=1"):
+            status, page = as_a(companies, "GET", f"/api/v1/{resource}?{query}")
+            assert (status, page) == (200, EMPTY_PAGE)
+            nobodys = query.replace(record["id"], made_up(kind))
+            assert (status, page) == as_a(companies, "GET", f"/api/v1/{resource}?{nobodys}")
+
+
+def test_webhook_list_ignores_other_companys_id_as_cursor(companies):
+    status, page = as_a(companies, "GET", f"/api/v1/webhooks?cursor={companies.b_id('webhook')}")
+    assert status == 200
+    assert [w["id"] for w in page["data"]] == [w["id"] for w in companies.a_webhooks]
+
+
+@pytest.mark.parametrize("extra", ["", "&status=SUBMITTED", "&status=SHIPPED", "&limit=1",
+                                   "&since=2000-01-01"])
+@pytest.mark.parametrize("index", [0, 1], ids=["active customer", "blocked customer"])
+def test_filtering_orders_by_other_companys_customer_gives_nothing(companies, index, extra):
+    customer = companies.b_id("customer", index)
+    assert companies.api.get(f"/api/v1/orders?customerId={customer}", headers=companies.b.headers
+                             ).json["data"], "precondition: B sees orders of its customer"
+    status, page = as_a(companies, "GET", f"/api/v1/orders?customerId={customer}{extra}")
+    assert (status, page) == (200, EMPTY_PAGE)
+    assert (status, page) == as_a(companies, "GET",
+                                  f"/api/v1/orders?customerId={made_up('customer')}{extra}")
+
+
+B_ONLY_TERMS = [
+    ("products", "search=Zanzibarite"), ("products", "search=zanzibarite"),
+    ("products", "search=QUINOA"), ("products", "search=ZQ-77"), ("products", "search=zq-old"),
+    ("products", "search=Zanzicat"), ("products", "category=Zanzicat"),
+    ("products", "search=Zanzibarite&active=false"), ("products", "category=Zanzicat&active=true"),
+    ("customers", "search=zanzibar"), ("customers", "search=ZED%40ZANZIBAR.EXAMPLE"),
+    ("customers", "search=Zelda"), ("customers", "search=zoltan"),
+    ("customers", "search=zanzibar&status=BLOCKED"),
+]
+
+
+@pytest.mark.parametrize("resource,query", B_ONLY_TERMS,
+                         ids=[f"{r}?{q}" for r, q in B_ONLY_TERMS])
+def test_search_terms_only_other_companys_records_match_give_nothing(companies, resource, query):
+    theirs = companies.api.get(f"/api/v1/{resource}?{query}", headers=companies.b.headers).json
+    assert theirs["data"], "precondition: the term matches B's records for B"
+    status, page = as_a(companies, "GET", f"/api/v1/{resource}?{query}")
+    assert (status, page) == (200, EMPTY_PAGE)
+
+
+ORDER_PRODUCT_CASES = {
+    "B's active product": lambda c: [("b", 0)],
+    "B's inactive product": lambda c: [("b", 1)],
+    "A's product then B's": lambda c: [("a", 0), ("b", 0)],
+    "B's product twice": lambda c: [("b", 0), ("b", 0)],
+}
+
+
+@pytest.mark.parametrize("case", list(ORDER_PRODUCT_CASES))
+def test_order_with_other_companys_product_is_the_same_400_as_a_made_up_one(companies, case):
+    lines = ORDER_PRODUCT_CASES[case](companies)
+    customer = companies.a_customers[0]["id"]
+    products = {"a": companies.a_products, "b": companies.b_products}
+
+    def body(ids):
+        return {"customerId": customer, "items": [{"productId": i, "quantity": 1} for i in ids]}
+    theirs = [products[owner][index]["id"] for owner, index in lines]
+    b_product = next(products[o][i]["id"] for o, i in lines if o == "b")
+    nobodys_id = made_up("product")
+    nobodys = [nobodys_id if i == b_product else i for i in theirs]
+    before, a_stock = companies.b_state(), companies.a.stock(companies.a_products[0]["id"])
+    orders_before = companies.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0]
+    status, answer = as_a(companies, "POST", "/api/v1/orders", body(theirs))
+    made_status, made_answer = as_a(companies, "POST", "/api/v1/orders", body(nobodys))
+    assert (status, answer) == (400, {"error": f'Product "{b_product}" not found or is inactive.'})
+    assert (made_status, made_answer) == (
+        400, {"error": f'Product "{nobodys_id}" not found or is inactive.'})
+    assert companies.b_state() == before
+    assert companies.a.stock(companies.a_products[0]["id"]) == a_stock
+    assert companies.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == orders_before
+
+
+@pytest.mark.parametrize("product_owner", ["a", "b"])
+@pytest.mark.parametrize("index", [0, 1], ids=["active customer", "blocked customer"])
+def test_order_for_other_companys_customer_is_the_same_404_as_a_made_up_one(companies, index,
+                                                                            product_owner):
+    product = {"a": companies.a_products, "b": companies.b_products}[product_owner][0]["id"]
+    before, a_stock = companies.b_state(), companies.a.stock(companies.a_products[0]["id"])
+
+    def body(customer):
+        return {"customerId": customer, "items": [{"productId": product, "quantity": 1}]}
+    theirs = as_a(companies, "POST", "/api/v1/orders", body(companies.b_id("customer", index)))
+    nobodys = as_a(companies, "POST", "/api/v1/orders", body(made_up("customer")))
+    assert theirs == (404, {"error": "Customer not found."})
+    assert theirs == nobodys
+    assert companies.b_state() == before
+    assert companies.a.stock(companies.a_products[0]["id"]) == a_stock
+
+
+def _idempotent_bodies(c, resource):
+    """(B's body, A's different body)."""
+    if resource == "orders":
+        return ({"customerId": c.b_id("customer"),
+                 "items": [{"productId": c.b_id("product"), "quantity": 1}]},
+                {"customerId": c.a_customers[0]["id"],
+                 "items": [{"productId": c.a_products[0]["id"], "quantity": 1}]})
+    if resource == "customers":
+        return {"email": "shared@idem.example", "name": "B's"}, {"email": "mine@idem.example"}
+    return ({"url": "https://hooks.example/b-idem", "events": ["order.created"]},
+            {"url": "https://hooks.example/a-idem", "events": ["order.shipped"]})
+
+
+@pytest.mark.parametrize("same_body", [True, False], ids=["same body", "different body"])
+@pytest.mark.parametrize("resource", ["orders", "customers", "webhooks"])
+def test_idempotency_key_of_other_company_is_not_replayed(companies, resource, same_body):
+    c = companies
+    key = "shared-key-1"
+    b_body, a_other_body = _idempotent_bodies(c, resource)
+    b_first = c.api.post_json(f"/api/v1/{resource}", b_body,
+                              headers=dict(c.b.headers, **{"Idempotency-Key": key}), status=201)
+    a_body = b_body if same_body else a_other_body
+    b_state = c.b_state()
+    a_first = c.api.post_json(f"/api/v1/{resource}", a_body,
+                              headers=dict(c.a.headers, **{"Idempotency-Key": key}),
+                              expect_errors=True)
+    assert "Idempotent-Replayed" not in a_first.headers
+    assert a_first.body != b_first.body
+    assert b_first.json["data"]["id"] not in a_first.text
+    if resource == "orders" and same_body:  # B's customer is not A's: A's own answer
+        assert_error(a_first, 404, "Customer not found.")
+    else:
+        assert a_first.status_int == 201, a_first.body
+        mine = a_first.json["data"]
+        assert mine["id"] != b_first.json["data"]["id"]
+        assert as_a(c, "GET", f"/api/v1/{resource}/{mine['id']}")[0] == 200
+        assert c.api.get(f"/api/v1/{resource}/{mine['id']}", headers=c.b.headers,
+                         expect_errors=True).status_int == 404
+        if resource == "webhooks":
+            assert mine["secret"] != b_first.json["data"]["secret"]
+    # B's stored response is untouched: B still gets its own bytes back, A its own.
+    b_again = c.api.post_json(f"/api/v1/{resource}", b_body,
+                              headers=dict(c.b.headers, **{"Idempotency-Key": key}),
+                              expect_errors=True)
+    assert b_again.body == b_first.body and b_again.headers["Idempotent-Replayed"] == "true"
+    a_again = c.api.post_json(f"/api/v1/{resource}", a_body,
+                              headers=dict(c.a.headers, **{"Idempotency-Key": key}),
+                              expect_errors=True)
+    assert a_again.body == a_first.body and a_again.headers["Idempotent-Replayed"] == "true"
+    # (B's own events of the first POST may be delivered meanwhile: outbox left out)
+    assert {k: v for k, v in c.b_state().items() if k not in ("events", "deliveries")} == \
+        {k: v for k, v in b_state.items() if k not in ("events", "deliveries")}
+
+
+@pytest.mark.parametrize("email", ["zed@zanzibar.example", "ZED@Zanzibar.Example",
+                                   " zed@zanzibar.example "])
+def test_other_companys_customer_email_is_free_in_this_company(companies, email):
+    before = companies.b_state()
+    status, answer = as_a(companies, "POST", "/api/v1/customers", {"email": email})
+    assert status == 201, answer
+    assert answer["data"]["id"] not in companies.b_ids
+    assert companies.b_view("customer", companies.b_id("customer"))["data"]["email"] == \
+        "zed@zanzibar.example"
+    b_after = companies.b_state()
+    assert {k: v for k, v in b_after.items()} == before
+
+
+def test_other_companys_webhook_cap_does_not_apply_here(companies):
+    for n in range(ordering.MAX_WEBHOOKS - len(companies.b_webhooks)):
+        companies.api.post_json("/api/v1/webhooks", {"url": f"{SEED_HOOK}/{n}",
+                                                     "events": ["order.created"]},
+                                headers=companies.b.headers, status=201)
+    assert_error(companies.api.post_json("/api/v1/webhooks", {"url": SEED_HOOK, "events": [
+        "order.created"]}, headers=companies.b.headers, status=409), 409,
+        "Maximum of 10 webhooks per company.")
+    status, answer = as_a(companies, "POST", "/api/v1/webhooks",
+                          {"url": "https://hooks.example/a-2", "events": ["order.created"]})
+    assert status == 201, answer
+    status, page = as_a(companies, "GET", "/api/v1/webhooks")
+    assert {w["id"] for w in page["data"]} == {w["id"] for w in companies.a_webhooks} | {
+        answer["data"]["id"]}
