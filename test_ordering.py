@@ -1716,7 +1716,8 @@ def settle(db_path, timeout=10):
     conn = read_db(db_path)
     try:
         while True:
-            left = conn.execute("SELECT COUNT(*) FROM deliveries WHERE state != 'done'").fetchone()[0]
+            left = conn.execute(
+                "SELECT COUNT(*) FROM deliveries WHERE state != 'done'").fetchone()[0]
             if left == 0:
                 return True
             if time.monotonic() > deadline:
@@ -2504,7 +2505,7 @@ def test_delivery_timeout_is_a_failure(db_path, receiver):
 
 
 def test_delivery_to_hanging_receiver_does_not_slow_the_api(api, tenant, receiver, db_path):
-    subscribe(api, tenant, receiver.url + "/hang", ["customer.created"])
+    hook = subscribe(api, tenant, receiver.url + "/hang", ["customer.created"])
     receiver.behaviour["/hang"] = (200, 3, {})
     started = time.monotonic()
     api.post_json("/api/v1/customers", {"email": "fast@example.com"}, headers=tenant.headers,
@@ -2515,6 +2516,19 @@ def test_delivery_to_hanging_receiver_does_not_slow_the_api(api, tenant, receive
     api.post_json("/api/v1/customers", {"email": "faster@example.com"},
                   headers=tenant.headers, status=201)
     assert time.monotonic() - started < 1.0
+    # The first delivery is meanwhile in flight (claimed, not answered).
+    deadline = time.monotonic() + 2
+    conn = read_db(db_path)
+    try:
+        while True:
+            states = [row[0] for row in conn.execute(
+                "SELECT state FROM deliveries WHERE webhook_id = ?", (hook["id"],))]
+            if "sending" in states or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        conn.close()
+    assert "sending" in states
     assert receiver.requests == []
 
 
@@ -2716,7 +2730,7 @@ def test_cli_storefront_register_prints_customer_and_delivers(quiet_api, quiet_t
                                                               db_path):
     secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])["secret"]
     printed = ev_cli_json(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
-                       "--email", "cli@example.com", "--name", "Cli", "--password", "s3cret!!")
+                          "--email", "cli@example.com", "--name", "Cli", "--password", "s3cret!!")
     assert set(printed) == CUSTOMER_FIELDS
     assert printed["email"] == "cli@example.com" and printed["name"] == "Cli"
     # The command delivers before it exits.
@@ -2728,9 +2742,9 @@ def test_cli_storefront_register_prints_customer_and_delivers(quiet_api, quiet_t
 
 def test_cli_storefront_register_bad_input_fails(quiet_tenant, db_path):
     ev_cli_fails(db_path, "storefront-register", "--store", "no-such-store", "--email",
-              "x@example.com", message="Store not found.")
+                 "x@example.com", message="Store not found.")
     ev_cli_fails(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
-              "--email", "not-an-email", message="Invalid email address.")
+                 "--email", "not-an-email", message="Invalid email address.")
 
 
 def test_cli_storefront_order_prints_order_and_delivers(quiet_api, quiet_tenant, receiver,
@@ -2739,8 +2753,8 @@ def test_cli_storefront_order_prints_order_and_delivers(quiet_api, quiet_tenant,
     product = quiet_tenant.product(price_cents=300, stock=20)
     customer = quiet_tenant.customer()
     printed = ev_cli_json(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
-                       "--customer", customer["id"], "--item", f"{product['id']}:3",
-                       "--item", f"{product['id']}:1", "--po-number", "PO-CLI")
+                          "--customer", customer["id"], "--item", f"{product['id']}:3",
+                          "--item", f"{product['id']}:1", "--po-number", "PO-CLI")
     assert set(printed) == ORDER_FIELDS
     assert printed["status"] == "SUBMITTED" and printed["total"] == 12.0
     data = assert_signed(one(receiver, "order.created", timeout=2), secret, "order.created",
@@ -2752,10 +2766,10 @@ def test_cli_storefront_order_prints_order_and_delivers(quiet_api, quiet_tenant,
 def test_cli_storefront_order_bad_input_fails(quiet_tenant, db_path):
     customer = quiet_tenant.customer()
     ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
-              "--customer", customer["id"], "--item", "no-quantity")
+                 "--customer", customer["id"], "--item", "no-quantity")
     ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
-              "--customer", customer["id"], "--item", "prod_missing:1",
-              message='Product "prod_missing" not found or is inactive.')
+                 "--customer", customer["id"], "--item", "prod_missing:1",
+                 message='Product "prod_missing" not found or is inactive.')
 
 
 def _quiet_order(quiet_api, quiet_tenant, lines=1):
@@ -2880,10 +2894,10 @@ def test_cli_return_commands_bad_input_fail(quiet_api, quiet_tenant, db_path):
 def test_cli_invoice_paid_prints_and_delivers(quiet_api, quiet_tenant, receiver, db_path):
     secret = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["invoice.paid"])["secret"]
     printed = ev_cli_json(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id",
-                       "in_cli_1", "--amount-paid", "99.00", "--currency", "eur",
-                       "--hosted-invoice-url", "https://billing.example/in_cli_1",
-                       "--number", "INV-9", "--period-start", "2026-03-01",
-                       "--period-end", "2026-04-01T00:00:00Z")
+                          "in_cli_1", "--amount-paid", "99.00", "--currency", "eur",
+                          "--hosted-invoice-url", "https://billing.example/in_cli_1",
+                          "--number", "INV-9", "--period-start", "2026-03-01",
+                          "--period-end", "2026-04-01T00:00:00Z")
     data = assert_signed(one(receiver, "invoice.paid", timeout=2), secret, "invoice.paid",
                          db_path)
     assert data == printed
@@ -2897,10 +2911,10 @@ def test_cli_invoice_paid_bad_input_fails(quiet_tenant, db_path):
     common = ["--amount-paid", "1.00", "--hosted-invoice-url", "https://billing.example/x",
               "--number", "N1", "--period-start", "2026-03-01", "--period-end", "2026-04-01"]
     ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
-              "--currency", "USD", *common)
+                 "--currency", "USD", *common)
     ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
-              "--currency", "usd", "--amount-paid", "lots",
-              *common[2:])
+                 "--currency", "usd", "--amount-paid", "lots",
+                 *common[2:])
 
 
 def test_cli_webhook_rotate_secret_prints_new_secret(quiet_api, quiet_tenant, receiver,
@@ -2921,7 +2935,7 @@ def test_cli_webhook_rotate_secret_prints_new_secret(quiet_api, quiet_tenant, re
 def test_cli_deliveries_prints_recent_log(quiet_api, quiet_tenant, receiver, db_path):
     hook = quiet_subscribe(quiet_api, quiet_tenant, receiver.url, ["customer.created"])
     ev_cli_json(db_path, "storefront-register", "--store", quiet_tenant.company["slug"],
-             "--email", "logged-cli@example.com")
+                "--email", "logged-cli@example.com")
     printed = ev_cli_json(db_path, "deliveries", hook["id"])
     assert set(printed) == {"webhookId", "deliveries"}
     assert printed["webhookId"] == hook["id"]
