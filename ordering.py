@@ -1954,6 +1954,648 @@ def remove_webhook(call, webhook_id):
     return {"data": delete_webhook(call.conn, call.company_id, webhook_id)}
 
 
+# The OpenAPI document -----------------------------------------------------------------------
+
+# OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
+# and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
+# error statuses). A route without an OPERATIONS entry stops openapi_document() with a
+# KeyError, so the document cannot fall behind the app. Schemas are JSON Schema 2020-12.
+
+OPENAPI_VERSION = "3.1.0"
+
+
+def schema_ref(name):
+    return {"$ref": "#/components/schemas/" + name}
+
+
+def nullable(schema):
+    """schema or null: `type: [..., "null"]`, or anyOf for a reference."""
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return dict(schema, type=[*types, "null"])
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def object_schema(properties, optional=(), closed=True, **keywords):
+    """An object whose properties are required except `optional`. Closed objects (responses,
+    events) carry no other field; open ones (request bodies) may, as unknown fields are
+    ignored."""
+    schema = {"type": "object", "properties": properties,
+              "required": [name for name in properties if name not in optional]}
+    if closed:
+        schema["additionalProperties"] = False
+    schema.update(keywords)
+    return schema
+
+
+def string_schema(min_length=None, max_length=None, **keywords):
+    schema = {"type": "string", **keywords}
+    if min_length is not None:
+        schema["minLength"] = min_length
+    if max_length is not None:
+        schema["maxLength"] = max_length
+    return schema
+
+
+def enum_schema(values):
+    return {"type": "string", "enum": list(values)}
+
+
+def integer_schema(minimum=None, maximum=None):
+    schema = {"type": "integer"}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def money_schema(maximum=None, exact=False):
+    """A JSON number of currency units (12.5 is 12.50). exact: a client's amount, which may not
+    have more than two decimal places (400 Validation failed.)."""
+    schema = {"type": "number", "minimum": 0}
+    if maximum is not None:
+        schema["maximum"] = maximum
+    if exact:
+        schema["multipleOf"] = 0.01
+    return schema
+
+
+BOOLEAN = {"type": "boolean"}
+ID_SCHEMA = string_schema(1)
+TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
+                    "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
+#: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
+URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
+_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|\d{1,4})"
+#: A URL a client sends: the common shape of what the service accepts.
+URL_INPUT_SCHEMA = string_schema(
+    1, 2048, pattern=rf"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9.-]+(:{_PORT})?([/?#][!-~]*)?$",
+    description="An http or https URL, at most 2048 characters, without credentials.")
+CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
+TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
+EVENT_NAMES = enum_schema(EVENT_CATALOG)
+
+_ORDER_FIELDS = {
+    "id": ID_SCHEMA,
+    "status": enum_schema(ORDER_STATUSES),
+    "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
+    "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
+    "total": money_schema(),
+    "createdAt": TIMESTAMP_SCHEMA,
+    "updatedAt": TIMESTAMP_SCHEMA,
+    "customerId": nullable(ID_SCHEMA),
+    "tracking": nullable(schema_ref("Tracking")),
+    "items": {"type": "array", "items": schema_ref("OrderItem")},
+}
+_CUSTOMER_INPUT = {
+    "name": nullable(string_schema(1, 200, pattern=r"\S", description="Trimmed.")),
+    "notes": nullable(string_schema(0, 2000)),
+    "creditLimit": nullable(money_schema(100_000_000, exact=True)),
+    "taxRateOverride": nullable(dict(TAX_RATE, description="null: the company's rate.")),
+    "status": enum_schema(CUSTOMER_STATUSES),
+}
+_WEBHOOK_INPUT = {
+    "url": URL_INPUT_SCHEMA,
+    "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1,
+               "description": "Replaces the whole list; duplicates are dropped."},
+    "isActive": dict(BOOLEAN, default=True),
+}
+
+
+def _webhook(with_secret):
+    fields = {
+        "id": ID_SCHEMA,
+        "url": URL_SCHEMA,
+        "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1, "uniqueItems": True},
+        "isActive": BOOLEAN,
+        "secretRotationGraceExpiresAt": nullable(TIMESTAMP_SCHEMA),
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }
+    if with_secret:
+        fields["secret"] = string_schema(pattern=r"^whsec_[A-Za-z0-9_-]{32}$", description=(
+            "Signs the deliveries. Returned by this response only."))
+    return object_schema(fields)
+
+
+COMPONENT_SCHEMAS = {
+    "Product": object_schema({
+        "id": ID_SCHEMA,
+        "name": string_schema(1),
+        "sku": nullable(string_schema()),
+        "description": nullable(string_schema()),
+        "category": nullable(string_schema()),
+        "unit": string_schema(1, description="Free text such as each, case, lb, kg."),
+        "price": money_schema(10_000_000_000),
+        "stock": integer_schema(0, MAX_QUANTITY),
+        "imageUrl": nullable(URL_SCHEMA),
+        "isActive": BOOLEAN,
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }),
+    "OrderItem": object_schema({
+        "id": ID_SCHEMA,
+        "quantity": integer_schema(1, MAX_QUANTITY),
+        "unitPrice": money_schema(),
+        "productId": ID_SCHEMA,
+        "productName": string_schema(),
+        "productSku": nullable(string_schema()),
+    }),
+    "Tracking": object_schema({
+        "carrier": enum_schema(CARRIERS),
+        "number": string_schema(3, 64),
+        "url": nullable(string_schema()),
+    }),
+    "Order": object_schema(_ORDER_FIELDS),
+    "Customer": object_schema({
+        "id": ID_SCHEMA,
+        "email": string_schema(3, 254),
+        "name": nullable(string_schema(1, 200)),
+        "status": enum_schema(CUSTOMER_STATUS_VALUES),
+        "notes": nullable(string_schema(0, 2000)),
+        "creditLimit": nullable(money_schema(100_000_000)),
+        "taxRateOverride": nullable(TAX_RATE),
+        "emailVerified": BOOLEAN,
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }),
+    "Webhook": _webhook(with_secret=False),
+    "WebhookWithSecret": _webhook(with_secret=True),
+    "WebhookDeleted": object_schema({"id": ID_SCHEMA, "deleted": {"const": True}}),
+    "Pagination": object_schema({"hasMore": BOOLEAN, "nextCursor": nullable(ID_SCHEMA)}),
+    "Error": object_schema({
+        "error": string_schema(description="The message (clients branch on status and text)."),
+        "details": {"type": "array", "minItems": 1,
+                    "items": object_schema({"field": string_schema(), "rule": string_schema()})},
+        "retryAfter": integer_schema(1),
+    }, optional=("details", "retryAfter")),
+    # Request bodies. A body that is not a JSON object is 400; unknown fields are ignored.
+    "OrderCreate": object_schema({
+        "customerId": ID_SCHEMA,
+        "items": {"type": "array", "minItems": 1, "maxItems": MAX_ORDER_LINES,
+                  "description": "Lines of one product are checked together against its stock.",
+                  "items": object_schema({"productId": ID_SCHEMA,
+                                          "quantity": integer_schema(1, MAX_QUANTITY)},
+                                         closed=False)},
+        "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
+        "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
+    }, optional=("poNumber", "notes"), closed=False),
+    "TrackingInput": object_schema({
+        "carrier": enum_schema(CARRIERS),
+        "number": string_schema(3, 64, pattern=r"\S[\s\S]+\S",
+                                description="Stripped; 3 to 64 characters without the "
+                                            "surrounding whitespace."),
+        "url": nullable(dict(URL_INPUT_SCHEMA, description=(
+            "Required for OTHER. For the named carriers the service builds the link from the "
+            "number; a URL given here overrides it."))),
+    }, optional=("url",), closed=False, **{
+        "if": {"properties": {"carrier": {"const": "OTHER"}}},
+        "then": {"required": ["url"], "properties": {"url": {"type": "string"}}}}),
+    "OrderUpdate": object_schema({
+        "status": enum_schema(ORDER_STATUSES),
+        "tracking": nullable(dict(schema_ref("TrackingInput"), description=(
+            "Only with status SHIPPED. Once set, tracking stays through later changes."))),
+    }, optional=("tracking",), closed=False, **{
+        "if": {"required": ["tracking"], "properties": {"tracking": {"type": "object"}}},
+        "then": {"properties": {"status": {"const": "SHIPPED"}}}}),
+    "CustomerCreate": object_schema({
+        "email": string_schema(3, 254, format="email", description=(
+            "Trimmed; unique within the company, ignoring case (409).")),
+        **_CUSTOMER_INPUT,
+    }, optional=tuple(_CUSTOMER_INPUT), closed=False),
+    "CustomerUpdate": object_schema(
+        {**_CUSTOMER_INPUT, "email": False}, optional=(*_CUSTOMER_INPUT, "email"), closed=False,
+        description="Only what changes; null clears name, notes, creditLimit and "
+                    "taxRateOverride. Sending email is 400: it cannot be changed."),
+    "WebhookCreate": object_schema(_WEBHOOK_INPUT, optional=("isActive",), closed=False),
+    "WebhookUpdate": object_schema(_WEBHOOK_INPUT, optional=tuple(_WEBHOOK_INPUT),
+                                   closed=False),
+}
+
+
+# Event payloads: the `data` of each event, exactly as emit() is given it.
+
+def _order_summary(**more):
+    return object_schema({"id": ID_SCHEMA, "previousStatus": enum_schema(ORDER_STATUSES),
+                          "total": money_schema(), "customerId": nullable(ID_SCHEMA), **more})
+
+
+_PRODUCT_NAMES = {"id": ID_SCHEMA, "sku": nullable(string_schema()), "name": string_schema()}
+_CUSTOMER_NAMES = {"id": ID_SCHEMA, "email": string_schema(), "name": nullable(string_schema())}
+_RETURN_NAMES = {"id": ID_SCHEMA, "orderId": ID_SCHEMA, "customerId": nullable(ID_SCHEMA)}
+
+EVENT_PAYLOADS = {
+    "order.created": {"oneOf": [
+        object_schema({k: v for k, v in _ORDER_FIELDS.items() if k != "tracking"},
+                      description="Through the API: the Order, without tracking."),
+        object_schema({"id": ID_SCHEMA, "status": {"const": "SUBMITTED"},
+                       "total": money_schema(), "customerId": ID_SCHEMA,
+                       "poNumber": nullable(string_schema()), "itemCount": integer_schema(1)},
+                      description="On the storefront: the number of lines, no items."),
+    ]},
+    "order.status_changed": object_schema(
+        {**_ORDER_FIELDS, "previousStatus": enum_schema(ORDER_STATUSES)}),
+    "order.shipped": _order_summary(tracking=nullable(schema_ref("Tracking"))),
+    "order.cancelled": _order_summary(),
+    "customer.created": {"oneOf": [
+        object_schema({**_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
+                       "source": {"const": "api"}}),
+        object_schema({**_CUSTOMER_NAMES, "storeSlug": string_schema(1),
+                       "source": {"const": "storefront"}}),
+    ]},
+    "customer.updated": object_schema({
+        **_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
+        "previousStatus": enum_schema(CUSTOMER_STATUS_VALUES),
+    }, optional=("previousStatus",), description="previousStatus: when the status changed."),
+    "product.updated": {"oneOf": [
+        object_schema({**_PRODUCT_NAMES, "price": money_schema(), "stock": integer_schema(0),
+                       "isActive": BOOLEAN, "category": nullable(string_schema())}),
+        object_schema({**_PRODUCT_NAMES, "isActive": BOOLEAN},
+                      description="When only the active flag changed."),
+    ]},
+    "product.low_stock": object_schema({
+        **_PRODUCT_NAMES, "currentStock": integer_schema(), "threshold": integer_schema(0),
+        "triggeringOrderId": nullable(ID_SCHEMA)}),
+    "invoice.paid": object_schema({
+        "stripeInvoiceId": string_schema(1), "amountPaid": money_schema(),
+        "currency": string_schema(pattern="^[a-z]{3}$"), "hostedInvoiceUrl": URL_SCHEMA,
+        "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
+        "periodEnd": TIMESTAMP_SCHEMA}),
+    "return.created": object_schema({
+        **_RETURN_NAMES, "itemCount": integer_schema(1), "reason": string_schema(3, 2000),
+        "status": {"const": "REQUESTED"}, "actor": {"const": "staff"},
+    }, optional=("actor",), description="actor: only when opened from the dashboard."),
+    "return.approved": object_schema({**_RETURN_NAMES, "status": {"const": "APPROVED"}}),
+    "refund.processed": object_schema({
+        "id": ID_SCHEMA, "returnId": ID_SCHEMA, "orderId": ID_SCHEMA,
+        "customerId": nullable(ID_SCHEMA), "amount": money_schema(),
+        "method": enum_schema(("CREDIT", "MANUAL")),
+        "breakdown": object_schema({"goodUnits": integer_schema(0),
+                                    "damagedUnits": integer_schema(0),
+                                    "subtotal": money_schema()})}),
+}
+
+
+def event_schema_name(event):
+    """order.status_changed: OrderStatusChangedPayload."""
+    return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
+
+
+# Operations
+
+def single(schema):
+    """{data: record}"""
+    return object_schema({"data": schema_ref(schema)})
+
+
+def list_of(schema):
+    """The pagination envelope: {data: [record...], pagination: {hasMore, nextCursor}}."""
+    return object_schema({"data": {"type": "array", "items": schema_ref(schema)},
+                          "pagination": schema_ref("Pagination")})
+
+
+def all_of(schema):
+    """{data: [record...]}, not paginated."""
+    return object_schema({"data": {"type": "array", "items": schema_ref(schema)}})
+
+
+def query_param(name, schema, description):
+    return {"name": name, "in": "query", "required": False, "schema": schema,
+            "description": description}
+
+
+def api_operation(response, errors, body=None, query=(), description="", messages=None):
+    """What OPERATIONS says of a route: its query parameters, request body (a schema name),
+    success body, error statuses, and the messages of some of them."""
+    return {"query": list(query), "body": body, "response": response,
+            "errors": tuple(sorted(set(errors))), "description": description,
+            "messages": messages or {}}
+
+
+AUTH_ERRORS = (401, 403, 429)
+BODY_ERRORS = (400, 413)
+PAGE_QUERY = (
+    query_param("limit", dict(integer_schema(1, 100), default=50),
+                "Page size. Read like JavaScript's parseInt: clamped to 1 to 100, 50 when it "
+                "is not a number."),
+    query_param("cursor", string_schema(),
+                "nextCursor of the previous page; one that matches no record gives an empty "
+                "last page."),
+)
+DATE_QUERY = string_schema(pattern=r"^\s*\d{4}(-\d{2}(-\d{2})?)?"
+                                   r"([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?)?\s*$")
+_VALIDATION = "Invalid JSON body. / Validation failed."
+
+OPERATIONS = {
+    ("GET", "/api/v1/products"): api_operation(
+        list_of("Product"), AUTH_ERRORS, description="Newest first.", query=(
+            *PAGE_QUERY,
+            query_param("category", string_schema(), "Exact match on category."),
+            query_param("search", string_schema(),
+                        "Substring of name, sku or category, ignoring case (Unicode folding)."),
+            query_param("active", enum_schema(("true", "false")),
+                        "Filter on isActive; another value is ignored."))),
+    ("GET", "/api/v1/products/<product_id>"): api_operation(
+        single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
+    ("GET", "/api/v1/orders"): api_operation(
+        list_of("Order"), AUTH_ERRORS + (400,), query=(
+            *PAGE_QUERY,
+            query_param("status", enum_schema(ORDER_STATUSES), "Exact match."),
+            query_param("customerId", string_schema(), "Orders of this customer only."),
+            query_param("since", DATE_QUERY,
+                        "createdAt >= since (inclusive): a date (UTC midnight), a year and "
+                        "month, or an ISO 8601 date-time (UTC when it has no offset)."),
+            query_param("until", DATE_QUERY, "createdAt <= until (inclusive), read as since.")),
+        description="Newest first, each element the full Order (items and tracking included).",
+        messages={400: "Invalid order status. / Validation failed. (since, until)"}),
+    ("GET", "/api/v1/orders/<order_id>"): api_operation(
+        single("Order"), AUTH_ERRORS + (404,), messages={404: "Order not found."}),
+    ("POST", "/api/v1/orders"): api_operation(
+        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 409), body="OrderCreate",
+        description="Checks the customer, then the products (active, of the company) and their "
+                    "stock, and in the same transaction decrements the stock and stores the "
+                    "order, SUBMITTED, at the catalog prices. Emits order.created.",
+        messages={400: f"{_VALIDATION} / customerId is required / At least one item is "
+                       "required / productId is required / quantity must be a number / "
+                       "quantity must be a whole number / quantity must be at least 1 / "
+                       "Product \"{id}\" not found or is inactive. / Insufficient stock for "
+                       "product \"{name}\". Available: {N}, requested: {M}.",
+                  404: "Customer not found."}),
+    ("PATCH", "/api/v1/orders/<order_id>"): api_operation(
+        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 422), body="OrderUpdate",
+        description="Any status may follow any other, except after CANCELLED. Emits "
+                    "order.status_changed, and order.shipped or order.cancelled.",
+        messages={400: f"{_VALIDATION} / Invalid order status. / Tracking info is only valid "
+                       "when status is SHIPPED. / Tracking URL is required when carrier is "
+                       "OTHER.",
+                  404: "Order not found.", 422: "Cannot update a cancelled order."}),
+    ("GET", "/api/v1/customers"): api_operation(
+        list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
+            *PAGE_QUERY,
+            query_param("status", enum_schema(CUSTOMER_STATUS_VALUES), "Exact match."),
+            query_param("search", string_schema(),
+                        "Substring of email or name, ignoring case (Unicode folding).")),
+        messages={400: "Invalid status."}),
+    ("GET", "/api/v1/customers/<customer_id>"): api_operation(
+        single("Customer"), AUTH_ERRORS + (404,), messages={404: "Customer not found."}),
+    ("POST", "/api/v1/customers"): api_operation(
+        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (409,), body="CustomerCreate",
+        description="emailVerified is false. Emits customer.created (source api).",
+        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / Credit "
+                       "limit must be between 0 and 100000000. / Tax rate override must be "
+                       "between 0 and 0.3. / Invalid status.",
+                  409: "A customer with this email already exists."}),
+    ("PATCH", "/api/v1/customers/<customer_id>"): api_operation(
+        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (404,), body="CustomerUpdate",
+        description="Emits customer.updated when something changed.",
+        messages={400: f"{_VALIDATION} / Credit limit must be between 0 and 100000000. / Tax "
+                       "rate override must be between 0 and 0.3. / Invalid status.",
+                  404: "Customer not found."}),
+    ("GET", "/api/v1/webhooks"): api_operation(
+        all_of("Webhook"), AUTH_ERRORS,
+        description=f"Not paginated (at most {MAX_WEBHOOKS}). Never includes the secret."),
+    ("GET", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("Webhook"), AUTH_ERRORS + (404,), messages={404: "Webhook not found."}),
+    ("POST", "/api/v1/webhooks"): api_operation(
+        single("WebhookWithSecret"), AUTH_ERRORS + BODY_ERRORS + (409,), body="WebhookCreate",
+        description="The only response that carries the secret.",
+        messages={400: f"{_VALIDATION} / URL is required. / Invalid URL. / At least one event "
+                       "is required. / Unknown event: \"{name}\".",
+                  409: f"Maximum of {MAX_WEBHOOKS} webhooks per company."}),
+    ("PATCH", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("Webhook"), AUTH_ERRORS + BODY_ERRORS + (404,), body="WebhookUpdate",
+        messages={400: f"{_VALIDATION} / Invalid URL. / At least one event is required. / "
+                       "Unknown event: \"{name}\".",
+                  404: "Webhook not found."}),
+    ("DELETE", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("WebhookDeleted"), AUTH_ERRORS + (404,),
+        description="Also removes its delivery log and pending deliveries; no undo.",
+        messages={404: "Webhook not found."}),
+}
+
+# Responses, headers and parameters every operation shares
+
+ERROR_RESPONSES = {
+    400: ("BadRequest", "Malformed JSON, failed validation (Validation failed. with details), "
+                        "or a bad Content-Length or Idempotency-Key header."),
+    401: ("Unauthorized", "Missing or invalid Authorization header. Use: Bearer <api_key> / "
+                          "Invalid, expired, or revoked API key."),
+    403: ("Forbidden", "Insufficient permissions. This key lacks the \"<scope>\" scope."),
+    404: ("NotFound", "Not found: also a record of another company, a malformed ID, or an "
+                      "unknown path (Not found.)."),
+    405: ("MethodNotAllowed", "Method not allowed. (a known path, another method)"),
+    409: ("Conflict", "Conflict."),
+    413: ("ContentTooLarge", "Request body too large. (over 1 MiB, refused before reading)"),
+    422: ("UnprocessableContent", "Refused by a business rule."),
+    429: ("TooManyRequests", "Rate limit exceeded. Try again shortly. Per key, or per client "
+                             "address before authentication; retryAfter is the Retry-After."),
+}
+_POST_MESSAGES = {
+    400: "Idempotency-Key must be 1 to 255 printable ASCII characters.",
+    409: "Idempotency-Key has already been used with a different request. / A request with "
+         "this Idempotency-Key is still in progress.",
+}
+
+
+def _header(description, schema, required=False):
+    return {"description": description, "required": required, "schema": schema}
+
+
+def rate_limit_headers(required):
+    """On every response to an authenticated request: not on 401, nor on a 429 of the
+    per-address limit, which come before the key is known."""
+    return {
+        "X-RateLimit-Limit": _header("Requests per minute for this key.", integer_schema(1),
+                                     required),
+        "X-RateLimit-Remaining": _header("Requests left in this one-minute window.",
+                                         integer_schema(0), required),
+        "X-RateLimit-Reset": _header("Whole seconds until the window resets.",
+                                     integer_schema(1, 60), required),
+    }
+
+
+def _json_content(schema):
+    return {"application/json": {"schema": schema}}
+
+
+def _error_response(status):
+    headers = rate_limit_headers(required=False)
+    if status == 429:
+        headers["Retry-After"] = _header("Whole seconds until the window resets.",
+                                         integer_schema(1), required=True)
+    return {"description": ERROR_RESPONSES[status][1], "headers": headers,
+            "content": _json_content(schema_ref("Error"))}
+
+
+_BOTTLE_WILDCARD = re.compile(r"<(\w+)(?::[^>]*)?>")
+
+
+def _operation_object(found, described):
+    path_parameters = [{"name": name, "in": "path", "required": True, "schema": ID_SCHEMA,
+                        "description": "An ID as the API returned it."}
+                       for name in _BOTTLE_WILDCARD.findall(found.path)]
+    headers = rate_limit_headers(required=True)
+    if found.method == "POST":
+        path_parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
+        headers["Idempotent-Replayed"] = _header(
+            "true on the stored response to an earlier request with the same Idempotency-Key "
+            "(errors other than 5xx are replayed too).", enum_schema(("true",)))
+    responses = {str(found.status): {"description": found.summary or "Success",
+                                     "headers": headers,
+                                     "content": _json_content(described["response"])}}
+    for status in described["errors"]:
+        response = {"$ref": "#/components/responses/" + ERROR_RESPONSES[status][0]}
+        messages = [text for text in (described["messages"].get(status),
+                                      found.method == "POST" and _POST_MESSAGES.get(status))
+                    if text]
+        if messages:
+            response["description"] = " / ".join(messages)
+        responses[str(status)] = response
+    operation = {
+        "operationId": found.handler.__name__,
+        "summary": found.summary,
+        "description": " ".join(filter(None, (f"Requires the `{found.scope}` scope.",
+                                              described["description"]))),
+        "tags": [found.path.split("/")[3]],
+        "security": [{"bearer": []}],
+        "x-required-scope": found.scope,
+        "parameters": [*path_parameters, *described["query"]],
+        "responses": responses,
+    }
+    if described["body"]:
+        operation["requestBody"] = {"required": True,
+                                    "content": _json_content(schema_ref(described["body"]))}
+    return _BOTTLE_WILDCARD.sub(r"{\1}", found.path), operation
+
+
+def _event_delivery(event):
+    """The POST a subscriber receives for one event (an entry of the top-level webhooks)."""
+    def header(name, description, schema, required=True):
+        return {"name": name, "in": "header", "required": required, "schema": schema,
+                "description": description}
+    signature = string_schema(pattern="^sha256=[0-9a-f]{64}$")
+    return {"post": {
+        "operationId": "event_" + event.replace(".", "_"),
+        "summary": event,
+        "description": "One POST per delivery and a single attempt, 10 seconds for the whole "
+                       "exchange: a 2xx answer is a success, anything else (a redirect too) a "
+                       "failure, and it is not retried. A delivery may be repeated: "
+                       "deduplicate on X-Webhook-Id.",
+        "tags": ["events"],
+        "security": [],
+        "parameters": [
+            header("X-Webhook-Event", "The event name.", {"const": event}),
+            header("X-Webhook-Id", "The event's ID, the same on every delivery of it.",
+                   ID_SCHEMA),
+            header("X-Webhook-Signature", "sha256= and the lowercase hex HMAC-SHA256 of the "
+                   "raw body, keyed with the whole secret (whsec_ included) as UTF-8.",
+                   signature),
+            header("X-Webhook-Signature-Old", "The same with the previous secret, while a "
+                   "secret rotation grace window is open.", signature, required=False),
+            header("User-Agent", "ordering-webhooks/<version>",
+                   string_schema(pattern="^ordering-webhooks/")),
+        ],
+        "requestBody": {"required": True, "content": _json_content(object_schema({
+            "event": {"const": event},
+            "timestamp": TIMESTAMP_SCHEMA,
+            "data": schema_ref(event_schema_name(event)),
+        }))},
+        "responses": {"2XX": {"description": "Delivered."},
+                      "default": {"description": "Failed; not retried."}},
+    }}
+
+
+_UNAUTHENTICATED = {
+    "/api/v1/openapi.json": {"get": {
+        "operationId": "openapi_document",
+        "summary": "This document",
+        "tags": ["meta"],
+        "security": [],
+        "responses": {"200": {"description": "The OpenAPI 3.1 document.", "content": (
+            _json_content(object_schema({"openapi": {"const": OPENAPI_VERSION}},
+                                        closed=False)))}},
+    }},
+    "/healthz": {"get": {
+        "operationId": "health",
+        "summary": "Health check for load balancers and supervisors",
+        "tags": ["meta"],
+        "security": [],
+        "responses": {
+            "200": {"description": "The database answers.",
+                    "content": _json_content(object_schema({"status": {"const": "ok"}}))},
+            "503": {"description": "The database does not answer.", "content": _json_content(
+                object_schema({"status": {"const": "unavailable"}}))},
+        },
+    }},
+}
+
+API_DESCRIPTION = """\
+A multi-tenant wholesale ordering service: products (read only), orders, customers and \
+webhook subscriptions; the events it delivers are under `webhooks`.
+
+Every operation but the two under `meta` needs `Authorization: Bearer <API key>`. The key \
+belongs to one company, which every read and write is limited to (another company's records \
+are 404), and must hold the operation's scope (`x-required-scope`).
+
+Errors are JSON `{"error": message}`; failed validation adds `details` ([{field, rule}]) and \
+429 adds `retryAfter`. They are checked in this order: per-address rate limit, \
+authentication (401), per-key rate limit (429), scope (403), body validation (400), \
+existence (404), business rules (409, 422). Any unknown path is 404 \
+`{"error": "Not found."}` and a known path with another method 405 \
+`{"error": "Method not allowed."}`. A server failure is 500 with the plain text \
+`Internal Server Error`.
+
+Money is a JSON number of currency units with at most two decimal places. Timestamps are \
+ISO 8601 UTC with milliseconds. IDs are opaque."""
+
+
+def openapi_document():
+    """The OpenAPI 3.1 document of the API (GET /api/v1/openapi.json)."""
+    routes = {(found.method, found.path) for found in ROUTES}
+    undescribed = ", ".join(f"{method} {path}" for method, path in sorted(routes - set(OPERATIONS)))
+    if undescribed:
+        raise KeyError(f"no entry in OPERATIONS for the route {undescribed}: describe it there "
+                       f"so that the OpenAPI document covers it")
+    stale = ", ".join(f"{method} {path}" for method, path in sorted(set(OPERATIONS) - routes))
+    if stale:
+        raise KeyError(f"OPERATIONS describes {stale}, which is not in ROUTES")
+    paths = {}
+    for found in ROUTES:
+        path, operation = _operation_object(found, OPERATIONS[found.method, found.path])
+        paths.setdefault(path, {})[found.method.lower()] = operation
+    paths.update(_UNAUTHENTICATED)
+    schemas = dict(COMPONENT_SCHEMAS)
+    schemas.update((event_schema_name(event), EVENT_PAYLOADS[event]) for event in EVENT_CATALOG)
+    return json.loads(json.dumps({     # a deep copy: callers may change it freely
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "ordering", "version": __version__, "description": API_DESCRIPTION},
+        "servers": [{"url": "/"}],
+        "tags": [{"name": "products"}, {"name": "orders"}, {"name": "customers"},
+                 {"name": "webhooks"}, {"name": "meta"},
+                 {"name": "events", "description": "Deliveries to webhook subscribers."}],
+        "paths": paths,
+        "webhooks": {event: _event_delivery(event) for event in EVENT_CATALOG},
+        "components": {
+            "schemas": schemas,
+            "responses": {name: _error_response(status)
+                          for status, (name, _) in ERROR_RESPONSES.items()},
+            "parameters": {"IdempotencyKey": {
+                "name": "Idempotency-Key", "in": "header", "required": False,
+                "description": "Makes a POST safe to retry. 1 to 255 printable ASCII "
+                               "characters, bare or in double quotes. Within 24 hours a retry "
+                               "with the same key and request gets the stored response "
+                               "(Idempotent-Replayed: true) and nothing is done again; the "
+                               "same key with another request is 409.",
+                "schema": string_schema(1, 255, pattern=r"^[!-~]([ -~]*[!-~])?$")}},
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "An API key (sk_...). The scope each operation needs is in its "
+                               f"x-required-scope: one of {', '.join(SCOPES)}."}},
+        },
+    }))
+
+
 class Service:
     """The running pieces behind one app: the database, the webhook sender, the rate-limit
     counters, the key cache and the idempotency keys in progress."""
@@ -2189,6 +2831,12 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
     for found in ROUTES:
         app.route(found.path, found.method, bind(found))
     app.route("/healthz", "GET", service.health)
+    document = json_text(openapi_document()).encode()
+
+    def serve_openapi():
+        bottle.response.content_type = "application/json"
+        return document
+    app.route("/api/v1/openapi.json", "GET", serve_openapi)
     app.error_handler.update({
         404: _error_page(404, "Not found."),
         405: _error_page(405, "Method not allowed."),

@@ -23,11 +23,16 @@ import threading
 import time
 import urllib.parse
 
+import hypothesis
 import hypothesis.configuration
+import jsonschema
+import openapi_spec_validator
 import pytest
+import schemathesis
 import webtest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
+from schemathesis import checks as st_checks
 
 import ordering
 
@@ -3908,3 +3913,225 @@ def test_other_companys_webhook_cap_does_not_apply_here(companies):
     status, page = as_a(companies, "GET", "/api/v1/webhooks")
     assert {w["id"] for w in page["data"]} == {w["id"] for w in companies.a_webhooks} | {
         answer["data"]["id"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenAPI document
+# ---------------------------------------------------------------------------------------------
+
+def test_openapi_document_is_valid_openapi_3_1():
+    document = ordering.openapi_document()
+    openapi_spec_validator.validate(document)
+    assert document["openapi"] == "3.1.0"
+    assert document["info"]["version"] == ordering.__version__
+    assert json.loads(json.dumps(document)) == document      # plain JSON, as served
+    assert set(document["webhooks"]) == set(ordering.EVENT_CATALOG)
+    for path in ("/api/v1/openapi.json", "/healthz"):
+        assert document["paths"][path]["get"]["security"] == []
+
+
+def test_openapi_document_covers_every_route_with_its_scope():
+    paths = ordering.openapi_document()["paths"]
+    for found in ordering.ROUTES:
+        path = re.sub(r"<(\w+)[^>]*>", r"{\1}", found.path)
+        described = paths[path][found.method.lower()]
+        assert described["x-required-scope"] == found.scope
+        assert f"`{found.scope}`" in described["description"]
+        assert described["security"] == [{"bearer": []}]
+        assert str(found.status) in described["responses"]
+        for status in ("401", "403", "429"):
+            assert status in described["responses"]
+        for name in re.findall(r"<(\w+)", found.path):
+            assert any(p.get("in") == "path" and p["name"] == name
+                       for p in described["parameters"])
+        headers = {p.get("name") or p.get("$ref") for p in described["parameters"]}
+        assert (found.method == "POST") == ("#/components/parameters/IdempotencyKey" in headers)
+
+
+def test_a_route_without_an_operations_entry_breaks_the_document(monkeypatch):
+    fake = ordering.Route("GET", "/api/v1/widgets/<widget_id>", "products:read", 200,
+                          lambda call, widget_id: {}, "Fetch one widget")
+    monkeypatch.setattr(ordering, "ROUTES", [*ordering.ROUTES, fake])
+    with pytest.raises(KeyError, match="GET /api/v1/widgets/<widget_id>"):
+        ordering.openapi_document()
+
+
+def test_event_payloads_match_their_webhook_schemas(app, api, tenant):
+    """Every event the module emits, in each of its shapes, validates against the payload
+    schema the document gives under webhooks."""
+    document = ordering.openapi_document()
+    webhook = subscribe(api, tenant, "http://127.0.0.1:9/", list(ordering.EVENT_CATALOG))
+    product = tenant.product(sku="R-1", low_stock_threshold=5, stock=10)
+    customer = api.post_json("/api/v1/customers", {"email": "a@example.com", "name": "A"},
+                             headers=tenant.headers).json["data"]
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "BLOCKED"},
+                   headers=tenant.headers)
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"notes": "n"}, headers=tenant.headers)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 6}],
+                  customer_id=customer["id"]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED"}, headers=tenant.headers)
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED", "tracking": {
+        "carrier": "CARRIER_A", "number": "1Z999"}}, headers=tenant.headers)
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers)
+    tenant.update_product(product["id"], is_active=0)
+    tenant.update_product(product["id"], price_cents=999, stock=2)
+    other_product = tenant.product()
+    with tenant.db.write() as conn:
+        shopper = ordering.storefront_register(conn, tenant.company["slug"], "s@example.com")
+        ordering.storefront_place_order(conn, tenant.company["slug"], shopper["id"], [
+            {"productId": other_product["id"], "quantity": 1}])
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Damaged", actor="staff")
+        ordering.open_return(conn, tenant.id, order["id"], "Wrong size")
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+        ordering.refund_return(conn, tenant.id, opened["id"], "CREDIT", 1, 0, 1250, 1000)
+        ordering.record_invoice_paid(conn, tenant.id, "in_1", 4900, "usd",
+                                     "https://pay.example/in_1", "A-1", "2026-11-01",
+                                     "2026-12-01T00:00:00Z")
+    seen = collections.Counter()
+    for (body,) in tenant.db.conn.execute("SELECT body FROM events ORDER BY id"):
+        event = json.loads(body)
+        name = event["event"]
+        post = document["webhooks"][name]["post"]
+        envelope = post["requestBody"]["content"]["application/json"]["schema"]
+        jsonschema.validate(event, dict(envelope, components=document["components"]),
+                            cls=jsonschema.Draft202012Validator,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        seen[name] += 1
+    assert set(seen) == set(ordering.EVENT_CATALOG), seen
+    assert webhook["id"]
+
+
+# Schemathesis against the WSGI app: every operation, generated requests (valid and invalid),
+# every response checked against the document.
+
+OPENAPI_EXAMPLES = 25     # per operation and generation mode
+
+
+def json_error_body_on_4xx(ctx, response, case):
+    """Every 4xx is the JSON Error shape, documented or not."""
+    if 400 <= response.status_code < 500:
+        content_type = response.headers.get("content-type", [""])[0]
+        assert content_type.startswith("application/json"), (
+            f"{response.status_code} is {content_type!r}: {response.content[:200]!r}")
+        jsonschema.validate(json.loads(response.content), ordering.COMPONENT_SCHEMAS["Error"],
+                            cls=jsonschema.Draft202012Validator)
+
+
+OPENAPI_CHECKS = [st_checks.not_a_server_error, st_checks.status_code_conformance,
+                  st_checks.content_type_conformance, st_checks.response_schema_conformance,
+                  st_checks.response_headers_conformance, json_error_body_on_4xx]
+
+
+def _seed_for_openapi(app):
+    """A tenant with a generous key, and records for generated requests to find."""
+    tenant = Tenant(app, "Schema Wholesale")
+    key = tenant.new_key(ALL_SCOPES, rate_limit=1_000_000)
+    tenant.headers = {"Authorization": "Bearer " + key["key"]}
+    products = [tenant.product(name=f"Product {n}", sku=f"SKU-{n}", category="Grains",
+                               stock=ordering.MAX_QUANTITY) for n in range(3)]
+    products.append(tenant.product(name="Low", stock=5, low_stock_threshold=3))
+    products.append(tenant.product(name="Gone", is_active=0))
+    customers = [tenant.customer(name="Ada"), tenant.customer(status="BLOCKED", notes="n"),
+                 tenant.customer(creditLimit=100.5, taxRateOverride=0.2)]
+    api = webtest.TestApp(app)
+    orders = [api.post_json("/api/v1/orders", {
+        "customerId": customers[n]["id"], "poNumber": f"PO-{n}",
+        "items": [{"productId": products[n]["id"], "quantity": n + 1}]},
+        headers=tenant.headers).json["data"] for n in range(3)]
+    api.patch_json(f"/api/v1/orders/{orders[1]['id']}", {"status": "SHIPPED", "tracking": {
+        "carrier": "OTHER", "number": "TRK-1", "url": "https://t.example/1"}},
+        headers=tenant.headers)
+    api.patch_json(f"/api/v1/orders/{orders[2]['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers)
+    webhooks = [subscribe(api, tenant, f"https://hooks.example/{n}", ["order.created"])
+                for n in range(3)]
+    known = {"product_id": [p["id"] for p in products],
+             "customer_id": [c["id"] for c in customers],
+             "order_id": [o["id"] for o in orders],
+             "webhook_id": [w["id"] for w in webhooks], "keys": []}
+    return tenant, known
+
+
+def _use_known_ids(case, data, known):
+    """Point some generated IDs at seeded records, so that requests get past 404, and give
+    some POSTs an Idempotency-Key of their own, so that fewer of them are replays or 409."""
+    def maybe(ids, generated):
+        return data.draw(st.sampled_from([*ids, generated]))
+    if case.headers and "Idempotency-Key" in case.headers:
+        case.headers["Idempotency-Key"] = maybe([f"key-{len(known['keys'])}"],
+                                                case.headers["Idempotency-Key"])
+        known["keys"].append(case.headers["Idempotency-Key"])
+    for name, value in list((case.path_parameters or {}).items()):
+        case.path_parameters[name] = maybe(known[name], value)
+    for name, ids in (("cursor", known["order_id"] + known["customer_id"]),
+                      ("customerId", known["customer_id"])):
+        if isinstance(case.query, dict) and isinstance(case.query.get(name), str):
+            case.query[name] = maybe(ids, case.query[name])
+    body = case.body
+    if case.method == "POST" and case.path == "/api/v1/orders" and isinstance(body, dict):
+        if isinstance(body.get("customerId"), str):
+            body["customerId"] = maybe(known["customer_id"], body["customerId"])
+        for item in body.get("items") if isinstance(body.get("items"), list) else ():
+            if isinstance(item, dict) and isinstance(item.get("productId"), str):
+                item["productId"] = maybe(known["product_id"], item["productId"])
+
+
+def run_openapi_fuzz(app, examples=OPENAPI_EXAMPLES, stop_on_failure=True):
+    """Schemathesis over every operation of the document. Returns (statuses seen per
+    operation, failures as text)."""
+    tenant, known = _seed_for_openapi(app)
+    schema = schemathesis.openapi.from_dict(ordering.openapi_document())
+    served = webtest.TestApp(app).get("/api/v1/openapi.json", expect_errors=True)
+    seen, failures = collections.defaultdict(collections.Counter), []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if operation.path == "/api/v1/openapi.json" and served.status_int == 404:
+            continue                # standalone: the part is not pasted, nor the route added
+        described = operation.definition.raw
+        modes = [schemathesis.GenerationMode.POSITIVE]
+        if described.get("parameters") or described.get("requestBody"):
+            modes.append(schemathesis.GenerationMode.NEGATIVE)    # something to get wrong
+        for mode in modes:
+            @hypothesis.settings(max_examples=examples, deadline=None, database=None,
+                                 derandomize=True, print_blob=False,
+                                 suppress_health_check=list(hypothesis.HealthCheck),
+                                 phases=[hypothesis.Phase.generate, hypothesis.Phase.target,
+                                         hypothesis.Phase.shrink])
+            @hypothesis.given(case=operation.as_strategy(generation_mode=mode), data=st.data())
+            def run(case, data):
+                _use_known_ids(case, data, known)
+                response = case.call(app=app, headers=tenant.headers)
+                seen[operation.label][response.status_code] += 1
+                case.validate_response(response, checks=OPENAPI_CHECKS,
+                                       headers=tenant.headers)
+            try:
+                run()
+            except (Exception, BaseExceptionGroup) as error:  # noqa: BLE001  reported below
+                failures.append(f"{operation.label} ({mode.value}):\n{error}")
+                if stop_on_failure:
+                    return seen, failures
+    return seen, failures
+
+
+def test_openapi_schemathesis_every_response_conforms(db_path):
+    app = build_app(db_path, deliver=False)
+    try:
+        seen, failures = run_openapi_fuzz(app, stop_on_failure=False)
+    finally:
+        app.service.close(grace=0)
+    assert not failures, "\n\n".join(failures)
+    document = ordering.openapi_document()
+    expected = {f"{method.upper()} {path}" for path, item in document["paths"].items()
+                for method in item if path != "/api/v1/openapi.json"}
+    assert expected <= set(seen)
+    # The seeded IDs get generated requests past validation and 404 to a success.
+    for label, statuses in seen.items():
+        assert any(200 <= status < 300 for status in statuses), (label, statuses)
+
+
+def test_openapi_document_is_served_without_a_key(api):
+    response = api.get("/api/v1/openapi.json")
+    assert response.content_type == "application/json"
+    assert response.json == ordering.openapi_document()
