@@ -700,6 +700,23 @@ MAX_WEBHOOKS = 10
 MAX_CENTS = 2 ** 63 - 1
 
 
+def insert_row(conn, table, row):
+    """INSERT one row given as {column: value} (column names come from this module only)."""
+    conn.execute(f"INSERT INTO {table} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                 list(row.values()))
+
+
+def update_changed(conn, table, before, changes):
+    """UPDATE the columns in changes that differ from the row before, and updated_at. Returns
+    what changed; when nothing did, nothing is written and updatedAt stays."""
+    changed = {column: value for column, value in changes.items() if before[column] != value}
+    if changed:
+        assignments = ", ".join(f"{column} = ?" for column in changed)
+        conn.execute(f"UPDATE {table} SET {assignments}, updated_at = ? WHERE id = ?",
+                     [*changed.values(), now_iso(), before["id"]])
+    return changed
+
+
 def load_company(conn, company_id):
     row = conn.execute("SELECT * FROM companies WHERE id = ?", (company_id,)).fetchone()
     if row is None:
@@ -794,9 +811,7 @@ def create_product(conn, company_id, **fields):
                is_active=int(bool(fields["is_active"])))
     threshold = row.get("low_stock_threshold")
     row["low_stock_alerted"] = int(threshold is not None and row["stock"] <= threshold)
-    columns = ", ".join(row)
-    conn.execute(f"INSERT INTO products ({columns}) VALUES ({', '.join('?' * len(row))})",
-                 list(row.values()))
+    insert_row(conn, "products", row)
     return load_product(conn, company_id, product_id)
 
 
@@ -807,12 +822,9 @@ def update_product(conn, company_id, product_id, **changes):
     before = load_product(conn, company_id, product_id)
     if "is_active" in changes:
         changes["is_active"] = int(bool(changes["is_active"]))
-    changed = {k: v for k, v in changes.items() if before[k] != v}
+    changed = update_changed(conn, "products", before, changes)
     if not changed:
         return before
-    assignments = ", ".join(f"{column} = ?" for column in changed)
-    conn.execute(f"UPDATE products SET {assignments}, updated_at = ? WHERE id = ?",
-                 [*changed.values(), now_iso(), product_id])
     after = load_product(conn, company_id, product_id)
     if set(changed) == {"is_active"}:
         emit(conn, company_id, "product.updated", {
@@ -896,8 +908,7 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
            "status": "ACTIVE", "created_at": at, "updated_at": at,
            "password_hash": password and hash_password(password)}
     row.update(fields)
-    conn.execute(f"INSERT INTO customers ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
-                 list(row.values()))
+    insert_row(conn, "customers", row)
     customer = load_customer(conn, company_id, customer_id)
     payload = {"id": customer_id, "email": email, "name": customer["name"]}
     if source == "api":
@@ -914,12 +925,9 @@ def update_customer(conn, company_id, customer_id, body):
         raise invalid("email", "cannot be changed")
     changes = _customer_changes(body)
     before = load_customer(conn, company_id, customer_id)
-    changed = {k: v for k, v in changes.items() if before[k] != v}
+    changed = update_changed(conn, "customers", before, changes)
     if not changed:
         return before
-    assignments = ", ".join(f"{column} = ?" for column in changed)
-    conn.execute(f"UPDATE customers SET {assignments}, updated_at = ? WHERE id = ?",
-                 [*changed.values(), now_iso(), customer_id])
     after = load_customer(conn, company_id, customer_id)
     payload = {"id": after["id"], "email": after["email"], "name": after["name"],
                "status": after["status"]}
@@ -1325,11 +1333,7 @@ def create_webhook(conn, company_id, body):
 
 def update_webhook(conn, company_id, webhook_id, body):
     changes = _webhook_changes(body, creating=False)
-    load_webhook(conn, company_id, webhook_id)
-    if changes:
-        assignments = ", ".join(f"{column} = ?" for column in changes)
-        conn.execute(f"UPDATE webhooks SET {assignments}, updated_at = ? WHERE id = ?",
-                     [*changes.values(), now_iso(), webhook_id])
+    update_changed(conn, "webhooks", load_webhook(conn, company_id, webhook_id), changes)
     return load_webhook(conn, company_id, webhook_id)
 
 
