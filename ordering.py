@@ -2287,7 +2287,7 @@ PAGE_QUERY = (
                 "nextCursor of the previous page; one that matches no record gives an empty "
                 "last page."),
 )
-DATE_QUERY = string_schema(pattern=r"^\s*\d{4}(-\d{2}(-\d{2})?)?"
+DATE_QUERY = string_schema(pattern=r"^\s*(?!0000)\d{4}(-\d{2}(-\d{2})?)?"
                                    r"([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?)?\s*$")
 _VALIDATION = "Invalid JSON body. / Validation failed."
 

@@ -4037,9 +4037,9 @@ def _seed_for_openapi(app):
                  tenant.customer(creditLimit=100.5, taxRateOverride=0.2)]
     api = webtest.TestApp(app)
     orders = [api.post_json("/api/v1/orders", {
-        "customerId": customers[n]["id"], "poNumber": f"PO-{n}",
-        "items": [{"productId": products[n]["id"], "quantity": n + 1}]},
-        headers=tenant.headers).json["data"] for n in range(3)]
+        "customerId": customers[n % 3]["id"], "poNumber": f"PO-{n}",
+        "items": [{"productId": products[n % 3]["id"], "quantity": n + 1}]},
+        headers=tenant.headers).json["data"] for n in range(6)]
     api.patch_json(f"/api/v1/orders/{orders[1]['id']}", {"status": "SHIPPED", "tracking": {
         "carrier": "OTHER", "number": "TRK-1", "url": "https://t.example/1"}},
         headers=tenant.headers)
