@@ -507,67 +507,73 @@ def valid_http_url(url):
 # 5. Records
 # ---------------------------------------------------------------------------------------------
 
+# The serializers below read rows by position, which is several times faster than by name on
+# the list endpoints' hot path: schema.sql puts the columns the API shows first, in this order,
+# so that SELECT * rows (and the tuples place_order builds) unpack straight into them.
+
 def product_json(row):
+    (product_id, name, sku, description, category, unit, price_cents, stock, image_url,
+     is_active, created_at, updated_at) = row[:12]
     return {
-        "id": row["id"],
-        "name": row["name"],
-        "sku": row["sku"],
-        "description": row["description"],
-        "category": row["category"],
-        "unit": row["unit"],
-        "price": money(row["price_cents"]),
-        "stock": row["stock"],
-        "imageUrl": row["image_url"],
-        "isActive": bool(row["is_active"]),
-        "createdAt": row["created_at"],
-        "updatedAt": row["updated_at"],
+        "id": product_id,
+        "name": name,
+        "sku": sku,
+        "description": description,
+        "category": category,
+        "unit": unit,
+        "price": money(price_cents),
+        "stock": stock,
+        "imageUrl": image_url,
+        "isActive": bool(is_active),
+        "createdAt": created_at,
+        "updatedAt": updated_at,
     }
 
 
 def customer_json(row):
+    (customer_id, email, name, status, notes, credit_limit_cents, tax_rate_override,
+     email_verified, created_at, updated_at) = row[:10]
     return {
-        "id": row["id"],
-        "email": row["email"],
-        "name": row["name"],
-        "status": row["status"],
-        "notes": row["notes"],
-        "creditLimit": money(row["credit_limit_cents"]),
-        "taxRateOverride": row["tax_rate_override"],
-        "emailVerified": bool(row["email_verified"]),
-        "createdAt": row["created_at"],
-        "updatedAt": row["updated_at"],
+        "id": customer_id,
+        "email": email,
+        "name": name,
+        "status": status,
+        "notes": notes,
+        "creditLimit": money(credit_limit_cents),
+        "taxRateOverride": tax_rate_override,
+        "emailVerified": bool(email_verified),
+        "createdAt": created_at,
+        "updatedAt": updated_at,
     }
 
 
-def tracking_json(row):
-    if row["tracking_carrier"] is None:
-        return None
-    return {"carrier": row["tracking_carrier"], "number": row["tracking_number"],
-            "url": row["tracking_url"]}
-
-
 def order_item_json(row):
+    """row: id, quantity, unit_price_cents, product_id, product name, product sku."""
+    item_id, quantity, unit_price_cents, product_id, product_name, product_sku = row[:6]
     return {
-        "id": row["id"],
-        "quantity": row["quantity"],
-        "unitPrice": money(row["unit_price_cents"]),
-        "productId": row["product_id"],
-        "productName": row["product_name"],
-        "productSku": row["product_sku"],
+        "id": item_id,
+        "quantity": quantity,
+        "unitPrice": money(unit_price_cents),
+        "productId": product_id,
+        "productName": product_name,
+        "productSku": product_sku,
     }
 
 
 def order_json(row, items):
+    (order_id, status, po_number, notes, total_cents, created_at, updated_at, customer_id,
+     tracking_carrier, tracking_number, tracking_url) = row[:11]
     return {
-        "id": row["id"],
-        "status": row["status"],
-        "poNumber": row["po_number"],
-        "notes": row["notes"],
-        "total": money(row["total_cents"]),
-        "createdAt": row["created_at"],
-        "updatedAt": row["updated_at"],
-        "customerId": row["customer_id"],
-        "tracking": tracking_json(row),
+        "id": order_id,
+        "status": status,
+        "poNumber": po_number,
+        "notes": notes,
+        "total": money(total_cents),
+        "createdAt": created_at,
+        "updatedAt": updated_at,
+        "customerId": customer_id,
+        "tracking": None if tracking_carrier is None else {
+            "carrier": tracking_carrier, "number": tracking_number, "url": tracking_url},
         "items": [order_item_json(item) for item in items],
     }
 
@@ -602,8 +608,7 @@ def delivery_json(row):
 
 
 _ITEMS_OF_ORDERS = """
-    SELECT i.id, i.order_id, i.quantity, i.unit_price_cents, i.product_id,
-           p.name AS product_name, p.sku AS product_sku
+    SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku, i.order_id
     FROM order_items i JOIN products p ON p.id = i.product_id
     WHERE i.order_id IN ({})
     ORDER BY i.order_id, i.position"""
@@ -614,11 +619,11 @@ def orders_json(conn, order_rows):
     if not order_rows:
         return []
     items = collections.defaultdict(list)
-    ids = [row["id"] for row in order_rows]
+    ids = [row[0] for row in order_rows]
     sql = _ITEMS_OF_ORDERS.format(",".join("?" * len(ids)))
     for item in conn.execute(sql, ids):
-        items[item["order_id"]].append(item)
-    return [order_json(row, items[row["id"]]) for row in order_rows]
+        items[item[6]].append(item)
+    return [order_json(row, items[row[0]]) for row in order_rows]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,8 +660,14 @@ def emit(conn, company_id, name, data):
     return event_id
 
 
+# Built once: json.dumps with options makes a new encoder per call. The API's values are trees
+# of plain dicts and lists, so the circular-reference bookkeeping is skipped too.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                         check_circular=False)
+
+
 def json_text(value):
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return _JSON.encode(value)
 
 
 def sign(secret, body):
@@ -1042,21 +1053,19 @@ def place_order(conn, company_id, body, source="api"):
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
         "source, created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source, at, at))
-    items = [{"id": new_id("oi"), "position": position, "product_id": product_id,
-              "quantity": quantity, "unit_price_cents": products[product_id]["price_cents"],
-              "product_name": products[product_id]["name"],
-              "product_sku": products[product_id]["sku"]}
-             for position, (product_id, quantity) in enumerate(lines)]
+    items = [(new_id("oi"), quantity, products[product_id]["price_cents"], product_id,
+              products[product_id]["name"], products[product_id]["sku"])
+             for product_id, quantity in lines]
     conn.executemany(
         "INSERT INTO order_items (id, order_id, position, product_id, quantity, "
-        "unit_price_cents) VALUES (:id, :order_id, :position, :product_id, :quantity, "
-        ":unit_price_cents)", [dict(item, order_id=order_id) for item in items])
+        "unit_price_cents) VALUES (?, ?, ?, ?, ?, ?)",
+        [(item_id, order_id, position, product_id, quantity, unit_price_cents)
+         for position, (item_id, quantity, unit_price_cents, product_id, _, _)
+         in enumerate(items)])
     conn.executemany("UPDATE products SET stock = stock - ?, updated_at = ? WHERE id = ?",
                      [(quantity, at, product_id) for product_id, quantity in wanted.items()])
-    order = order_json({"id": order_id, "status": "SUBMITTED", "po_number": po_number,
-                        "notes": notes, "total_cents": total, "created_at": at,
-                        "updated_at": at, "customer_id": customer_id, "tracking_carrier": None,
-                        "tracking_number": None, "tracking_url": None}, items)
+    order = order_json((order_id, "SUBMITTED", po_number, notes, total, at, at, customer_id,
+                        None, None, None), items)
     if source == "api":
         emit(conn, company_id, "order.created",
              {k: v for k, v in order.items() if k != "tracking"})

@@ -2,6 +2,8 @@
 -- Money columns end in _cents (integers). Times are ISO 8601 UTC strings with milliseconds,
 -- which sort as text. IDs begin with their creation time, so they sort by it as well.
 -- PRAGMA user_version records the schema version; ordering.py migrates older files.
+-- In products, customers and orders the columns the API shows come first, in the order the
+-- serializers of ordering.py (product_json, customer_json, order_json) read them.
 
 CREATE TABLE IF NOT EXISTS companies (
     id          TEXT PRIMARY KEY,
@@ -24,7 +26,6 @@ CREATE TABLE IF NOT EXISTS api_keys (
 
 CREATE TABLE IF NOT EXISTS products (
     id                   TEXT PRIMARY KEY,
-    company_id           TEXT NOT NULL REFERENCES companies(id),
     name                 TEXT NOT NULL,
     sku                  TEXT,
     description          TEXT,
@@ -34,10 +35,11 @@ CREATE TABLE IF NOT EXISTS products (
     stock                INTEGER NOT NULL DEFAULT 0,
     image_url            TEXT,
     is_active            INTEGER NOT NULL DEFAULT 1,
-    low_stock_threshold  INTEGER,
-    low_stock_alerted    INTEGER NOT NULL DEFAULT 0,  -- product.low_stock fired, not yet re-armed
     created_at           TEXT NOT NULL,
-    updated_at           TEXT NOT NULL
+    updated_at           TEXT NOT NULL,
+    company_id           TEXT NOT NULL REFERENCES companies(id),
+    low_stock_threshold  INTEGER,
+    low_stock_alerted    INTEGER NOT NULL DEFAULT 0   -- product.low_stock fired, not yet re-armed
 );
 CREATE INDEX IF NOT EXISTS products_by_company_newest
     ON products (company_id, created_at DESC, id DESC);
@@ -48,18 +50,18 @@ CREATE INDEX IF NOT EXISTS products_by_company_active_newest
 
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,
-    company_id         TEXT NOT NULL REFERENCES companies(id),
     email              TEXT NOT NULL,
-    email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
     name               TEXT,
     status             TEXT NOT NULL DEFAULT 'ACTIVE' CHECK (status IN ('ACTIVE', 'BLOCKED', 'PENDING')),
     notes              TEXT,
     credit_limit_cents INTEGER,
     tax_rate_override  REAL,
     email_verified     INTEGER NOT NULL DEFAULT 0,
-    password_hash      TEXT,
     created_at         TEXT NOT NULL,
-    updated_at         TEXT NOT NULL
+    updated_at         TEXT NOT NULL,
+    company_id         TEXT NOT NULL REFERENCES companies(id),
+    email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
+    password_hash      TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
     ON customers (company_id, email_key);
@@ -70,18 +72,18 @@ CREATE INDEX IF NOT EXISTS customers_by_company_status_newest
 
 CREATE TABLE IF NOT EXISTS orders (
     id               TEXT PRIMARY KEY,
-    company_id       TEXT NOT NULL REFERENCES companies(id),
-    customer_id      TEXT REFERENCES customers(id),
     status           TEXT NOT NULL CHECK (status IN ('SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', 'CANCELLED')),
     po_number        TEXT,
     notes            TEXT,
     total_cents      INTEGER NOT NULL,
-    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard')),
+    created_at       TEXT NOT NULL,
+    updated_at       TEXT NOT NULL,
+    customer_id      TEXT REFERENCES customers(id),
     tracking_carrier TEXT,
     tracking_number  TEXT,
     tracking_url     TEXT,
-    created_at       TEXT NOT NULL,
-    updated_at       TEXT NOT NULL
+    company_id       TEXT NOT NULL REFERENCES companies(id),
+    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard'))
 );
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at DESC, id DESC);

@@ -476,6 +476,22 @@ def test_unknown_cursor_gives_empty_last_page(api, tenant):
     assert page == {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
 
 
+def test_tables_lead_with_the_columns_the_serializers_read(app):
+    conn = app.service.db.conn
+    leading = {
+        "products": ["id", "name", "sku", "description", "category", "unit", "price_cents",
+                     "stock", "image_url", "is_active", "created_at", "updated_at"],
+        "customers": ["id", "email", "name", "status", "notes", "credit_limit_cents",
+                      "tax_rate_override", "email_verified", "created_at", "updated_at"],
+        "orders": ["id", "status", "po_number", "notes", "total_cents", "created_at",
+                   "updated_at", "customer_id", "tracking_carrier", "tracking_number",
+                   "tracking_url"],
+    }
+    for table, columns in leading.items():
+        names = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+        assert names[:len(columns)] == columns, table
+
+
 def test_lists_are_served_by_an_index(app):
     conn = app.service.db.conn
     plans = {
