@@ -2709,8 +2709,9 @@ class Service:
             if found.scope not in key.scopes:
                 raise ApiError(403, f'Insufficient permissions. This key lacks the '
                                     f'"{found.scope}" scope.')
-            query = dict(urllib.parse.parse_qsl(environ.get("QUERY_STRING", ""),
-                                                keep_blank_values=True)[::-1])
+            text = environ.get("QUERY_STRING")
+            # The first value of a repeated parameter wins, as URLSearchParams.get() has it.
+            query = dict(urllib.parse.parse_qsl(text, keep_blank_values=True)[::-1]) if text else {}
             if found.method == "GET":
                 call = Call(self.db.conn, key.company_id, query, None, self.settings)
                 return found.status, json_text(found.handler(call, **url_args)).encode(), headers
@@ -2824,6 +2825,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
         settings = dataclasses.replace(settings, db_path=db_path)
     service = Service(settings, deliver=deliver)
     app = bottle.Bottle()
+    app.uninstall(True)  # routes return bytes: bottle's JSON and template plugins only cost time
     app.service = service
 
     def bind(found):
