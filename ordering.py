@@ -2720,9 +2720,9 @@ class Service:
             if found.method == "POST":
                 idempotency_key = parse_idempotency_key(environ.get("HTTP_IDEMPOTENCY_KEY"))
             if idempotency_key is None:
-                call = Call(None, key.company_id, query, None, self.settings)
+                call = Call(None, key.company_id, query, parse_json_body(raw), self.settings)
                 with self.db.write() as conn:
-                    call.conn, call.body = conn, parse_json_body(raw)
+                    call.conn = conn
                     result = found.handler(call, **url_args)
                 return found.status, json_text(result).encode(), headers
             status, body, replayed = self.respond_once(
