@@ -12,8 +12,8 @@ app). The sections follow the way a request travels:
   6. Events        the catalog, emit() into the outbox, signatures
   7. Operations    what the business does (place_order, update_customer, ...), HTTP-free
   8. Delivery      the webhook sender: claiming, address checks, the thread pool, the log
-  9. HTTP          the app factory, auth and scopes, rate limits, idempotency, pagination,
-                   routes, error handlers
+  9. HTTP          pagination, the routes, the OpenAPI document built from them, auth and
+                   scopes, rate limits, idempotency, the app factory, error handlers
  10. Command line  main(), the operator commands, serve
 """
 
@@ -2355,15 +2355,14 @@ OPERATIONS = {
     ("POST", "/api/v1/customers"): api_operation(
         single("Customer"), AUTH_ERRORS + BODY_ERRORS + (409,), body="CustomerCreate",
         description="emailVerified is false. Emits customer.created (source api).",
-        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / Credit "
-                       "limit must be between 0 and 100000000. / Tax rate override must be "
-                       "between 0 and 0.3. / Invalid status.",
+        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / "
+                       f"{CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / Invalid status.",
                   409: "A customer with this email already exists."}),
     ("PATCH", "/api/v1/customers/<customer_id>"): api_operation(
         single("Customer"), AUTH_ERRORS + BODY_ERRORS + (404,), body="CustomerUpdate",
         description="Emits customer.updated when something changed.",
-        messages={400: f"{_VALIDATION} / Credit limit must be between 0 and 100000000. / Tax "
-                       "rate override must be between 0 and 0.3. / Invalid status.",
+        messages={400: f"{_VALIDATION} / {CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / "
+                       "Invalid status.",
                   404: "Customer not found."}),
     ("GET", "/api/v1/webhooks"): api_operation(
         all_of("Webhook"), AUTH_ERRORS,
