@@ -499,8 +499,22 @@ def valid_http_url(url):
         parts.port
     except ValueError:
         return False
-    return (parts.scheme in ("http", "https") and bool(parts.hostname)
+    return (parts.scheme in ("http", "https") and valid_host(parts.hostname or "")
             and parts.username is None and parts.password is None)
+
+
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9_-]*[a-z0-9])?)*\.?")
+
+
+def valid_host(host):
+    """A DNS name (letters, digits, hyphens, underscores, dots) or an IP address."""
+    if _HOST_NAME.fullmatch(host) and len(host) <= 253:
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

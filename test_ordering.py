@@ -1520,6 +1520,20 @@ def test_delete_webhook_needs_no_body(api, tenant):
     assert response.json == {"data": {"id": webhook["id"], "deleted": True}}
 
 
+@pytest.mark.parametrize("url", ["http://00*/x", "https://exa mple.com/", "http://-bad-.example/",
+                                 "http://a..b/", "https://[zz::1]/", "http:///path"])
+def test_webhook_url_needs_a_real_host(api, tenant, url):
+    assert_error(api.post_json("/api/v1/webhooks", {"url": url, "events": ["order.created"]},
+                               headers=tenant.headers, status=400), 400, "Invalid URL.")
+
+
+@pytest.mark.parametrize("url", ["http://localhost:8080/hook", "https://hooks.example.com/a?b=c",
+                                 "http://10.0.0.7/x", "http://[::1]:9000/", "HTTPS://Hooks.Example/"])
+def test_webhook_url_forms_that_are_accepted(api, tenant, url):
+    api.post_json("/api/v1/webhooks", {"url": url, "events": ["order.created"]},
+                  headers=tenant.headers, status=201)
+
+
 def test_webhook_url_must_be_ascii(api, tenant):
     assert_error(api.post_json("/api/v1/webhooks", {"url": "https://bücher.example/hook",
                                                     "events": ["order.created"]},
