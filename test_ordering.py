@@ -1461,6 +1461,32 @@ def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal)
     assert "stopped" in stderr
 
 
+def test_sigterm_lets_a_delivery_in_flight_finish(db_path, receiver):
+    company, key, _, _ = seed_company(db_path, 1, 10, 0)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        webhook = ordering.create_webhook(conn, company, {"url": receiver.url + "/slow",
+                                                          "events": ["customer.created"]})
+    database.close()
+    receiver.behaviour["/slow"] = (200, 1.5, {})
+    process, port = start_server(db_path, "--allow-private-webhooks",
+                                 env={"ORDERING_WEBHOOK_TIMEOUT": "5"})
+    try:
+        status, _ = http_request(port, "POST", "/api/v1/customers",
+                                 {"email": "late@example.com"}, headers={
+                                     "Authorization": "Bearer " + key})
+        assert status == 201
+        time.sleep(0.5)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+    assert process.returncode == 0, server_log(db_path)
+    assert len(receiver.of("customer.created")) == 1
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("SELECT state, success, status_code FROM deliveries WHERE webhook_id = ?",
+                        (webhook["id"],)).fetchall() == [("done", 1, 200)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Demo, backup, health
 # ---------------------------------------------------------------------------------------------
