@@ -84,8 +84,8 @@ class Settings:
     #: Address and port the server listens on.
     host: str = "127.0.0.1"
     port: int = 8080
-    #: Request-handling threads of the server.
-    threads: int = 8
+    #: Request-handling threads of the server (waitress's default: more mostly add GIL contention).
+    threads: int = 4
     #: SQLite PRAGMA synchronous. NORMAL in WAL mode survives any process crash; see README.
     synchronous: str = "NORMAL"
     #: Milliseconds a writer waits for the database lock before giving up.
@@ -3192,7 +3192,7 @@ def build_parser():
     serve_cmd = command("serve", None, "serve the API with waitress (the default command)")
     serve_cmd.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (8080)")
-    serve_cmd.add_argument("--threads", type=_positive, default=None, help="request threads (8)")
+    serve_cmd.add_argument("--threads", type=_positive, default=None, help="request threads (4)")
     serve_cmd.add_argument("--allow-private-webhooks", action="store_true", default=None,
                            help="deliver webhooks to loopback and private addresses too")
     serve_cmd.add_argument("--ip-rate-limit", type=_non_negative, default=None,

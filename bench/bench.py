@@ -292,7 +292,7 @@ def main():
     parser.add_argument("--seconds", type=int, default=10, help="duration of each wrk run")
     parser.add_argument("--rounds", type=int, default=3, help="runs per measurement (median)")
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=8, help="server threads (both servers)")
+    parser.add_argument("--threads", type=int, default=4, help="server threads (both servers; the service default)")
     parser.add_argument("--storage-orders", type=int, default=3000)
     parser.add_argument("--smoke", action="store_true", help="tiny and quick: checks the bench")
     args = parser.parse_args()
