@@ -347,10 +347,16 @@ def test_revoked_key_is_invalid_at_once_in_this_process(app, api, tenant):
 
 
 def test_keys_are_stored_only_as_sha256(app, tenant):
-    rows = app.service.db.conn.execute("SELECT key_hash FROM api_keys").fetchall()
-    assert hashlib.sha256(tenant.key["key"].encode()).hexdigest() in [r[0] for r in rows]
-    with open(app.service.settings.db_path, "rb") as handle:
-        assert tenant.key["key"].encode() not in handle.read()
+    rows = app.service.db.conn.execute("SELECT * FROM api_keys").fetchall()
+    assert [row["key_hash"] for row in rows] == [
+        hashlib.sha256(tenant.key["key"].encode()).hexdigest()]
+    secret_part = tenant.key["key"].split("_", 1)[1].encode()
+    for suffix in ("", "-wal"):
+        path = app.service.settings.db_path + suffix
+        if os.path.exists(path):
+            with open(path, "rb") as handle:
+                content = handle.read()
+            assert secret_part not in content and secret_part[:16] not in content
 
 
 ENDPOINT_SCOPES = [
