@@ -221,9 +221,10 @@ class _WriteTransaction:
                 try:
                     conn.execute("COMMIT")
                 except sqlite3.Error:
-                    conn.execute("ROLLBACK")
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
                     raise
-            else:
+            elif conn.in_transaction:  # some errors (a full disk) end the transaction already
                 conn.execute("ROLLBACK")
         finally:
             self.db._write_lock.release()
