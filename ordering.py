@@ -743,6 +743,16 @@ def update_changed(conn, table, before, changes):
     return changed
 
 
+def load_row(conn, table, resource, company_id, row_id):
+    """A row of the company, or the resource's 404: another company's row, an unknown ID and
+    a malformed one are all the same "not found"."""
+    row = conn.execute(f"SELECT * FROM {table} WHERE id = ? AND company_id = ?",
+                       (row_id, company_id)).fetchone()
+    if row is None:
+        raise not_found(resource)
+    return row
+
+
 def load_company(conn, company_id):
     row = conn.execute("SELECT * FROM companies WHERE id = ?", (company_id,)).fetchone()
     if row is None:
@@ -792,11 +802,7 @@ def revoke_api_key(conn, key_id):
 # Products (written by the dashboard and the operator commands; read-only over the API)
 
 def load_product(conn, company_id, product_id):
-    row = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ?",
-                       (product_id, company_id)).fetchone()
-    if row is None:
-        raise not_found("Product")
-    return row
+    return load_row(conn, "products", "Product", company_id, product_id)
 
 
 _PRODUCT_FIELDS = ("name", "sku", "description", "category", "unit", "price_cents", "stock",
@@ -862,7 +868,7 @@ def update_product(conn, company_id, product_id, **changes):
             "price": money(after["price_cents"]), "stock": after["stock"],
             "isActive": bool(after["is_active"]), "category": after["category"]})
     check_low_stock(conn, company_id, after, triggering_order_id=None)
-    return load_product(conn, company_id, product_id)
+    return after
 
 
 def check_low_stock(conn, company_id, product, triggering_order_id):
@@ -883,11 +889,7 @@ def check_low_stock(conn, company_id, product, triggering_order_id):
 # Customers
 
 def load_customer(conn, company_id, customer_id):
-    row = conn.execute("SELECT * FROM customers WHERE id = ? AND company_id = ?",
-                       (customer_id, company_id)).fetchone()
-    if row is None:
-        raise not_found("Customer")
-    return row
+    return load_row(conn, "customers", "Customer", company_id, customer_id)
 
 
 CREDIT_LIMIT_MESSAGE = "Credit limit must be between 0 and 100000000."
@@ -987,11 +989,7 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
 # Orders
 
 def load_order(conn, company_id, order_id):
-    row = conn.execute("SELECT * FROM orders WHERE id = ? AND company_id = ?",
-                       (order_id, company_id)).fetchone()
-    if row is None:
-        raise not_found("Order")
-    return row
+    return load_row(conn, "orders", "Order", company_id, order_id)
 
 
 def order_with_items(conn, company_id, order_id):
@@ -1178,11 +1176,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
 # Returns, refunds and the company's own invoices (recorded for their events)
 
 def load_return(conn, company_id, return_id):
-    row = conn.execute("SELECT * FROM returns WHERE id = ? AND company_id = ?",
-                       (return_id, company_id)).fetchone()
-    if row is None:
-        raise not_found("Return")
-    return row
+    return load_row(conn, "returns", "Return", company_id, return_id)
 
 
 def open_return(conn, company_id, order_id, reason, item_count=None, actor=None):
@@ -1300,11 +1294,7 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
 # Webhook subscriptions
 
 def load_webhook(conn, company_id, webhook_id):
-    row = conn.execute("SELECT * FROM webhooks WHERE id = ? AND company_id = ?",
-                       (webhook_id, company_id)).fetchone()
-    if row is None:
-        raise not_found("Webhook")
-    return row
+    return load_row(conn, "webhooks", "Webhook", company_id, webhook_id)
 
 
 def new_webhook_secret():
@@ -3026,13 +3016,11 @@ def cmd_product_create(conn, args):
 
 
 def cmd_product_update(conn, args):
-    product = conn.execute("SELECT company_id FROM products WHERE id = ?", (args.id,)).fetchone()
-    if product is None:
-        raise not_found("Product")
+    company_id = _company_of(conn, "products", "Product", args.id)
     fields = _product_fields(args)
     if args.active is not None:
         fields["is_active"] = args.active
-    return product_json(update_product(conn, product["company_id"], args.id, **fields))
+    return product_json(update_product(conn, company_id, args.id, **fields))
 
 
 def cmd_storefront_register(conn, args):
@@ -3051,17 +3039,11 @@ def cmd_storefront_order(conn, args):
                                   args.notes)
 
 
-def _company_of_order(conn, order_id):
-    row = conn.execute("SELECT company_id FROM orders WHERE id = ?", (order_id,)).fetchone()
+def _company_of(conn, table, resource, row_id):
+    """The company a record belongs to: operator commands name records by ID alone."""
+    row = conn.execute(f"SELECT company_id FROM {table} WHERE id = ?", (row_id,)).fetchone()
     if row is None:
-        raise not_found("Order")
-    return row["company_id"]
-
-
-def _company_of_return(conn, return_id):
-    row = conn.execute("SELECT company_id FROM returns WHERE id = ?", (return_id,)).fetchone()
-    if row is None:
-        raise not_found("Return")
+        raise not_found(resource)
     return row["company_id"]
 
 
@@ -3072,20 +3054,20 @@ def return_json(row):
 
 
 def cmd_return_open(conn, args):
-    return return_json(open_return(conn, _company_of_order(conn, args.order), args.order,
+    return return_json(open_return(conn, _company_of(conn, "orders", "Order", args.order), args.order,
                                    args.reason, args.item_count, "staff" if args.staff else None))
 
 
 def cmd_return_approve(conn, args):
-    return return_json(approve_return(conn, _company_of_return(conn, args.id), args.id))
+    return return_json(approve_return(conn, _company_of(conn, "returns", "Return", args.id), args.id))
 
 
 def cmd_return_receive(conn, args):
-    return return_json(receive_return(conn, _company_of_return(conn, args.id), args.id))
+    return return_json(receive_return(conn, _company_of(conn, "returns", "Return", args.id), args.id))
 
 
 def cmd_return_refund(conn, args):
-    return refund_return(conn, _company_of_return(conn, args.id), args.id, args.method,
+    return refund_return(conn, _company_of(conn, "returns", "Return", args.id), args.id, args.method,
                          args.good_units, args.damaged_units, args.subtotal, args.amount)
 
 
@@ -3100,8 +3082,7 @@ def cmd_webhook_rotate_secret(conn, args):
 
 
 def cmd_deliveries(conn, args):
-    if conn.execute("SELECT 1 FROM webhooks WHERE id = ?", (args.id,)).fetchone() is None:
-        raise not_found("Webhook")
+    _company_of(conn, "webhooks", "Webhook", args.id)
     return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
 
 

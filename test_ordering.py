@@ -4,6 +4,7 @@ HTTP receiver on 127.0.0.1; the command line through subprocess."""
 import base64
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import hmac
 import http.client
@@ -1303,18 +1304,25 @@ def test_forwarded_for_is_trusted_only_when_told(db_path):
 # Command line and server
 # ---------------------------------------------------------------------------------------------
 
-def cli_json(db_path, *args):
-    result = run_cli(db_path, *args)
+def cli_json(db_path, *args, env=None):
+    """An operator command that must succeed: exactly one JSON object on stdout."""
+    result = run_cli(db_path, *args, env=env)
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1
-    return json.loads(lines[0])
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout
+    value = json.loads(lines[0])
+    assert isinstance(value, dict)
+    return value
 
 
-def cli_refuses(db_path, *args):
-    result = run_cli(db_path, *args)
+def cli_refuses(db_path, *args, message=None, env=None):
+    """An operator command that must fail: non-zero exit, nothing on stdout, a message on
+    stderr (containing message, when given)."""
+    result = run_cli(db_path, *args, env=env)
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.strip()
+    if message is not None:
+        assert message in result.stderr, result.stderr
     return result.stderr
 
 
@@ -1861,14 +1869,6 @@ def one(receiver, event, path=None, timeout=10):
     return requests[0]
 
 
-def closed_port():
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 def scoped_headers(tenant, scopes):
     return auth(tenant.new_key(scopes))
 
@@ -1960,15 +1960,17 @@ def test_webhook_fetch_has_no_secret(api, tenant):
     assert created["secret"] not in response.text
 
 
+def webhook_call(api, method, path, headers):
+    """GET, PATCH (deactivate) or DELETE one webhook, whatever the status."""
+    if method == "PATCH":
+        return api.patch_json(path, {"isActive": False}, headers=headers, status="*")
+    return api.request(path, method=method, headers=headers, expect_errors=True)
+
+
 @pytest.mark.parametrize("method", ["GET", "PATCH", "DELETE"])
 def test_webhook_unknown_id_is_404(api, tenant, method):
     path = "/api/v1/webhooks/wh_00000000000000000000000000"
-    if method == "GET":
-        response = api.get(path, headers=tenant.headers, status="*")
-    elif method == "PATCH":
-        response = api.patch_json(path, {"isActive": False}, headers=tenant.headers, status="*")
-    else:
-        response = api.delete(path, headers=tenant.headers, status="*")
+    response = webhook_call(api, method, path, tenant.headers)
     assert_error(response, 404, "Webhook not found.")
 
 
@@ -1981,12 +1983,7 @@ def test_webhook_malformed_id_is_404(api, tenant):
 def test_webhook_of_other_company_is_404(api, tenant, other, method):
     theirs = subscribe(api, other, HOOK, ["order.created"])
     path = f"/api/v1/webhooks/{theirs['id']}"
-    if method == "GET":
-        response = api.get(path, headers=tenant.headers, status="*")
-    elif method == "PATCH":
-        response = api.patch_json(path, {"isActive": False}, headers=tenant.headers, status="*")
-    else:
-        response = api.delete(path, headers=tenant.headers, status="*")
+    response = webhook_call(api, method, path, tenant.headers)
     assert_error(response, 404, "Webhook not found.")
     still = api.get(path, headers=other.headers, status=200).json["data"]
     assert still["isActive"] is True
@@ -2536,7 +2533,7 @@ def test_delivery_redirect_is_a_failure_and_is_not_followed(api, tenant, receive
 
 
 def test_delivery_connection_refused_has_no_status_and_logs_the_error(api, tenant, db_path):
-    hook = subscribe(api, tenant, f"http://127.0.0.1:{closed_port()}/hook", ["customer.created"])
+    hook = subscribe(api, tenant, f"http://127.0.0.1:{free_port()}/hook", ["customer.created"])
     started = time.monotonic()
     api.post_json("/api/v1/customers", {"email": "refused@example.com"},
                   headers=tenant.headers, status=201)
@@ -2685,37 +2682,33 @@ def test_outbox_event_is_delivered_by_a_later_app(db_path, receiver):
 # 6. Loopback and private destinations
 # ---------------------------------------------------------------------------------------------
 
-def test_loopback_destination_is_refused_by_default(db_path, receiver):
-    app = build_app(db_path, allow_private_webhooks=False)
+def deliver_to_loopback(db_path, receiver, allow_private):
+    """One customer.created for the receiver on 127.0.0.1; the delivery log rows."""
+    app = build_app(db_path, allow_private_webhooks=allow_private)
     try:
         api = webtest.TestApp(app)
-        tenant = Tenant(app, "Careful Co")
+        tenant = Tenant(app, "Loopback Co")
         hook = subscribe(api, tenant, receiver.url + "/private", ["customer.created"])
-        api.post_json("/api/v1/customers", {"email": "private@example.com"},
+        api.post_json("/api/v1/customers", {"email": "loopback@example.com"},
                       headers=tenant.headers, status=201)
-        rows = done_rows(db_path, hook["id"], 1)
-        assert len(rows) == 1
-        assert rows[0]["success"] == 0 and rows[0]["status_code"] is None
-        assert "Refused" in rows[0]["response_body"]
-        time.sleep(0.2)
-        assert receiver.requests == []
+        return done_rows(db_path, hook["id"], 1)
     finally:
         app.service.close(grace=0)
+
+
+def test_loopback_destination_is_refused_by_default(db_path, receiver):
+    rows = deliver_to_loopback(db_path, receiver, allow_private=False)
+    assert len(rows) == 1
+    assert rows[0]["success"] == 0 and rows[0]["status_code"] is None
+    assert "Refused" in rows[0]["response_body"]
+    time.sleep(0.2)
+    assert receiver.requests == []
 
 
 def test_loopback_destination_is_allowed_with_the_flag(db_path, receiver):
-    app = build_app(db_path, allow_private_webhooks=True)
-    try:
-        api = webtest.TestApp(app)
-        tenant = Tenant(app, "Lab Co")
-        hook = subscribe(api, tenant, receiver.url + "/private", ["customer.created"])
-        api.post_json("/api/v1/customers", {"email": "lab@example.com"},
-                      headers=tenant.headers, status=201)
-        one(receiver, "customer.created")
-        rows = done_rows(db_path, hook["id"], 1)
-        assert rows[0]["success"] == 1 and rows[0]["status_code"] == 200
-    finally:
-        app.service.close(grace=0)
+    rows = deliver_to_loopback(db_path, receiver, allow_private=True)
+    one(receiver, "customer.created")
+    assert rows[0]["success"] == 1 and rows[0]["status_code"] == 200
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2773,24 +2766,9 @@ def test_delivery_without_rotation_has_no_old_signature(api, tenant, receiver):
 # 8. Operator commands that emit events
 # ---------------------------------------------------------------------------------------------
 
-def ev_cli_json(db_path, *args):
-    result = run_cli(db_path, *args, env=ALLOW_PRIVATE)
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stdout
-    value = json.loads(lines[0])
-    assert isinstance(value, dict)
-    return value
-
-
-def ev_cli_fails(db_path, *args, message=None):
-    result = run_cli(db_path, *args, env=ALLOW_PRIVATE)
-    assert result.returncode != 0
-    assert result.stdout.strip() == ""
-    assert result.stderr.strip()
-    if message is not None:
-        assert message in result.stderr, result.stderr
-    return result
+# The event commands deliver to the receiver on 127.0.0.1 before they exit.
+ev_cli_json = functools.partial(cli_json, env=ALLOW_PRIVATE)
+ev_cli_fails = functools.partial(cli_refuses, env=ALLOW_PRIVATE)
 
 
 def test_cli_storefront_register_prints_customer_and_delivers(quiet_api, quiet_tenant, receiver,
