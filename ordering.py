@@ -22,6 +22,7 @@ import base64
 import collections
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import hmac
 import http.client
@@ -30,6 +31,7 @@ import ipaddress
 import json
 import logging
 import math
+import mmap
 import os
 import queue
 import re
@@ -38,6 +40,7 @@ import signal
 import socket
 import sqlite3
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -66,7 +69,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older files are migrated up to it at start.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -86,6 +89,8 @@ class Settings:
     port: int = 8080
     #: Request-handling threads of the server (waitress's default: more mostly add GIL contention).
     threads: int = 4
+    #: Server processes sharing the port (serve --workers); a parent starts and stops them.
+    workers: int = 1
     #: SQLite PRAGMA synchronous. NORMAL in WAL mode survives any process crash; see README.
     synchronous: str = "NORMAL"
     #: Milliseconds a writer waits for the database lock before giving up.
@@ -104,6 +109,9 @@ class Settings:
     ip_rate_limit: int = 600
     #: Take the client address from X-Forwarded-For (only behind a proxy you run).
     trust_proxy: bool = False
+    #: Count rate limits in a file beside the database that every process of this machine
+    #: shares (DB-rates); off, each process counts alone (right only for a single process).
+    shared_rate_limits: bool = True
     #: Seconds an Idempotency-Key and its response are remembered.
     idempotency_ttl: int = 24 * 3600
     #: Seconds a looked-up API key is trusted before it is read again (revocation delay for
@@ -125,6 +133,9 @@ class Settings:
             "ORDERING_ALLOW_PRIVATE_WEBHOOKS": ("allow_private_webhooks", _flag),
             "ORDERING_IP_RATE_LIMIT": ("ip_rate_limit", int),
             "ORDERING_TRUST_PROXY": ("trust_proxy", _flag),
+            "ORDERING_WORKERS": ("workers", int),
+            "ORDERING_SHARED_RATE_LIMITS": ("shared_rate_limits", _flag),
+            "ORDERING_KEY_CACHE_SECONDS": ("key_cache_seconds", float),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
         }
         for variable, (field, parse) in readers.items():
@@ -240,9 +251,11 @@ _emitted = threading.local()
 
 def apply_schema(conn):
     """Create what is missing, then migrate by PRAGMA user_version."""
+    fresh = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'companies'").fetchone() is None
     for statement in schema_statements():
         conn.execute(statement)
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    # schema.sql makes a new file current: only older files take the migrations.
+    version = SCHEMA_VERSION if fresh else conn.execute("PRAGMA user_version").fetchone()[0]
     if version > SCHEMA_VERSION:
         raise RuntimeError(f"database schema version {version} is newer than this program "
                            f"({SCHEMA_VERSION}); upgrade ordering")
@@ -264,11 +277,167 @@ def schema_statements():
 
 
 #: Statements that bring a file from version N-1 to N, beyond what schema.sql creates.
-MIGRATIONS = {1: ()}
+MIGRATIONS = {
+    1: (),
+    2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
+        "ALTER TABLE idempotency_keys ADD COLUMN claimed_by TEXT"),
+}
 
 
 def contains_folded(haystack, needle):
     return haystack is not None and needle in haystack.casefold()
+
+
+# Claimers -----------------------------------------------------------------------------------
+# Work that one process takes on (a webhook delivery, an Idempotency-Key in progress) is
+# claimed in the database under that process's identity: host, pid and the start time the
+# kernel gave the process, so that a pid reused by a newer process is not taken for the
+# claimer. Another process on the same host can then tell at once that a claimer is gone.
+
+_HOST = socket.gethostname()
+_identity = {}
+
+
+def _proc_stat(pid):
+    """(state, start time in clock ticks since boot) from /proc, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # the name in parentheses may hold spaces
+    return fields[0].decode(), fields[19].decode()
+
+
+def process_identity():
+    """This process as a claimer: "host/pid/start" (start is "-" without /proc)."""
+    pid = os.getpid()
+    if pid not in _identity:  # computed after a fork too: the child is another claimer
+        stat = _proc_stat(pid)
+        _identity.clear()
+        _identity[pid] = f"{_HOST}/{pid}/{stat[1] if stat else '-'}"
+    return _identity[pid]
+
+
+def claimer_alive(identity):
+    """False only when the claimer is surely gone: it ran on this host and its pid is free, a
+    zombie, or another process's. A claimer on another host counts as alive (its lease ends
+    its claim)."""
+    try:
+        host, pid, start = identity.rsplit("/", 2)
+        pid = int(pid)
+    except ValueError:
+        return True
+    if host != _HOST:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    if start == "-":
+        return True
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X") and stat[1] == start
+
+
+# Shared rate counters -----------------------------------------------------------------------
+# Rate limits are counted per fixed one-minute window. Every counter has hit(client, limit,
+# now=None) -> (allowed, remaining, seconds until the window resets) and close(). WindowCounter
+# counts in
+# this process only; SharedWindowCounter counts in a small memory-mapped file beside the
+# database, shared by every process of this machine that serves it, so that a GET costs no
+# database write. (An engine with a server of its own would count in a table instead.)
+
+class WindowCounter:
+    """Requests per fixed one-minute window in this process. Only the current window's counts
+    are kept, so memory is bounded by the clients seen in one minute."""
+
+    def __init__(self, clock=time.time):
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.window = None
+        self.counts = {}
+
+    def hit(self, client, limit, now=None):
+        now = self.clock() if now is None else now
+        window = int(now // 60)
+        with self.lock:
+            if window != self.window:
+                self.window, self.counts = window, {}
+            count = self.counts.get(client, 0) + 1
+            self.counts[client] = count
+        return count <= limit, max(0, limit - count), (window + 1) * 60 - now
+
+    def close(self):
+        """Nothing to release: the counts live and die with this process."""
+
+
+class SharedWindowCounter:
+    """Requests per fixed one-minute window, counted in a file that every process mapping it
+    shares: a fixed table of slots (16-byte hash of the client, window, count), found by
+    linear probing from the hash and changed under an exclusive fcntl lock on the file. A
+    slot of an older window is reused, so the table holds only the current minute's clients;
+    should SLOTS of them not fit, a client that finds no slot is counted in this process."""
+
+    SLOT = struct.Struct("<16sqq")
+    SLOTS = 65536
+    PROBES = 64
+
+    def __init__(self, path, clock=time.time):
+        self.clock = clock
+        self.lock = threading.Lock()  # fcntl locks belong to the process, not the thread
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        size = self.SLOT.size * self.SLOTS
+        if os.fstat(self.fd).st_size < size:
+            os.ftruncate(self.fd, size)  # sparse, zero-filled: every slot empty
+        self.table = mmap.mmap(self.fd, size)
+        self.overflow = WindowCounter(clock)
+
+    def hit(self, client, limit, now=None):
+        now = self.clock() if now is None else now
+        window = int(now // 60)
+        digest = hashlib.blake2b(client.encode(), digest_size=16).digest()
+        with self.lock:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+            try:
+                count = self._count(digest, window)
+            finally:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        if count is None:
+            return self.overflow.hit(client, limit, now)
+        return count <= limit, max(0, limit - count), (window + 1) * 60 - now
+
+    def _count(self, digest, window):
+        """The client's count in this window after this hit, or None if no slot is free."""
+        start, free = int.from_bytes(digest[:8], "little"), None
+        for probe in range(self.PROBES):
+            offset = (start + probe) % self.SLOTS * self.SLOT.size
+            held, held_window, count = self.SLOT.unpack_from(self.table, offset)
+            if held == digest:
+                count = count + 1 if held_window == window else 1
+                self.SLOT.pack_into(self.table, offset, digest, window, count)
+                return count
+            if free is None and held_window != window:
+                free = offset
+            if held_window == 0:  # never used: the client is not further along
+                break
+        if free is None:
+            return None
+        self.SLOT.pack_into(self.table, free, digest, window, 1)
+        return 1
+
+    def close(self):
+        self.table.close()
+        os.close(self.fd)
+
+
+def rate_counter(settings, clock=time.time):
+    """The counter the rate limits of this database use (see Settings.shared_rate_limits)."""
+    if settings.shared_rate_limits and settings.db_path not in ("", ":memory:"):
+        return SharedWindowCounter(settings.db_path + "-rates", clock)
+    return WindowCounter(clock)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1385,8 +1554,10 @@ def recent_deliveries(conn, webhook_id, count=5):
 # 8. Delivery
 # ---------------------------------------------------------------------------------------------
 # One attempt per delivery, as the spec says, but an attempt is never forgotten: deliveries
-# are claimed from the outbox under a lease, so a process that dies mid-send leaves them to be
-# claimed again. That makes duplicates possible (receivers dedupe on X-Webhook-Id).
+# are claimed from the outbox under a lease and the claimer's identity, so a process that dies
+# mid-send leaves them to be claimed again: at once by a process of the same host, which can
+# tell the claimer is gone, else when the lease ends. That makes duplicates possible (receivers
+# dedupe on X-Webhook-Id).
 
 USER_AGENT = f"ordering-webhooks/{__version__}"
 MAX_LOGGED_BODY = 2000
@@ -1590,8 +1761,9 @@ class Sender:
         lease = iso(int((time.time() + 2 * self.settings.webhook_timeout + 5) * 1000))
         with self.db.write() as conn:
             ids = [row[0] for row in conn.execute(
-                f"UPDATE deliveries SET state = 'sending', lease_until = :lease "
-                f"WHERE id IN ({waiting}) RETURNING id", dict(args, lease=lease))]
+                f"UPDATE deliveries SET state = 'sending', lease_until = :lease, "
+                f"claimed_by = :claimer WHERE id IN ({waiting}) RETURNING id",
+                dict(args, lease=lease, claimer=process_identity()))]
         if not ids:
             return []
         return conn.execute(
@@ -1599,6 +1771,21 @@ class Sender:
             "w.grace_expires_at FROM deliveries d JOIN events e ON e.id = d.event_id "
             "JOIN webhooks w ON w.id = d.webhook_id "
             f"WHERE d.id IN ({','.join('?' * len(ids))}) ORDER BY d.id", ids).fetchall()
+
+    def release_the_dead(self):
+        """Deliveries claimed by processes that are gone are pending again, lease or not."""
+        claimers = [row[0] for row in self.db.conn.execute(
+            "SELECT DISTINCT claimed_by FROM deliveries WHERE state = 'sending'")]
+        dead = [c for c in claimers if c is not None and not claimer_alive(c)]
+        if not dead:
+            return
+        with self.db.write() as conn:
+            released = conn.execute(
+                "UPDATE deliveries SET state = 'pending', lease_until = NULL, claimed_by = NULL "
+                f"WHERE state = 'sending' AND claimed_by IN ({','.join('?' * len(dead))})",
+                dead).rowcount
+        log.warning("%d webhook deliveries claimed by %s, which is gone, are pending again",
+                    released, ", ".join(dead))
 
     def submit(self, jobs):
         with self.busy_changed:
@@ -1620,6 +1807,7 @@ class Sender:
             if self.stopping.is_set():
                 break
             try:
+                self.release_the_dead()
                 free = self.settings.delivery_workers - self.busy
                 if free > 0:
                     self.submit(self.claim(free))
@@ -1679,8 +1867,9 @@ class Sender:
         success = status is not None and 200 <= status < 300
         with self.db.write() as conn:
             conn.execute(
-                "UPDATE deliveries SET state = 'done', lease_until = NULL, status_code = ?, "
-                "response_body = ?, duration_ms = ?, success = ?, attempted_at = ? WHERE id = ?",
+                "UPDATE deliveries SET state = 'done', lease_until = NULL, claimed_by = NULL, "
+                "status_code = ?, response_body = ?, duration_ms = ?, success = ?, "
+                "attempted_at = ? WHERE id = ?",
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
@@ -1716,27 +1905,6 @@ class Call:
 
 
 Key = collections.namedtuple("Key", "id company_id scopes rate_limit expires_at revoked")
-
-
-class WindowCounter:
-    """Requests per fixed one-minute window. Only the current window's counts are kept, so
-    memory is bounded by the clients seen in one minute."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.window = None
-        self.counts = {}
-
-    def hit(self, client, limit, now=None):
-        """(allowed, remaining, seconds until the window resets)."""
-        now = time.time() if now is None else now
-        window = int(now // 60)
-        with self.lock:
-            if window != self.window:
-                self.window, self.counts = window, {}
-            count = self.counts.get(client, 0) + 1
-            self.counts[client] = count
-        return count <= limit, max(0, limit - count), (window + 1) * 60 - now
 
 
 RATE_LIMITED = "Rate limit exceeded. Try again shortly."
@@ -2615,27 +2783,28 @@ def openapi_document():
 
 class Service:
     """The running pieces behind one app: the database, the webhook sender, the rate-limit
-    counters, the key cache and the idempotency keys in progress."""
+    counter and the key cache (whose clock tests may replace)."""
 
     def __init__(self, settings, deliver=True):
         self.settings = settings
         self.db = Database(settings.db_path, settings)
         self.sender = Sender(self.db, settings)
         self.db.on_commit(self.sender.notify)
-        self.key_windows = WindowCounter()
-        self.ip_windows = WindowCounter()
+        self.windows = rate_counter(settings)
         self.key_cache = {}
-        self.idempotency_lock = threading.Lock()
-        self.idempotency_running = set()
+        self.clock = time.monotonic
         if deliver:
             self.sender.start()
 
     def close(self, grace=None):
         self.sender.stop(grace)
+        self.windows.close()
 
     def health(self):
-        """GET /healthz, for load balancers and supervisors: 200 while the database answers."""
+        """GET /healthz, for load balancers and supervisors: 200 while the database answers.
+        X-Worker-Pid names the process that answered (which worker, under serve --workers)."""
         bottle.response.content_type = "application/json"
+        bottle.response.set_header("X-Worker-Pid", str(os.getpid()))
         try:
             self.db.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
         except sqlite3.Error as error:
@@ -2655,7 +2824,7 @@ class Service:
         limit = self.settings.ip_rate_limit
         if limit <= 0:
             return
-        allowed, _, reset = self.ip_windows.hit(self.client_address(environ), limit)
+        allowed, _, reset = self.windows.hit("ip " + self.client_address(environ), limit)
         if not allowed:
             raise rate_limited(reset, {})
 
@@ -2667,7 +2836,7 @@ class Service:
             raise ApiError(401, MISSING_AUTH)
         digest = hash_key(token)
         cached = self.key_cache.get(digest)
-        if cached is None or cached[0] < time.monotonic():
+        if cached is None or cached[0] < self.clock():
             row = self.db.conn.execute(
                 "SELECT id, company_id, key_hash, scopes, rate_limit, expires_at, revoked "
                 "FROM api_keys WHERE key_hash = ?", (digest,)).fetchone()
@@ -2677,7 +2846,7 @@ class Service:
                       row["rate_limit"], row["expires_at"], bool(row["revoked"]))
             if len(self.key_cache) > 10_000:
                 self.key_cache.clear()
-            self.key_cache[digest] = (time.monotonic() + self.settings.key_cache_seconds, key)
+            self.key_cache[digest] = (self.clock() + self.settings.key_cache_seconds, key)
         else:
             key = cached[1]
         if key.revoked or (key.expires_at and key.expires_at <= now_iso()):
@@ -2692,7 +2861,7 @@ class Service:
         return result
 
     def check_key_rate(self, key):
-        allowed, remaining, reset = self.key_windows.hit(key.id, key.rate_limit)
+        allowed, remaining, reset = self.windows.hit("key " + key.id, key.rate_limit)
         headers = {"X-RateLimit-Limit": str(key.rate_limit),
                    "X-RateLimit-Remaining": str(remaining),
                    "X-RateLimit-Reset": str(max(1, math.ceil(reset)))}
@@ -2748,25 +2917,33 @@ class Service:
         return environ["wsgi.input"].read(length) if length > 0 else b""
 
     def respond_once(self, found, url_args, company_id, idempotency_key, query, raw, environ):
-        """A POST with an Idempotency-Key: done once, its response stored in the same
-        transaction as its changes and replayed to any retry of the same request."""
+        """A POST with an Idempotency-Key: done once across every process of the database. The
+        key is first claimed in a transaction of its own, so that a duplicate arriving at any
+        process meanwhile is told it is in progress; the response is then stored in the same
+        transaction as the changes and replayed to any retry of the same request. A claim whose
+        process is gone (see claimer_alive) is taken over by the next retry."""
         fingerprint = request_fingerprint(found.method, environ.get("PATH_INFO", ""), raw)
         slot = (company_id, idempotency_key)
-        with self.idempotency_lock:
-            if slot in self.idempotency_running:
+        claimer = process_identity()
+        with self.db.write() as conn:
+            stored = conn.execute(
+                "SELECT fingerprint, status, body, claimed_by FROM idempotency_keys "
+                "WHERE company_id = ? AND key = ? AND expires_at > ?",
+                (company_id, idempotency_key, now_iso())).fetchone()
+            if stored is not None and stored["claimed_by"] is None:
+                if stored["fingerprint"] != fingerprint:
+                    raise ApiError(409, "Idempotency-Key has already been used with a "
+                                        "different request.")
+                return stored["status"], bytes(stored["body"]), True
+            if stored is not None and claimer_alive(stored["claimed_by"]):
                 raise ApiError(409, "A request with this Idempotency-Key is still in progress.")
-            self.idempotency_running.add(slot)
+            expires = iso(int((time.time() + self.settings.idempotency_ttl) * 1000))
+            conn.execute(
+                "INSERT OR REPLACE INTO idempotency_keys (company_id, key, fingerprint, status, "
+                "body, expires_at, claimed_by) VALUES (?, ?, ?, 0, x'', ?, ?)",
+                (*slot, fingerprint, expires, claimer))
         try:
             with self.db.write() as conn:
-                stored = conn.execute(
-                    "SELECT fingerprint, status, body FROM idempotency_keys "
-                    "WHERE company_id = ? AND key = ? AND expires_at > ?",
-                    (company_id, idempotency_key, now_iso())).fetchone()
-                if stored is not None:
-                    if stored["fingerprint"] != fingerprint:
-                        raise ApiError(409, "Idempotency-Key has already been used with a "
-                                            "different request.")
-                    return stored["status"], bytes(stored["body"]), True
                 conn.execute("SAVEPOINT operation")
                 try:
                     call = Call(conn, company_id, query, parse_json_body(raw), self.settings)
@@ -2777,15 +2954,16 @@ class Service:
                     conn.execute("ROLLBACK TO operation")
                     conn.execute("RELEASE operation")
                     status, body = refusal.status, json_text(refusal.body()).encode()
-                expires = iso(int((time.time() + self.settings.idempotency_ttl) * 1000))
                 conn.execute(
-                    "INSERT OR REPLACE INTO idempotency_keys (company_id, key, fingerprint, "
-                    "status, body, expires_at) VALUES (?, ?, ?, ?, ?, ?)",
-                    (company_id, idempotency_key, fingerprint, status, body, expires))
+                    "UPDATE idempotency_keys SET status = ?, body = ?, claimed_by = NULL "
+                    "WHERE company_id = ? AND key = ?", (status, body, *slot))
                 return status, body, False
-        finally:
-            with self.idempotency_lock:
-                self.idempotency_running.discard(slot)
+        except BaseException:
+            # Not done (a server error): let go of the key, so a retry runs the request.
+            with self.db.write() as conn:
+                conn.execute("DELETE FROM idempotency_keys WHERE company_id = ? AND key = ? "
+                             "AND claimed_by = ?", (*slot, claimer))
+            raise
 
 
 def parse_idempotency_key(header):
@@ -2916,17 +3094,23 @@ class AccessLog:
         self.writer.join(5)
 
 
-def serve(settings):
+def serve(settings, sockets=None):
+    """Serve until SIGTERM or SIGINT; on the host and port of settings, or on sockets already
+    listening (a worker of serve_workers)."""
     import waitress
     app = create_app(settings=settings)
     access_log = AccessLog(app)
+    where = {"sockets": sockets} if sockets else {"host": settings.host, "port": settings.port}
     # waitress buffers a body before the app sees it: bound that, well above the app's own
     # limit, which answers with the JSON 413.
-    server = waitress.create_server(access_log, host=settings.host, port=settings.port,
-                                    threads=settings.threads, ident="ordering",
-                                    max_request_body_size=8 * settings.max_body_bytes)
+    server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
+                                    max_request_body_size=8 * settings.max_body_bytes, **where)
 
     def stop(signum, frame):
+        # Once: a second signal (a terminal's SIGINT reaches workers and their parent, which
+        # passes on SIGTERM) must not cut short the wait for deliveries in flight.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise SystemExit(0)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -2941,6 +3125,64 @@ def serve(settings):
         app.service.close()
         access_log.close()
         log.info("stopped")
+
+
+def serve_workers(settings):
+    """serve --workers N: the parent makes the listening socket and forks N workers that each
+    serve() on it (the kernel hands each connection to one of them). A worker that dies is
+    replaced; SIGTERM or SIGINT is passed on to every worker, and the parent returns when all
+    have stopped. The parent opens no database and starts no thread, so forking is safe."""
+    listener = socket.create_server((settings.host, settings.port), backlog=1024)
+    workers = {}
+    stopping = []
+
+    def start_worker():
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                serve(settings, sockets=[listener])
+                code = 0
+            except BaseException:
+                log.exception("worker %d failed", os.getpid())
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        workers[pid] = time.monotonic()
+        log.info("worker %d started", pid)
+
+    def stop(signum, frame):
+        if not stopping:
+            stopping.append(signum)
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("ordering %s serving %s on http://%s:%s with %d workers", __version__,
+             settings.db_path, settings.host, listener.getsockname()[1], settings.workers)
+    for _ in range(settings.workers):
+        start_worker()
+    while workers:
+        pid, status = os.wait()
+        started = workers.pop(pid, None)
+        if started is None:
+            continue
+        if stopping:
+            log.info("worker %d stopped", pid)
+            continue
+        log.warning("worker %d died (%s); starting another", pid, _wait_status(status))
+        if time.monotonic() - started < 1:
+            time.sleep(1)  # a worker that cannot even start must not be forked in a tight loop
+        if not stopping:
+            start_worker()
+    listener.close()
+    log.info("stopped")
+
+
+def _wait_status(status):
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit status {os.waitstatus_to_exitcode(status)}"
 
 
 def _active_flag(text):
@@ -3175,6 +3417,8 @@ def build_parser():
     serve_cmd.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (8080)")
     serve_cmd.add_argument("--threads", type=_positive, default=None, help="request threads (4)")
+    serve_cmd.add_argument("--workers", type=_positive, default=None,
+                           help="server processes sharing the port (1)")
     serve_cmd.add_argument("--allow-private-webhooks", action="store_true", default=None,
                            help="deliver webhooks to loopback and private addresses too")
     serve_cmd.add_argument("--ip-rate-limit", type=_non_negative, default=None,
@@ -3294,8 +3538,8 @@ def main(argv=None):
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
-        for name in ("host", "port", "threads", "allow_private_webhooks", "ip_rate_limit",
-                     "trust_proxy"):
+        for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
+                     "ip_rate_limit", "trust_proxy"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)
@@ -3303,7 +3547,10 @@ def main(argv=None):
         parser.error(f"bad setting in the environment: {error}")
     try:
         if args.command in (None, "serve"):
-            serve(settings)
+            if settings.workers > 1:
+                serve_workers(settings)
+            else:
+                serve(settings)
             return 0
         if args.command == "demo":
             print(demo(settings))

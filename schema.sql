@@ -164,7 +164,8 @@ CREATE TABLE IF NOT EXISTS events (
     created_at  TEXT NOT NULL
 );
 
--- A delivery is pending, then sending (claimed by one process until lease_until), then done;
+-- A delivery is pending, then sending (claimed by the process claimed_by until lease_until),
+-- then done;
 -- a done row is the delivery log entry of the spec.
 CREATE TABLE IF NOT EXISTS deliveries (
     id            TEXT PRIMARY KEY,
@@ -177,13 +178,15 @@ CREATE TABLE IF NOT EXISTS deliveries (
     duration_ms   INTEGER,
     success       INTEGER,
     created_at    TEXT NOT NULL,
-    attempted_at  TEXT
+    attempted_at  TEXT,
+    claimed_by    TEXT                      -- the sending process (see claimer_alive)
 );
 CREATE INDEX IF NOT EXISTS deliveries_waiting ON deliveries (state, lease_until);
 CREATE INDEX IF NOT EXISTS deliveries_of_webhook ON deliveries (webhook_id, attempted_at);
 CREATE INDEX IF NOT EXISTS deliveries_of_event ON deliveries (event_id);
 
 -- Remembered POST responses, so a retried request is answered without being done twice.
+-- While claimed_by is set the request is still in progress (status and body are not yet set).
 CREATE TABLE IF NOT EXISTS idempotency_keys (
     company_id   TEXT NOT NULL,
     key          TEXT NOT NULL,
@@ -191,6 +194,7 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     status       INTEGER NOT NULL,
     body         BLOB NOT NULL,
     expires_at   TEXT NOT NULL,
+    claimed_by   TEXT,                      -- set while the request is in progress
     PRIMARY KEY (company_id, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);

@@ -4175,3 +4175,284 @@ def test_openapi_document_is_served_without_a_key(api):
     response = api.get("/api/v1/openapi.json")
     assert response.content_type == "application/json"
     assert response.json == ordering.openapi_document()
+
+
+# ---------------------------------------------------------------------------------------------
+# Many processes on one database: workers, shared rate limits, idempotency, claims, key cache
+# ---------------------------------------------------------------------------------------------
+
+def raw_request(port, method, path, body=None, headers=None):
+    """(status, headers (case-insensitive), JSON body) over a new connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        payload = None if body is None else json.dumps(body).encode()
+        connection.request(method, path, body=payload, headers=dict(
+            headers or {}, **({"Content-Type": "application/json"} if payload else {})))
+        response = connection.getresponse()
+        return response.status, response.headers, json.loads(response.read() or b"null")
+    finally:
+        connection.close()
+
+
+def worker_pid(port):
+    return int(raw_request(port, "GET", "/healthz")[1]["X-Worker-Pid"])
+
+
+def answering_pids(port, wanted, tries=500):
+    """Pids seen answering /healthz until `wanted(pids)` holds (or tries run out)."""
+    pids = set()
+    for _ in range(tries):
+        pids.add(worker_pid(port))
+        if wanted(pids):
+            break
+    return pids
+
+
+def wait_until(condition, timeout=20, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def stop_server(process):
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=30)
+
+
+def test_workers_answer_on_one_port_are_replaced_and_stop_together(db_path):
+    process, port = start_server(db_path, "--workers", "2")
+    try:
+        first = answering_pids(port, lambda pids: len(pids) == 2)
+        assert len(first) == 2 and process.pid not in first
+        assert {parent_of(pid) for pid in first} == {process.pid}
+        killed = min(first)
+        os.kill(killed, signal.SIGKILL)
+        def started():
+            return [int(pid) for pid in re.findall(r"worker (\d+) started", server_log(db_path))]
+        wait_until(lambda: len(started()) == 3, what="a new worker")
+        assert f"worker {killed} died (killed by SIGKILL); starting another" in server_log(db_path)
+        replacement = started()[-1]
+        assert replacement not in first
+        assert parent_of(replacement) == process.pid
+        seen = set()
+        wait_until(lambda: seen.add(worker_pid(port)) or replacement in seen,
+                   what="the new worker to answer")
+        assert killed not in seen
+        workers = first | {replacement}
+    finally:
+        stop_server(process)
+    log = server_log(db_path)
+    assert process.returncode == 0, log
+    assert all(gone(pid) for pid in workers), log
+    assert f"worker {replacement} stopped" in log and log.rstrip().endswith("stopped")
+
+
+def test_rate_limits_are_counted_across_processes(db_path):
+    company, _, _, _ = seed_company(db_path, 0, 0, 0)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        key = ordering.create_api_key(conn, company, ["products:read"])["key"]
+    database.close()
+    servers = [start_server(db_path, "--ip-rate-limit", "70") for _ in range(2)]
+    # Everything below takes well under a second; begin with most of a window ahead.
+    wait_until(lambda: time.time() % 60 < 45, timeout=20, what="a fresh minute")
+    try:
+        answers = [raw_request(servers[n % 2][1], "GET", "/api/v1/products",
+                               headers={"Authorization": "Bearer " + key}) for n in range(71)]
+    finally:
+        for process, _ in servers:
+            stop_server(process)
+    # One window throughout (its reset only counts down), one count across both processes.
+    resets = [int(headers["X-RateLimit-Reset"]) for _, headers, _ in answers[:70]]
+    assert resets == sorted(resets, reverse=True)
+    assert [(status, headers["X-RateLimit-Remaining"]) for status, headers, _ in answers[:60]] \
+        == [(200, str(59 - n)) for n in range(60)]
+    for status, headers, body in answers[60:70]:  # the key's budget: 60 a minute
+        assert (status, body["error"], headers["X-RateLimit-Limit"]) == (
+            429, "Rate limit exceeded. Try again shortly.", "60")
+    status, headers, body = answers[70]  # the address's budget, before the key is looked at
+    assert (status, body["error"], "X-RateLimit-Limit" in headers) == (
+        429, "Rate limit exceeded. Try again shortly.", False)
+
+
+def test_shared_counter_windows_slots_and_overflow(tmp_path):
+    path = str(tmp_path / "counts")
+    one, two = ordering.SharedWindowCounter(path), ordering.SharedWindowCounter(path)
+    try:
+        assert one.hit("key a", 2, now=120.0) == (True, 1, 60.0)
+        assert two.hit("key a", 2, now=150.0) == (True, 0, 30.0)
+        assert one.hit("key a", 2, now=170.5) == (False, 0, 9.5)
+        assert two.hit("key b", 2, now=170.5)[:2] == (True, 1)
+        assert two.hit("key a", 2, now=180.0)[:2] == (True, 1)  # a new minute
+    finally:
+        one.close()
+        two.close()
+
+    class Tiny(ordering.SharedWindowCounter):
+        SLOTS = PROBES = 2
+    tiny = Tiny(str(tmp_path / "tiny"))
+    try:
+        assert [tiny.hit(c, 5, now=60.0)[1] for c in ("x", "y", "x", "z", "z")] == [4, 4, 3, 4, 3]
+        assert tiny.overflow.counts == {"z": 2}  # no slot left: counted in this process
+        assert tiny.hit("z", 5, now=120.0)[1] == 4  # last minute's slots are free again
+        assert tiny.overflow.counts == {"z": 2}
+    finally:
+        tiny.close()
+
+
+def test_claimer_is_dead_when_its_pid_is_free_a_zombie_or_reused():
+    me = ordering.process_identity()
+    assert ordering.claimer_alive(me)
+    host, pid, start = me.rsplit("/", 2)
+    assert int(pid) == os.getpid()
+    assert not ordering.claimer_alive(f"{host}/{pid}/{int(start) + 1}")  # a reused pid
+    assert ordering.claimer_alive(f"elsewhere/{pid}/{start}")  # another host: the lease decides
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        identity = f"{host}/{child.pid}/{ordering._proc_stat(child.pid)[1]}"
+        assert ordering.claimer_alive(identity)
+        child.stdin.close()
+        wait_until(lambda: ordering._proc_stat(child.pid)[0] == "Z", what="a zombie")
+        assert not ordering.claimer_alive(identity)  # exited, not yet reaped
+    finally:
+        child.wait()
+    assert not ordering.claimer_alive(identity)
+
+
+def test_idempotency_claim_of_a_live_process_is_409_and_of_a_dead_one_is_taken_over(
+        api, tenant):
+    body = {"email": "claimed@example.com"}
+    headers = with_key(tenant, "claimed")
+    fingerprint = ordering.request_fingerprint("POST", "/api/v1/customers",
+                                               json.dumps(body).encode())
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True)
+    dead = f"{socket.gethostname()}/{int(child.stdout)}/1"
+    for claimer in (ordering.process_identity(), dead):
+        with tenant.db.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO idempotency_keys VALUES "
+                         "(?, 'claimed', ?, 0, x'', '2999-01-01T00:00:00.000Z', ?)",
+                         (tenant.id, fingerprint, claimer))
+        if claimer == dead:
+            break
+        assert_error(api.post_json("/api/v1/customers", body, headers=headers, status=409), 409,
+                     "A request with this Idempotency-Key is still in progress.")
+    response = api.post_json("/api/v1/customers", body, headers=headers, status=201)
+    assert "Idempotent-Replayed" not in response.headers
+    assert_error(api.post_json("/api/v1/customers", {"email": "other@example.com"},
+                               headers=headers, status=409), 409,
+                 "Idempotency-Key has already been used with a different request.")
+    replay = api.post_json("/api/v1/customers", body, headers=headers, status=201)
+    assert replay.json == response.json and replay.headers["Idempotent-Replayed"] == "true"
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT claimed_by FROM idempotency_keys")] == [(None,)]
+
+
+def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path):
+    company, key, products, customers = seed_company(db_path, 1, 100, 1)
+    servers = [start_server(db_path, "--ip-rate-limit", "0") for _ in range(2)]
+    rounds = 8
+    try:
+        results = []
+        for number in range(rounds):
+            barrier = threading.Barrier(4)
+            body = {"customerId": customers[0],
+                    "items": [{"productId": products[0], "quantity": 1}]}
+
+            def send(n, number=number, barrier=barrier, body=body):
+                barrier.wait()
+                return raw_request(servers[n % 2][1], "POST", "/api/v1/orders", body, headers={
+                    "Authorization": "Bearer " + key, "Idempotency-Key": f"twice-{number}"})
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                results.append(list(pool.map(send, range(4))))
+    finally:
+        for process, _ in servers:
+            stop_server(process)
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == rounds
+    assert conn.execute("SELECT stock FROM products").fetchone()[0] == 100 - rounds
+    for answers in results:
+        originals = [body for status, headers, body in answers
+                     if status == 201 and "Idempotent-Replayed" not in headers]
+        replays = [body for status, headers, body in answers
+                   if status == 201 and headers.get("Idempotent-Replayed") == "true"]
+        busy = [body for status, _, body in answers if status == 409]
+        assert len(originals) == 1 and len(replays) + len(busy) == 3, answers
+        assert all(body == originals[0] for body in replays)
+        assert all(body == {"error": "A request with this Idempotency-Key is still in progress."}
+                   for body in busy)
+
+
+def test_delivery_of_a_killed_worker_is_sent_again_once_it_is_gone(db_path, receiver):
+    company, key, _, _ = seed_company(db_path, 0, 0, 0)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        ordering.create_webhook(conn, company, {"url": receiver.url + "/hang",
+                                                "events": ["customer.created"]})
+    database.close()
+    receiver.behaviour["/hang"] = (200, 120, {})
+    # A 30 s timeout makes the lease 65 s: only the claimer's death can free the delivery
+    # within the wait below.
+    process, port = start_server(db_path, "--workers", "2", "--allow-private-webhooks",
+                                 env={"ORDERING_WEBHOOK_TIMEOUT": "30"})
+    try:
+        status, _, _ = raw_request(port, "POST", "/api/v1/customers", {"email": "a@example.com"},
+                                   headers={"Authorization": "Bearer " + key})
+        assert status == 201
+
+        def claimer():
+            row = read_db(db_path).execute(
+                "SELECT claimed_by FROM deliveries WHERE state = 'sending'").fetchone()
+            return row and row[0]
+        wait_until(claimer, what="the delivery to be claimed")
+        claimed_by = claimer()
+        pid = int(claimed_by.split("/")[1])
+        assert parent_of(pid) == process.pid
+        receiver.behaviour["/hang"] = (200, 0, {})
+        os.kill(pid, signal.SIGKILL)
+        arrived = receiver.wait_for(1, timeout=30, event="customer.created")
+        assert len(arrived) == 1, server_log(db_path)
+        wait_until(lambda: [tuple(row) for row in read_db(db_path).execute(
+            "SELECT state, success, claimed_by FROM deliveries")] == [("done", 1, None)],
+            what="the delivery log")
+    finally:
+        stop_server(process)
+    assert process.returncode == 0
+    assert f"claimed by {claimed_by}, which is gone, are pending again" in server_log(db_path)
+
+
+def test_key_revocation_reaches_another_process_within_the_key_cache_time(db_path):
+    first, second = build_app(db_path), build_app(db_path)
+    try:
+        with first.service.db.write() as conn:
+            company = ordering.create_company(conn, "Revoking")["id"]
+            key = ordering.create_api_key(conn, company, ["products:read"])
+        now = [1000.0]
+        second.service.clock = lambda: now[0]
+        other = webtest.TestApp(second)
+        other.get("/api/v1/products", headers=auth(key), status=200)
+        first.service.revoke_key(key["id"])
+        now[0] += first.service.settings.key_cache_seconds - 0.01
+        other.get("/api/v1/products", headers=auth(key), status=200)  # still trusted, as said
+        now[0] += 0.02
+        assert_error(other.get("/api/v1/products", headers=auth(key), status=401), 401, INVALID)
+        assert second.service.settings.key_cache_seconds == 5.0
+    finally:
+        first.service.close(grace=0)
+        second.service.close(grace=0)
