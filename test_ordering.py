@@ -4379,8 +4379,16 @@ def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path)
                 barrier.wait()
                 return raw_request(servers[n % 2][1], "POST", "/api/v1/orders", body, headers={
                     "Authorization": "Bearer " + key, "Idempotency-Key": f"twice-{number}"})
+            # The write lock held here lines the four requests up at their first write, so
+            # that they meet while one of them is in progress (the assertions hold either way).
+            holder = sqlite3.connect(db_path, isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
-                results.append(list(pool.map(send, range(4))))
+                answers = pool.map(send, range(4))
+                time.sleep(0.3)
+                holder.execute("COMMIT")
+                results.append(list(answers))
+            holder.close()
     finally:
         for process, _ in servers:
             stop_server(process)
