@@ -5,7 +5,8 @@ module you can run (``python ordering.py``), vendor, or embed (``create_app()`` 
 app). The sections follow the way a request travels:
 
   1. Settings      every tunable, read once from flags and environment
-  2. Storage       connections, schema and migrations, the write transaction
+  2. Storage       connections, schema and migrations, the write transaction, claimers
+                   (which process holds a claim, and whether it lives), rate counters
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing
   4. Errors        ApiError and the validators that raise it with the spec's messages
   5. Records       rows to the JSON the API shows, one function per record type
@@ -14,7 +15,7 @@ app). The sections follow the way a request travels:
   8. Delivery      the webhook sender: claiming, address checks, the thread pool, the log
   9. HTTP          pagination, the routes, the OpenAPI document built from them, auth and
                    scopes, rate limits, idempotency, the app factory, error handlers
- 10. Command line  main(), the operator commands, serve
+ 10. Command line  main(), the operator commands, serve and its workers
 """
 
 import argparse
@@ -294,7 +295,15 @@ def contains_folded(haystack, needle):
 # kernel gave the process, so that a pid reused by a newer process is not taken for the
 # claimer. Another process on the same host can then tell at once that a claimer is gone.
 
-_HOST = socket.gethostname()
+def _host():
+    """This host, and the pid namespace within it (containers may share a hostname)."""
+    try:
+        return f"{socket.gethostname()}:{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
+_HOST = _host()
 _identity = {}
 
 
@@ -385,9 +394,12 @@ class SharedWindowCounter:
     SLOTS = 65536
     PROBES = 64
 
+    #: fcntl locks belong to the process, not to a thread or a file descriptor (closing any
+    #: descriptor of the file drops them all): the threads of a process take turns here.
+    lock = threading.Lock()
+
     def __init__(self, path, clock=time.time):
         self.clock = clock
-        self.lock = threading.Lock()  # fcntl locks belong to the process, not the thread
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         size = self.SLOT.size * self.SLOTS
         if os.fstat(self.fd).st_size < size:
@@ -429,8 +441,9 @@ class SharedWindowCounter:
         return 1
 
     def close(self):
-        self.table.close()
-        os.close(self.fd)
+        with self.lock:
+            self.table.close()
+            os.close(self.fd)
 
 
 def rate_counter(settings, clock=time.time):

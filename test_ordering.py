@@ -1442,16 +1442,22 @@ def server_log(db_path):
         return log.read()
 
 
-def http_request(port, method, path, body=None, headers=None):
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+def raw_request(port, method, path, body=None, headers=None):
+    """(status, headers (case-insensitive), JSON body) over a new connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         payload = None if body is None else json.dumps(body).encode()
         connection.request(method, path, body=payload, headers=dict(
             headers or {}, **({"Content-Type": "application/json"} if payload else {})))
         response = connection.getresponse()
-        return response.status, json.loads(response.read() or b"null")
+        return response.status, response.headers, json.loads(response.read() or b"null")
     finally:
         connection.close()
+
+
+def http_request(port, method, path, body=None, headers=None):
+    status, _, answer = raw_request(port, method, path, body, headers)
+    return status, answer
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
@@ -1475,7 +1481,8 @@ def test_server_serves_logs_each_request_and_stops_cleanly(db_path, stop_signal)
     assert "stopped" in stderr
 
 
-def test_sigterm_lets_a_delivery_in_flight_finish(db_path, receiver):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_lets_a_delivery_in_flight_finish(db_path, receiver, workers):
     company, key, _, _ = seed_company(db_path, 1, 10, 0)
     database = ordering.Database(str(db_path))
     with database.write() as conn:
@@ -1483,7 +1490,7 @@ def test_sigterm_lets_a_delivery_in_flight_finish(db_path, receiver):
                                                           "events": ["customer.created"]})
     database.close()
     receiver.behaviour["/slow"] = (200, 1.5, {})
-    process, port = start_server(db_path, "--allow-private-webhooks",
+    process, port = start_server(db_path, "--allow-private-webhooks", "--workers", workers,
                                  env={"ORDERING_WEBHOOK_TIMEOUT": "5"})
     try:
         status, _ = http_request(port, "POST", "/api/v1/customers",
@@ -4181,19 +4188,6 @@ def test_openapi_document_is_served_without_a_key(api):
 # Many processes on one database: workers, shared rate limits, idempotency, claims, key cache
 # ---------------------------------------------------------------------------------------------
 
-def raw_request(port, method, path, body=None, headers=None):
-    """(status, headers (case-insensitive), JSON body) over a new connection."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        payload = None if body is None else json.dumps(body).encode()
-        connection.request(method, path, body=payload, headers=dict(
-            headers or {}, **({"Content-Type": "application/json"} if payload else {})))
-        response = connection.getresponse()
-        return response.status, response.headers, json.loads(response.read() or b"null")
-    finally:
-        connection.close()
-
-
 def worker_pid(port):
     return int(raw_request(port, "GET", "/healthz")[1]["X-Worker-Pid"])
 
@@ -4343,7 +4337,7 @@ def test_idempotency_claim_of_a_live_process_is_409_and_of_a_dead_one_is_taken_o
                                                json.dumps(body).encode())
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                            capture_output=True, text=True)
-    dead = f"{socket.gethostname()}/{int(child.stdout)}/1"
+    dead = f"{ordering._HOST}/{int(child.stdout)}/1"
     for claimer in (ordering.process_identity(), dead):
         with tenant.db.write() as conn:
             conn.execute("INSERT OR REPLACE INTO idempotency_keys VALUES "

@@ -70,12 +70,15 @@ def free_port():
 
 
 def pinned(core, command):
-    return (["taskset", "-c", str(core)] if TWO_CORES and shutil.which("taskset") else []) + command
+    """command on one core where there are two (core None: unpinned)."""
+    pin = core is not None and TWO_CORES and shutil.which("taskset")
+    return (["taskset", "-c", str(core)] if pin else []) + command
 
 
-def start(command, port, log_path):
+def start(command, port, log_path, core=0, env=None):
     log = open(log_path, "w")
-    process = subprocess.Popen(pinned(0, command), stdout=log, stderr=log)
+    process = subprocess.Popen(pinned(core, command), stdout=log, stderr=log,
+                               env=None if env is None else dict(os.environ, **env))
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -131,11 +134,11 @@ end
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
 
-def wrk(url, script, seconds, connections, workdir):
+def wrk(url, script, seconds, connections, workdir, core=1):
     script_path = os.path.join(workdir, "script.lua")
     with open(script_path, "w") as handle:
         handle.write(script)
-    output = subprocess.run(pinned(1, ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
+    output = subprocess.run(pinned(core, ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
                                        "--latency", "-s", script_path, url]),
                             capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))
