@@ -21,6 +21,7 @@ app). The sections follow the way a request travels:
 import argparse
 import base64
 import collections
+import ctypes
 import dataclasses
 import datetime
 import fcntl
@@ -3146,6 +3147,7 @@ def serve_workers(settings):
     replaced; SIGTERM or SIGINT is passed on to every worker, and the parent returns when all
     have stopped. The parent opens no database and starts no thread, so forking is safe."""
     listener = socket.create_server((settings.host, settings.port), backlog=1024)
+    parent = os.getpid()
     workers = {}
     stopping = []
 
@@ -3154,6 +3156,7 @@ def serve_workers(settings):
         if pid == 0:
             code = 1
             try:
+                _stop_with_parent(parent)
                 serve(settings, sockets=[listener])
                 code = 0
             except BaseException:
@@ -3190,6 +3193,17 @@ def serve_workers(settings):
             start_worker()
     listener.close()
     log.info("stopped")
+
+
+def _stop_with_parent(parent):
+    """Linux: a worker gets SIGTERM when its parent dies, even by SIGKILL, so that no worker is
+    left serving without a supervisor."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 is PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _wait_status(status):

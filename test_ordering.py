@@ -4216,11 +4216,9 @@ def parent_of(pid):
 
 
 def gone(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    """No such process, or only its exit status left (a zombie)."""
+    stat = ordering._proc_stat(pid)
+    return stat is None or stat[0] == "Z"
 
 
 def stop_server(process):
@@ -4458,3 +4456,15 @@ def test_key_revocation_reaches_another_process_within_the_key_cache_time(db_pat
     finally:
         first.service.close(grace=0)
         second.service.close(grace=0)
+
+
+def test_workers_stop_when_their_parent_is_killed(db_path):
+    process, port = start_server(db_path, "--workers", "2")
+    try:
+        workers = answering_pids(port, lambda pids: len(pids) == 2)
+        assert len(workers) == 2
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    wait_until(lambda: all(gone(pid) for pid in workers), what="the workers to stop")
+    assert server_log(db_path).count("stopped") == 2
