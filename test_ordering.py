@@ -4468,3 +4468,17 @@ def test_workers_stop_when_their_parent_is_killed(db_path):
         process.wait(timeout=30)
     wait_until(lambda: all(gone(pid) for pid in workers), what="the workers to stop")
     assert server_log(db_path).count("stopped") == 2
+
+
+def test_key_revoked_from_the_command_line_reaches_a_running_server(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Revoked")
+    key = cli_json(db_path, "key-create", "--company", company["id"], "--scopes",
+                   "products:read")
+    process, port = start_server(db_path, env={"ORDERING_KEY_CACHE_SECONDS": "0.5"})
+    try:
+        assert http_request(port, "GET", "/api/v1/products", headers=auth(key))[0] == 200
+        cli_json(db_path, "key-revoke", key["id"])
+        wait_until(lambda: http_request(port, "GET", "/api/v1/products", headers=auth(key))
+                   == (401, {"error": INVALID}), what="the revocation to reach the server")
+    finally:
+        stop_server(process)
