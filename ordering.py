@@ -112,7 +112,8 @@ class Settings:
     #: Take the client address from X-Forwarded-For (only behind a proxy you run).
     trust_proxy: bool = False
     #: Count rate limits in a file beside the database that every process of this machine
-    #: shares (DB-rates); off, each process counts alone (right only for a single process).
+    #: shares (the database's path + "-rates"); off, each process counts alone (right only
+    #: for a single process).
     shared_rate_limits: bool = True
     #: Seconds an Idempotency-Key and its response are remembered.
     idempotency_ttl: int = 24 * 3600
@@ -354,11 +355,11 @@ def claimer_alive(identity):
 
 # Shared rate counters -----------------------------------------------------------------------
 # Rate limits are counted per fixed one-minute window. Every counter has hit(client, limit,
-# now=None) -> (allowed, remaining, seconds until the window resets) and close(). WindowCounter
-# counts in
-# this process only; SharedWindowCounter counts in a small memory-mapped file beside the
-# database, shared by every process of this machine that serves it, so that a GET costs no
-# database write. (An engine with a server of its own would count in a table instead.)
+# now=None) -> (allowed, remaining, seconds until the window resets) and close().
+# WindowCounter counts in this process only; SharedWindowCounter counts in a small
+# memory-mapped file beside the database, shared by every process of this machine that serves
+# it, so that a GET costs no database write. (An engine with a server of its own would count
+# in a table instead.)
 
 class WindowCounter:
     """Requests per fixed one-minute window in this process. Only the current window's counts
