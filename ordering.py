@@ -444,8 +444,9 @@ class SharedWindowCounter:
 
     def close(self):
         with self.lock:
-            self.table.close()
-            os.close(self.fd)
+            if not self.table.closed:
+                self.table.close()
+                os.close(self.fd)
 
 
 def rate_counter(settings, clock=time.time):
