@@ -3148,7 +3148,8 @@ def serve_workers(settings):
     serve() on it (the kernel hands each connection to one of them). A worker that dies is
     replaced; SIGTERM or SIGINT is passed on to every worker, and the parent returns when all
     have stopped. The parent opens no database and starts no thread, so forking is safe."""
-    listener = socket.create_server((settings.host, settings.port), backlog=1024)
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    listener = socket.create_server((settings.host, settings.port), family=family, backlog=1024)
     parent = os.getpid()
     workers = {}
     stopping = []
