@@ -1730,25 +1730,28 @@ def kill_and_restart(db_path, receiver, clients=8, run_for=1.5, wait=30):
             future.result()
     conn = sqlite3.connect(db_path)
     integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
+    claimed = conn.execute("SELECT COUNT(*) FROM deliveries WHERE state = 'sending'").fetchone()[0]
     conn.close()
     restarted, _ = start_server(db_path, "--allow-private-webhooks", "--ip-rate-limit", "0",
                                 env=env, port=port)
+    started = time.monotonic()
     try:
         conn = sqlite3.connect(db_path)
         committed = {row[0] for row in conn.execute("SELECT id FROM orders")}
         conn.close()
-        deadline = time.monotonic() + wait
+        deadline = started + wait
         while time.monotonic() < deadline:
             delivered = {r["json"]["data"]["id"] for r in receiver.of("order.created")}
             if committed <= delivered:
                 break
             time.sleep(0.2)
+        settled = time.monotonic() - started
     finally:
         restarted.terminate()
         restarted.wait(timeout=30)
     return {"requests": sent[0], "acknowledged": acknowledged, "committed": committed,
-            "delivered": delivered, "integrity": integrity,
-            "deliveries": len(receiver.of("order.created"))}
+            "delivered": delivered, "integrity": integrity, "claimed": claimed,
+            "settled": settled, "deliveries": len(receiver.of("order.created"))}
 
 
 def test_kill_and_restart_keeps_every_acknowledged_order_and_delivers_its_event(tmp_path,
