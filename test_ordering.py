@@ -234,7 +234,7 @@ def run_cli(db_path, *args, env=None):
 def test_unknown_route_is_json_404(api, tenant):
     assert_error(api.get("/api/v1/nothing", headers=tenant.headers, status=404), 404,
                  "Not found.")
-    assert_error(api.get("/", status=404), 404, "Not found.")
+    assert_error(api.get("/dashboard/nothing", status=404), 404, "Not found.")
 
 
 def test_wrong_method_is_json_405(api, tenant):
