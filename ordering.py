@@ -3228,7 +3228,7 @@ FIELD_OF_MESSAGE = {
     "quantity must be at least 1": "items",
     "Tracking URL is required when carrier is OTHER.": "tracking.url",
     "URL is required.": "url", "Invalid URL.": "url",
-    "At least one event is required.": "events", "Order not found.": "orderId",
+    "At least one event is required.": "events",
 }
 
 
@@ -3556,9 +3556,8 @@ def order_page(visit, order_id):
     if not actions:
         actions.append(render('<p class="muted">{s} is final: no further status.</p>',
                               s=order["status"]))
-    open_return = visit.form_tag("/dashboard/returns", join([
-        render('<h3>Open a return</h3><input type="hidden" name="orderId" value="{o}">',
-               o=order_id),
+    open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
+        render("<h3>Open a return</h3>"),
         visit.field("reason", "Reason (3 to 2000 characters)", kind="textarea"),
         visit.field("itemCount", "Line items returned (default: all)", kind="number", min="1"),
         render('<button type="submit" class="secondary">Open return</button>')]))
@@ -3795,12 +3794,11 @@ def returns_page(visit):
     return visit.page("Returns", body)
 
 
-@page("POST", "/dashboard/returns", refused=returns_page)
-def open_return_action(visit):
+@page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
+def open_return_action(visit, order_id):
     with visit.write() as conn:
-        open_return(conn, visit.company_id, visit.form.get("orderId", ""),
-                    visit.form.get("reason"), form_int(visit.form, "itemCount", required=False),
-                    actor="staff")
+        open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
+                    form_int(visit.form, "itemCount", required=False), actor="staff")
     return redirect("/dashboard/returns")
 
 
