@@ -3159,6 +3159,7 @@ nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-s
 .brand { margin-right: 8px; }
 .account { display: flex; align-items: center; gap: 8px; margin: 0; }
 .account span { color: #c9d1dc; font-size: 13px; }
+.account button { margin-top: 0; }
 main { max-width: 1180px; margin: 0 auto; padding: 16px; }
 h1 { font-size: 22px; margin: 8px 0 16px; }
 h2 { font-size: 17px; margin: 24px 0 8px; }

@@ -4946,3 +4946,256 @@ def test_key_form_refuses_no_scopes_and_a_bad_expiry(app, tenant, browser):
     create["expiresAt"] = ""
     assert "must be some of" in create.submit(status=400).text
     assert snapshot(app.service.db) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard in a real browser: headless Chromium driven by Selenium against `ordering.py serve`
+# ---------------------------------------------------------------------------------------------
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--window-size=1280,900")
+
+
+def require_browser():
+    """Skip (fail under CI=true) when Chromium, its driver or Selenium is missing."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("the selenium package")
+    if missing:
+        reason = (f"real-browser tests need {', '.join(missing)} (Debian: apt-get install "
+                  f"chromium chromium-driver; pip install -e '.[test]')")
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+class Served:
+    """A company with a staff account, a webhook to a real receiver and a few records, served
+    by `ordering.py serve --allow-private-webhooks` and visited by one Chromium."""
+
+    def __init__(self, tmp, receiver):
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+        self.path = tmp / "served.db"
+        self.receiver = receiver
+        self.db = ordering.Database(str(self.path))
+        with self.db.write() as conn:
+            self.company = ordering.create_company(conn, "Served Wholesale")
+            self.staff = ordering.create_staff(conn, self.company["id"], "staff@served.example",
+                                               STAFF_PASSWORD)
+            self.hook = ordering.create_webhook(conn, self.company["id"], {
+                "url": receiver.url + "/hook", "events": list(ordering.EVENT_CATALOG)})
+            self.key = ordering.create_api_key(conn, self.company["id"], ALL_SCOPES)
+        self.process, self.port = start_server(self.path, "--allow-private-webhooks")
+        self.base = f"http://127.0.0.1:{self.port}"
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in CHROMIUM_FLAGS:
+            options.add_argument(flag)
+        try:
+            self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        except Exception:
+            self.process.terminate()
+            raise
+        self.driver.implicitly_wait(5)
+
+    def close(self):
+        try:
+            self.driver.quit()
+        finally:
+            self.process.terminate()
+            self.process.wait(15)
+
+    def write(self):
+        return self.db.write()
+
+    def open(self, path):
+        self.driver.get(self.base + path)
+
+    def submit(self, button):
+        """Click a submit button and wait for the page it leads to."""
+        from selenium.webdriver.support import expected_conditions
+        from selenium.webdriver.support.ui import WebDriverWait
+        page = self.driver.find_element("tag name", "html")
+        button.click()
+        WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
+
+    def form(self, action_end):
+        forms = [f for f in self.driver.find_elements("tag name", "form")
+                 if f.get_attribute("action").endswith(action_end)]
+        assert len(forms) == 1, action_end
+        return forms[0]
+
+    def fill(self, form, **values):
+        from selenium.webdriver.support.ui import Select
+        for name, value in values.items():
+            control = form.find_element("name", name.replace("__", "."))
+            if control.tag_name == "select":
+                Select(control).select_by_value(value)
+            else:
+                control.clear()
+                control.send_keys(value)
+
+    def sign_in(self):
+        self.driver.delete_all_cookies()
+        self.open("/")
+        assert self.driver.current_url.endswith("/dashboard/sign-in")
+        form = self.form("/dashboard/sign-in")
+        self.fill(form, email=self.staff["email"], password=STAFF_PASSWORD)
+        self.submit(form.find_element("css selector", "button[type=submit]"))
+        assert self.driver.current_url.endswith("/dashboard/orders")
+
+    def delivered(self, event, record_id, count=1):
+        """The deliveries of event about record_id, once count have arrived."""
+        deadline = time.monotonic() + 15
+        while True:
+            found = [r for r in self.receiver.wait_for(0, timeout=0, event=event)
+                     if r["json"]["data"].get("id") == record_id]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            with self.receiver.arrived:
+                self.receiver.arrived.wait(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    require_browser()
+    receiver = Receiver()
+    served = Served(tmp_path_factory.mktemp("browser"), receiver)
+    yield served
+    served.close()
+    receiver.close()
+
+
+@pytest.fixture
+def visitor(served):
+    served.sign_in()
+    return served
+
+
+def served_order(served, status="CONFIRMED", stock=50):
+    with served.write() as conn:
+        product = ordering.create_product(conn, served.company["id"], name="Jasmine Rice",
+                                          price_cents=4250, stock=stock)
+        customer = ordering.create_customer(conn, served.company["id"], {
+            "email": f"buyer{time.monotonic_ns()}@served.example", "name": "Corner Cafe"})
+        order = ordering.place_order(conn, served.company["id"], {
+            "customerId": customer["id"], "items": [{"productId": product["id"],
+                                                     "quantity": 2}]}, source="dashboard")
+        for step in {"CONFIRMED": ["CONFIRMED"], "DELIVERED": [
+                "CONFIRMED", "SHIPPED", "DELIVERED"]}[status]:
+            ordering.update_order_status(conn, served.company["id"], order["id"], step)
+    return order, product, customer
+
+
+def test_browser_ships_an_order_with_tracking(visitor):
+    order, _, _ = served_order(visitor)
+    visitor.open(f"/dashboard/orders/{order['id']}")
+    # CONFIRMED offers SHIPPED (a form with tracking) and CANCELLED (a button)
+    ship = [f for f in visitor.driver.find_elements("tag name", "form")
+            if f.get_attribute("action").endswith("/status")
+            and f.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
+    visitor.fill(ship, tracking__carrier="CARRIER_C", tracking__number="TRK-55501")
+    visitor.submit(ship.find_element("css selector", "button[type=submit]"))
+    assert "TRK-55501" in visitor.driver.page_source
+    url = "https://tracking.carrier-c.example/?tracknum=TRK-55501"
+    changed = visitor.delivered("order.status_changed", order["id"], count=2)[-1]["json"]["data"]
+    assert (changed["previousStatus"], changed["status"]) == ("CONFIRMED", "SHIPPED")
+    shipped = visitor.delivered("order.shipped", order["id"])[0]["json"]["data"]
+    assert shipped["tracking"] == {"carrier": "CARRIER_C", "number": "TRK-55501", "url": url}
+    buttons = [b.text for b in visitor.driver.find_elements("css selector", "form button")]
+    assert "Mark DELIVERED" in buttons and "Mark CANCELLED" not in buttons
+
+
+def test_browser_edits_stock_below_the_threshold(visitor):
+    with visitor.write() as conn:
+        product = ordering.create_product(conn, visitor.company["id"], name="Sea Salt",
+                                          price_cents=320, stock=40, low_stock_threshold=10)
+    visitor.open(f"/dashboard/products/{product['id']}")
+    form = visitor.form(f"/dashboard/products/{product['id']}")
+    visitor.fill(form, stock="6")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    updated = visitor.delivered("product.updated", product["id"])[0]["json"]["data"]
+    assert (updated["stock"], updated["price"]) == (6, 3.2)
+    low = visitor.delivered("product.low_stock", product["id"])[0]["json"]["data"]
+    assert (low["currentStock"], low["threshold"], low["triggeringOrderId"]) == (6, 10, None)
+
+
+def test_browser_blocks_a_customer(visitor):
+    _, _, customer = served_order(visitor)
+    visitor.open("/dashboard/customers")
+    visitor.driver.find_element("link text", customer["email"]).click()
+    visitor.submit(visitor.form("/status").find_element("css selector", "button"))
+    assert "BLOCKED" in visitor.driver.page_source
+    updated = visitor.delivered("customer.updated", customer["id"])[0]["json"]["data"]
+    assert (updated["status"], updated["previousStatus"]) == ("BLOCKED", "ACTIVE")
+
+
+def test_browser_walks_a_return_to_refunded(visitor):
+    order, _, _ = served_order(visitor, "DELIVERED")
+    visitor.open(f"/dashboard/orders/{order['id']}")
+    form = visitor.form("/returns")
+    visitor.fill(form, reason="One bag arrived torn")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    return_id = visitor.db.conn.execute("SELECT id FROM returns WHERE order_id = ?",
+                                        (order["id"],)).fetchone()[0]
+    created = visitor.delivered("return.created", return_id)[0]["json"]["data"]
+    assert (created["orderId"], created["status"], created["actor"]) == (
+        order["id"], "REQUESTED", "staff")
+    visitor.submit(visitor.form(f"/{return_id}/approve").find_element("css selector", "button"))
+    visitor.submit(visitor.form(f"/{return_id}/receive").find_element("css selector", "button"))
+    refund = visitor.form(f"/{return_id}/refund")
+    visitor.fill(refund, method="MANUAL", goodUnits="2", damagedUnits="0", subtotal="85.00")
+    visitor.submit(refund.find_element("css selector", "button[type=submit]"))
+    assert visitor.delivered("return.approved", return_id)
+    refund_id = visitor.db.conn.execute("SELECT id FROM refunds WHERE return_id = ?",
+                                        (return_id,)).fetchone()[0]
+    processed = visitor.delivered("refund.processed", refund_id)[0]["json"]["data"]
+    assert (processed["returnId"], processed["amount"], processed["method"]) == (
+        return_id, 85, "MANUAL")
+    row = visitor.db.conn.execute("SELECT status FROM returns WHERE id = ?",
+                                  (return_id,)).fetchone()
+    assert row[0] == "REFUNDED"
+
+
+def test_browser_rotates_a_secret_and_the_next_delivery_carries_the_old_signature(visitor):
+    old_secret = visitor.hook["secret"]
+    visitor.open("/dashboard/webhooks")
+    visitor.submit(visitor.form(f"/{visitor.hook['id']}/rotate").find_element("css selector",
+                                                                              "button"))
+    new_secret = re.search(r"whsec_[A-Za-z0-9_-]+", visitor.driver.find_element(
+        "css selector", ".notice code").text).group(0)
+    assert new_secret != old_secret
+    _, _, customer = served_order(visitor)   # its events may be signed before the rotation
+    visitor.open(f"/dashboard/customers/{customer['id']}")
+    visitor.submit(visitor.form("/status").find_element("css selector", "button"))
+    delivery = visitor.delivered("customer.updated", customer["id"])[0]
+    assert ordering.verify_signature(new_secret, delivery["body"],
+                                     header(delivery, "X-Webhook-Signature"))
+    assert ordering.verify_signature(old_secret, delivery["body"],
+                                     header(delivery, "X-Webhook-Signature-Old"))
+
+
+def test_browser_creates_and_revokes_a_key(visitor):
+    visitor.open("/dashboard/keys")
+    form = visitor.form("/dashboard/keys")
+    for box in form.find_elements("css selector", "input[name=scopes]"):
+        if box.is_selected() != (box.get_attribute("value") == "orders:read"):
+            box.click()
+    visitor.fill(form, rateLimit="30")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    key = visitor.driver.find_element("css selector", ".notice code").text
+    assert key.startswith("sk_")
+    bearer = {"Authorization": "Bearer " + key}
+    assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer)[0] == 200
+    assert http_request(visitor.port, "GET", "/api/v1/customers", headers=bearer) == (
+        403, {"error": 'Insufficient permissions. This key lacks the "customers:read" scope.'})
+    key_id = visitor.db.conn.execute("SELECT id FROM api_keys WHERE key_hash = ?",
+                                     (ordering.hash_key(key),)).fetchone()[0]
+    visitor.submit(visitor.form(f"/{key_id}/revoke").find_element("css selector", "button"))
+    assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer) == (
+        401, {"error": INVALID})
