@@ -3565,6 +3565,8 @@ def order_page(visit, order_id):
     body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}{e}</div>',
                                                            a=join(actions), e=visit.error("form")),
                  render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
+                 render('<p class="muted">Status changes come from the order.status_changed '
+                        'events, which are kept while a webhook subscribes to them.</p>'),
                  open_return])
     return visit.page(f"Order {order_id}", body)
 

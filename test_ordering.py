@@ -4291,6 +4291,22 @@ def test_each_account_has_a_salt_of_its_own(app, tenant, other):
     assert hashes[0].split("$")[5] != hashes[1].split("$")[5]
 
 
+def test_demo_prints_a_staff_sign_in_that_works(db_path):
+    for _ in range(2):  # a new password on every run, the account made once
+        result = run_cli(db_path, "demo")
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[-2] == ("Dashboard: http://127.0.0.1:8080/dashboard, sign in as "
+                             "staff@demo-wholesale.example with the password (new on every run):")
+        app = build_app(db_path)
+        try:
+            signed_in(app, "staff@demo-wholesale.example", lines[-1]).get("/dashboard/orders",
+                                                                         status=200)
+        finally:
+            app.service.close(grace=0)
+    assert read_db(db_path).execute("SELECT COUNT(*) FROM staff").fetchone()[0] == 1
+
+
 def test_staff_disable_ends_the_account_and_its_sessions_at_once(db_path, app, tenant, staff):
     browser = signed_in(app)
     browser.get("/dashboard/orders", status=200)
