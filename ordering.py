@@ -3065,6 +3065,10 @@ def names_of(conn, table, label, ids):
         f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
 
 
+#: The orders list's search: an exact order ID, or part of a PO number (case folded).
+ORDER_SEARCH = "(id = ? OR contains_folded(po_number, ?))"
+
+
 def order_history(conn, company_id, order_id):
     """The order's status changes, oldest first, as its order.status_changed events recorded
     them (events are kept when a webhook subscribes to them)."""
@@ -3273,6 +3277,10 @@ class Visit:
     def write(self):
         return self.service.db.write()
 
+    def filters(self):
+        """The query parameters given a value (an empty one is no filter, as in the API)."""
+        return {name: value for name, value in self.query.items() if value}
+
     def call(self, query):
         """A Call, as the API's list routes take it, for this company."""
         return Call(self.conn, self.company_id, query, None, self.settings)
@@ -3372,10 +3380,20 @@ def pager(visit, result, path):
     cursor = result["pagination"]["nextCursor"]
     if not cursor:
         return ""
-    query = {k: v for k, v in visit.query.items() if v and k != "cursor"}
-    query["cursor"] = cursor
+    query = dict(visit.filters(), cursor=cursor)
     return render('<p class="pager"><a class="button" href="{path}?{q}">Next page</a></p>',
                   path=path, q=urllib.parse.urlencode(query))
+
+
+def listing(visit, title, noun, filter_fields, listed, result):
+    """A list page: a button for a new record, the filters, the table and the next page."""
+    path = bottle.request.path
+    return visit.page(title, join([
+        render('<p><a class="button" href="{p}/new">New {n}</a></p>', p=path, n=noun),
+        render('<form class="card filters" method="get" action="{p}">{f}<div><button '
+               'type="submit">Filter</button> <a href="{p}">Clear</a></div></form>',
+               p=path, f=join(filter_fields)),
+        listed, pager(visit, result, path)]))
 
 
 def table(headings, rows, numeric=()):
@@ -3441,10 +3459,10 @@ def form_text(form, field):
 
 @page("GET", "/dashboard/orders")
 def orders_page(visit):
-    query = {k: v for k, v in visit.query.items() if v}
+    query = visit.filters()
     filters, params = order_filters(query)
     if query.get("search"):
-        filters.append("(id = ? OR contains_folded(po_number, ?))")
+        filters.append(ORDER_SEARCH)
         params += [query["search"].strip(), query["search"].strip().casefold()]
     result = paginate(visit.conn, "orders", visit.company_id, query, filters, params,
                       lambda conn, rows: rows)
@@ -3457,21 +3475,14 @@ def orders_page(visit):
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
     choices = [("", "Any customer")] + company_choices(visit.conn, "customers",
                                                        visit.company_id, "email")
-    filters_form = render(
-        '<form class="card filters" method="get" action="/dashboard/orders">{search}{status}'
-        '{customer}{since}{until}<div><button type="submit">Filter</button> '
-        '<a href="/dashboard/orders">Clear</a></div></form>',
-        search=visit.field("search", "Order ID or PO number", query.get("search", "")),
-        status=visit.select("status", "Status", statuses, query.get("status", "")),
-        customer=visit.select("customerId", "Customer", choices, query.get("customerId", "")),
-        since=visit.field("since", "Created from", query.get("since", ""), kind="date"),
-        until=visit.field("until", "Created until", query.get("until", ""), kind="date"))
-    body = join([render('<p><a class="button" href="/dashboard/orders/new">New order</a></p>'),
-                 filters_form,
-                 table(("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"),
-                       rows, numeric=("Total",)),
-                 pager(visit, result, "/dashboard/orders")])
-    return visit.page("Orders", body)
+    return listing(visit, "Orders", "order", [
+        visit.field("search", "Order ID or PO number", query.get("search", "")),
+        visit.select("status", "Status", statuses, query.get("status", "")),
+        visit.select("customerId", "Customer", choices, query.get("customerId", "")),
+        visit.field("since", "Created from", query.get("since", ""), kind="date"),
+        visit.field("until", "Created until", query.get("until", ""), kind="date")],
+        table(("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"), rows,
+              numeric=("Total",)), result)
 
 
 CARRIER_CHOICES = [(carrier, carrier) for carrier in CARRIERS]
@@ -3588,22 +3599,17 @@ def order_status_action(visit, order_id):
 
 @page("GET", "/dashboard/products")
 def products_page(visit):
-    query = {k: v for k, v in visit.query.items() if v}
+    query = visit.filters()
     result = list_products(visit.call(query))
     rows = [(link(f"/dashboard/products/{p['id']}", p["name"]), p["sku"] or "",
              p["category"] or "", amount_text(p["price"]), p["stock"],
              "active" if p["isActive"] else "inactive") for p in result["data"]]
-    body = join([
-        render('<p><a class="button" href="/dashboard/products/new">New product</a></p>'),
-        render('<form class="card filters" method="get" action="/dashboard/products">{s}{a}'
-               '<div><button type="submit">Filter</button></div></form>',
-               s=visit.field("search", "Name, SKU or category", query.get("search", "")),
-               a=visit.select("active", "Active", [("", "All"), ("true", "Active"),
-                                                   ("false", "Inactive")], query.get("active"))),
+    return listing(visit, "Products", "product", [
+        visit.field("search", "Name, SKU or category", query.get("search", "")),
+        visit.select("active", "Active", [("", "All"), ("true", "Active"),
+                                          ("false", "Inactive")], query.get("active"))],
         table(("Name", "SKU", "Category", "Price", "Stock", "State"), rows,
-              numeric=("Price", "Stock")),
-        pager(visit, result, "/dashboard/products")])
-    return visit.page("Products", body)
+              numeric=("Price", "Stock")), result)
 
 
 def product_form(visit, action, product=None):
@@ -3675,22 +3681,17 @@ def update_product_action(visit, product_id):
 
 @page("GET", "/dashboard/customers")
 def customers_page(visit):
-    query = {k: v for k, v in visit.query.items() if v}
+    query = visit.filters()
     result = list_customers(visit.call(query))
     rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
              status_tag(c["status"]), amount_text(c["creditLimit"]), c["createdAt"][:10])
             for c in result["data"]]
-    body = join([
-        render('<p><a class="button" href="/dashboard/customers/new">New customer</a></p>'),
-        render('<form class="card filters" method="get" action="/dashboard/customers">{s}{t}'
-               '<div><button type="submit">Search</button></div></form>',
-               s=visit.field("search", "Email or name", query.get("search", "")),
-               t=visit.select("status", "Status", [("", "Any")] + [
-                   (s, s) for s in CUSTOMER_STATUSES], query.get("status"))),
+    return listing(visit, "Customers", "customer", [
+        visit.field("search", "Email or name", query.get("search", "")),
+        visit.select("status", "Status", [("", "Any")] + [(s, s) for s in CUSTOMER_STATUSES],
+                     query.get("status"))],
         table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
-              numeric=("Credit limit",)),
-        pager(visit, result, "/dashboard/customers")])
-    return visit.page("Customers", body)
+              numeric=("Credit limit",)), result)
 
 
 def customer_body(form):
@@ -3765,8 +3766,7 @@ RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Ma
 
 @page("GET", "/dashboard/returns")
 def returns_page(visit):
-    query = {k: v for k, v in visit.query.items() if v}
-    result = paginate(visit.conn, "returns", visit.company_id, query,
+    result = paginate(visit.conn, "returns", visit.company_id, visit.filters(),
                       serialize=lambda conn, rows: rows)
     rows = []
     for row in result["data"]:
