@@ -91,6 +91,8 @@ CREATE INDEX IF NOT EXISTS orders_by_company_status_newest
     ON orders (company_id, status, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS orders_by_company_customer_newest
     ON orders (company_id, customer_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS orders_by_company_po_number    -- the dashboard's search
+    ON orders (company_id, po_number COLLATE NOCASE);
 
 CREATE TABLE IF NOT EXISTS order_items (
     id               TEXT PRIMARY KEY,

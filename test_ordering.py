@@ -4729,6 +4729,8 @@ def test_orders_list_filters_search_and_pages(app, tenant, browser):
     assert listed("?status=CONFIRMED")[0] == [orders[7]["id"]]
     assert listed(f"?customerId={first['id']}")[0][:2] == [orders[59]["id"], orders[57]["id"]]
     assert listed("?search=po-012")[0] == [orders[12]["id"]]
+    assert listed("?search=PO-05")[0] == [o["id"] for o in reversed(orders[50:60])]
+    assert listed("?search=012")[0] == []
     assert listed(f"?search={orders[3]['id']}")[0] == [orders[3]["id"]]
     assert listed("?since=2999-01-01")[0] == []
     assert len(listed("?until=2999-01-01")[0]) == 50
