@@ -2984,7 +2984,7 @@ def disable_staff(conn, staff_id):
 
 
 def sign_in_subjects(email, address):
-    return ("email:" + email.strip().casefold(), "address:" + address)
+    return ("email:" + email.strip().casefold()[:254], "address:" + address)
 
 
 def sign_in_wait(conn, subjects, now_ms):
@@ -3005,6 +3005,8 @@ def sign_in_wait(conn, subjects, now_ms):
 def record_sign_in_failure(conn, subjects, now_ms):
     """One more failure for each subject; a subject quiet for the lockout time starts over."""
     at, forgotten = iso(now_ms), iso(now_ms - SIGN_IN_LOCKOUT_SECONDS * 1000)
+    # counts that would start over anyway go, so guessed emails cannot grow the table forever
+    conn.execute("DELETE FROM sign_in_failures WHERE last_failure_at < ?", (forgotten,))
     for subject in subjects:
         conn.execute(
             "INSERT INTO sign_in_failures (subject, failures, last_failure_at) VALUES (?, 1, ?) "
@@ -3024,9 +3026,12 @@ def find_staff(conn, email, password):
                 None)
 
 
-def start_session(conn, staff, subjects, now_ms):
-    """A new session for a successful sign-in; returns the cookie value (kept only hashed)."""
+def start_session(conn, staff, subjects, now_ms, idle_seconds):
+    """A new session for a successful sign-in; returns the cookie value (kept only hashed).
+    Sessions left idle past the limit by browsers that never came back end here."""
     conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
+    conn.execute("DELETE FROM staff_sessions WHERE last_seen_at < ?",
+                 (iso(now_ms - idle_seconds * 1000),))
     token = secrets.token_urlsafe(32)
     conn.execute("INSERT INTO staff_sessions (token_hash, staff_id, created_at, last_seen_at) "
                  "VALUES (?, ?, ?, ?)", (hash_key(token), staff["id"], iso(now_ms), iso(now_ms)))
@@ -4043,7 +4048,8 @@ class Dashboard:
             if staff is None:
                 record_sign_in_failure(conn, subjects, now_ms)
             else:
-                token = start_session(conn, staff, subjects, now_ms)
+                token = start_session(conn, staff, subjects, now_ms,
+                                      self.service.settings.session_idle_seconds)
         if staff is None:
             bottle.response.status = 401
             return self.sign_in_page(SIGN_IN_REFUSED, email)

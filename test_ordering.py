@@ -4404,6 +4404,21 @@ def test_session_ends_after_twelve_hours_idle(app, staff):
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
 
 
+def test_idle_sessions_and_old_failure_counts_are_purged(app, staff):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    signed_in(app)
+    sign_in_response(app, email="guess@acme.example", status=401, REMOTE_ADDR="192.0.2.1")
+    now[0] += 12 * 3600 + 1
+    sign_in_response(app, email="other@acme.example", status=401, REMOTE_ADDR="192.0.2.2")
+    signed_in(app)
+    conn = app.service.db.conn
+    assert conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 1
+    assert [row[0] for row in conn.execute("SELECT subject FROM sign_in_failures "
+                                            "ORDER BY subject")] == [
+        "address:192.0.2.2", "email:other@acme.example"]
+
+
 def test_sign_out_ends_the_session(app, browser):
     page = browser.get("/dashboard/orders")
     form_to(page, "/dashboard/sign-out").submit(status=303)
