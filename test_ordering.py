@@ -5007,6 +5007,16 @@ def require_browser():
         pytest.skip(reason)
 
 
+def test_a_missing_browser_skips_but_fails_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setitem(globals(), "CHROMIUM", str(tmp_path / "chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=re.escape(str(tmp_path / "chromium"))):
+        require_browser()
+
+
 class Served:
     """A company with a staff account, a webhook to a real receiver and a few records, served
     by `ordering.py serve --allow-private-webhooks` and visited by one Chromium."""
