@@ -3266,10 +3266,9 @@ class Visit:
     """What a page gets: the signed-in staff member, the query and form, and what a refused
     form left behind to show again (errors by field, the values sent)."""
 
-    def __init__(self, dashboard, session, token):
-        self.dashboard = dashboard
-        self.settings = dashboard.service.settings
-        self.service = dashboard.service
+    def __init__(self, service, session, token):
+        self.settings = service.settings
+        self.service = service
         self.session = session
         self.company_id = session["company_id"]
         self.csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
@@ -3339,9 +3338,8 @@ class Visit:
 
     def form_tag(self, action, body, css="card"):
         return render('<form class="{css}" method="post" action="{action}">'
-                      '<input type="hidden" name="csrf" value="{csrf}">{error}{body}</form>',
-                      css=css, action=action, csrf=self.csrf, body=body,
-                      error=self.error("form") if css == "card" else "")
+                      '<input type="hidden" name="csrf" value="{csrf}">{body}</form>',
+                      css=css, action=action, csrf=self.csrf, body=body)
 
     def button(self, action, text, css="", **hidden):
         fields = join(render('<input type="hidden" name="{n}" value="{v}">', n=n, v=v)
@@ -3360,9 +3358,9 @@ class Visit:
                         csrf=render('<input type="hidden" name="csrf" value="{c}">', c=self.csrf))
         notice = render('<div class="notice" role="status">{n}</div>', n=self.notice) \
             if self.notice else ""
-        if self.errors and "form" not in self.errors:
-            notice = join([notice, render('<div class="alert" role="alert">Not saved: see the '
-                                          'messages below.</div>')])
+        if self.errors:  # a message that belongs to no single field is shown here alone
+            notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
+                                          m=self.errors.get("form", "see the messages below."))])
         bottle.response.status = status
         return render(LAYOUT, title=title, header=header, notice=notice, body=body)
 
@@ -3587,8 +3585,8 @@ def order_page(visit, order_id):
         visit.field("reason", "Reason (3 to 2000 characters)", kind="textarea"),
         visit.field("itemCount", "Line items returned (default: all)", kind="number", min="1"),
         render('<button type="submit" class="secondary">Open return</button>')]))
-    body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}{e}</div>',
-                                                           a=join(actions), e=visit.error("form")),
+    body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}</div>',
+                                                           a=join(actions)),
                  render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
                  render('<p class="muted">Status changes come from the order.status_changed '
                         'events, which are kept while a webhook subscribes to them.</p>'),
@@ -3802,9 +3800,6 @@ def returns_page(visit):
         rows.append((row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
                      row["reason"], row["item_count"], status_tag(row["status"]), next_step))
     body = join([
-        render('<div class="alert" role="alert">{e}</div>', e=" ".join(
-            f"{name}: {message}" if name != "form" else message
-            for name, message in visit.errors.items())) if visit.errors else "",
         table(("Return", "Order", "Reason", "Items", "Status", "Next step"), rows),
         pager(visit, result, "/dashboard/returns"),
         render('<p class="muted">Open a return from its order\'s page.</p>')])
@@ -4002,7 +3997,7 @@ class Dashboard:
                     '<p class="card narrow">Your session has ended. <a href="/dashboard/sign-in">'
                     'Sign in again</a>.</p>'))
             return redirect("/dashboard/sign-in")
-        visit = Visit(self, found, token)
+        visit = Visit(self.service, found, token)
         if bottle.request.method == "POST" and not visit.csrf_matches():
             return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
         try:
@@ -4059,7 +4054,7 @@ class Dashboard:
     def sign_out(self):
         found, token = self.session()
         if found is not None:
-            visit = Visit(self, found, token)
+            visit = Visit(self.service, found, token)
             if not visit.csrf_matches():
                 for name, value in SECURITY_HEADERS.items():
                     bottle.response.set_header(name, value)
