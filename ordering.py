@@ -4066,6 +4066,8 @@ class Dashboard:
         return redirect("/dashboard/sign-in")
 
     def stylesheet(self):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
         bottle.response.content_type = "text/css; charset=utf-8"
         bottle.response.set_header("Cache-Control", "max-age=3600")
         return STYLESHEET

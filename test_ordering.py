@@ -4524,6 +4524,7 @@ def test_every_page_sends_the_security_headers_and_no_script(api, browser):
     responses = [browser.get(path) for path in DASHBOARD_PAGES]
     responses.append(api.get("/dashboard/sign-in"))
     responses.append(browser.get("/dashboard/orders/ord_nope", status=404))
+    responses.append(api.get("/dashboard/style.css"))
     for response in responses:
         policy = response.headers["Content-Security-Policy"]
         assert "default-src 'none'" in policy and "script-src" not in policy
