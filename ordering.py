@@ -15,7 +15,10 @@ app). The sections follow the way a request travels:
   8. Delivery      the webhook sender: claiming, address checks, the thread pool, the log
   9. HTTP          pagination, the routes, the OpenAPI document built from them, auth and
                    scopes, rate limits, idempotency, the app factory, error handlers
- 10. Command line  main(), the operator commands, serve and its workers
+ 10. Dashboard     the staff's pages at /dashboard: staff accounts, sign-in and its
+                   throttle, sessions, CSRF, the pages (thin: form, operation, render),
+                   the templates and the stylesheet
+ 11. Command line  main(), the operator commands (staff-create, ...), serve and its workers
 """
 
 import argparse
@@ -25,8 +28,10 @@ import ctypes
 import dataclasses
 import datetime
 import fcntl
+import functools
 import hashlib
 import hmac
+import html
 import http.client
 import io
 import ipaddress
@@ -120,6 +125,10 @@ class Settings:
     #: Seconds a looked-up API key is trusted before it is read again (revocation delay for
     #: other processes; revocations through this process take effect at once).
     key_cache_seconds: float = 5.0
+    #: Serve the staff dashboard at /dashboard (and send a browser opening / there).
+    dashboard: bool = True
+    #: Seconds a dashboard session may sit unused before it ends.
+    session_idle_seconds: int = 12 * 3600
     #: URL templates for the named carriers; {number} is replaced by the tracking number.
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
@@ -1126,8 +1135,10 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
     payload = {"id": customer_id, "email": email, "name": customer["name"]}
     if source == "api":
         payload.update(status=customer["status"], source="api")
-    else:
+    elif source == "storefront":
         payload.update(storeSlug=store_slug, source="storefront")
+    else:  # staff creating a customer in the dashboard: no customer.created (spec)
+        return customer
     emit(conn, company_id, "customer.created", payload)
     return customer
 
@@ -1267,7 +1278,7 @@ def place_order(conn, company_id, body, source="api"):
     if source == "api":
         emit(conn, company_id, "order.created",
              {k: v for k, v in order.items() if k != "tracking"})
-    else:
+    elif source == "storefront":  # dashboard-created orders emit no order.created (spec)
         emit(conn, company_id, "order.created", {
             "id": order_id, "status": "SUBMITTED", "total": order["total"],
             "customerId": customer_id, "poNumber": po_number, "itemCount": len(lines)})
@@ -2046,23 +2057,29 @@ def get_product(call, product_id):
 @route("GET", "/api/v1/orders", "orders:read")
 def list_orders(call):
     """List orders"""
+    filters, params = order_filters(call.query)
+    return paginate(call.conn, "orders", call.company_id, call.query, filters, params,
+                    orders_json)
+
+
+def order_filters(query):
+    """The order list's filters (status, customerId, since, until) as SQL and parameters."""
     filters, params = [], []
-    status = call.query.get("status")
+    status = query.get("status")
     if status:
         if status not in ORDER_STATUSES:
             raise ApiError(400, "Invalid order status.")
         filters.append("status = ?")
         params.append(status)
-    if call.query.get("customerId"):
+    if query.get("customerId"):
         filters.append("customer_id = ?")
-        params.append(call.query["customerId"])
+        params.append(query["customerId"])
     for name, operator in (("since", ">="), ("until", "<=")):
-        bound = date_filter(call.query, name)
+        bound = date_filter(query, name)
         if bound is not None:
             filters.append(f"created_at {operator} ?")
             params.append(bound)
-    return paginate(call.conn, "orders", call.company_id, call.query, filters, params,
-                    orders_json)
+    return filters, params
 
 
 @route("GET", "/api/v1/orders/<order_id>", "orders:read")
@@ -3014,6 +3031,10 @@ def _internal_error_page(error):
     return "Internal Server Error"
 
 
+#: Functions called with each new app to add what later sections serve (the dashboard).
+APP_EXTENSIONS = []
+
+
 def create_app(db_path=None, settings=None, deliver=True, **overrides):
     """The WSGI app. db_path or settings pick the database; deliver=False leaves webhook
     delivery to another process. app.service holds the database, sender and limits."""
@@ -3050,6 +3071,8 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
         bottle.response.content_type = "application/json"
         return document
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
+    for extend in APP_EXTENSIONS:
+        extend(app)
     app.error_handler.update({
         404: _error_page(404, "Not found."),
         405: _error_page(405, "Method not allowed."),
@@ -3059,7 +3082,1213 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Command line
+# 10. Dashboard
+# ---------------------------------------------------------------------------------------------
+# The staff's web interface, served by the same app under /dashboard: staff accounts, the
+# sign-in throttle and sessions, CSRF, then the pages. A page is thin: it parses a form, calls
+# the operation the API and the commands call (one rule, one place), and renders. HTML comes
+# from the templates below through render(), which escapes every value that is not markup
+# already; no script is served, so the Content-Security-Policy forbids all of it.
+
+STAFF_PASSWORD_MIN = 12
+#: scrypt cost (16 MiB of memory and some 50 ms per hash); the salt is the account's own.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
+SESSION_COOKIE = "ordering_session"
+#: A session's last_seen_at is written at most this often (seconds): not on every page.
+SESSION_TOUCH_SECONDS = 60
+#: Failed sign-ins per email and per address that cost nothing; then each further try waits
+#: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on the
+#: subject is refused for SIGN_IN_LOCKOUT_SECONDS after its last failure.
+SIGN_IN_FREE_FAILURES = 3
+SIGN_IN_LOCKOUT_FAILURES = 10
+SIGN_IN_LOCKOUT_SECONDS = 15 * 60
+SIGN_IN_REFUSED = "Wrong email or password."
+CSRF_REFUSED = ("This form has expired or did not come from the dashboard. Reload the page "
+                "and try again.")
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+# Staff accounts, sessions and the sign-in throttle
+
+def hash_staff_password(password, salt=None):
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=SCRYPT_N, r=SCRYPT_R,
+                            p=SCRYPT_P, dklen=32)
+    return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
+
+
+def staff_password_matches(password, stored):
+    _, n, r, p, salt, digest = stored.split("$")
+    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n),
+                               r=int(r), p=int(p), dklen=len(digest) // 2)
+    return hmac.compare_digest(candidate.hex(), digest)
+
+
+@functools.lru_cache(maxsize=1)
+def _stand_in_hash():
+    """Checked against when no account has the email, so that a wrong email takes as long to
+    refuse as a wrong password."""
+    return hash_staff_password(secrets.token_urlsafe(16))
+
+
+def staff_json(row):
+    return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
+
+
+def create_staff(conn, company_id, email, password):
+    load_company(conn, company_id)
+    email = (email or "").strip()
+    if not valid_email(email):
+        raise ApiError(400, "Invalid email address.")
+    if len(password) < STAFF_PASSWORD_MIN:
+        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
+    if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
+                    (company_id, email.casefold())).fetchone():
+        raise ApiError(409, "A staff account with this email already exists in the company.")
+    staff_id, at = new_id_at("stf")
+    row = {"id": staff_id, "company_id": company_id, "email": email,
+           "email_key": email.casefold(), "password_hash": hash_staff_password(password),
+           "created_at": at}
+    insert_row(conn, "staff", row)
+    return staff_json(row)
+
+
+def set_staff_password(conn, staff_id, password):
+    """A new password (and an end to the account's sessions)."""
+    if len(password) < STAFF_PASSWORD_MIN:
+        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
+    conn.execute("UPDATE staff SET password_hash = ? WHERE id = ?",
+                 (hash_staff_password(password), staff_id))
+    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+
+
+def disable_staff(conn, staff_id):
+    """Ends the account and every session of it at once."""
+    if conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,)).rowcount == 0:
+        raise not_found("Staff account")
+    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+    return {"id": staff_id, "disabled": True}
+
+
+def sign_in_subjects(email, address):
+    return ("email:" + email.strip().casefold()[:254], "address:" + address)
+
+
+def sign_in_wait(conn, subjects, now_ms):
+    """Seconds before the next sign-in attempt for these subjects may be tried (0: now)."""
+    wait = 0.0
+    for row in conn.execute(
+            f"SELECT failures, last_failure_at FROM sign_in_failures "
+            f"WHERE subject IN ({','.join('?' * len(subjects))})", subjects):
+        failures = row["failures"]
+        if failures < SIGN_IN_FREE_FAILURES:
+            continue
+        delay = (SIGN_IN_LOCKOUT_SECONDS if failures >= SIGN_IN_LOCKOUT_FAILURES
+                 else 2 ** (failures - SIGN_IN_FREE_FAILURES + 1))
+        wait = max(wait, js_parse_date(row["last_failure_at"]) / 1000 + delay - now_ms / 1000)
+    return wait
+
+
+def record_sign_in_failure(conn, subjects, now_ms):
+    """One more failure for each subject; a subject quiet for the lockout time starts over."""
+    at, forgotten = iso(now_ms), iso(now_ms - SIGN_IN_LOCKOUT_SECONDS * 1000)
+    # counts that would start over anyway go, so guessed emails cannot grow the table forever
+    conn.execute("DELETE FROM sign_in_failures WHERE last_failure_at < ?", (forgotten,))
+    for subject in subjects:
+        conn.execute(
+            "INSERT INTO sign_in_failures (subject, failures, last_failure_at) VALUES (?, 1, ?) "
+            "ON CONFLICT (subject) DO UPDATE SET last_failure_at = excluded.last_failure_at, "
+            "failures = CASE WHEN last_failure_at < ? THEN 1 ELSE failures + 1 END",
+            (subject, at, forgotten))
+
+
+def find_staff(conn, email, password):
+    """The enabled account with this email and password, or None. An email may belong to
+    staff of several companies: the password picks the account."""
+    rows = conn.execute("SELECT * FROM staff WHERE email_key = ? AND disabled = 0 "
+                        "ORDER BY created_at, id", (email.strip().casefold(),)).fetchall()
+    if not rows:
+        staff_password_matches(password, _stand_in_hash())
+    return next((row for row in rows if staff_password_matches(password, row["password_hash"])),
+                None)
+
+
+def start_session(conn, staff, subjects, now_ms, idle_seconds):
+    """A new session for a successful sign-in; returns the cookie value (kept only hashed).
+    Sessions left idle past the limit by browsers that never came back end here."""
+    conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
+    conn.execute("DELETE FROM staff_sessions WHERE last_seen_at < ?",
+                 (iso(now_ms - idle_seconds * 1000),))
+    token = secrets.token_urlsafe(32)
+    conn.execute("INSERT INTO staff_sessions (token_hash, staff_id, created_at, last_seen_at) "
+                 "VALUES (?, ?, ?, ?)", (hash_key(token), staff["id"], iso(now_ms), iso(now_ms)))
+    return token
+
+
+def load_session(conn, token):
+    return conn.execute(
+        "SELECT s.token_hash, s.last_seen_at, t.id AS staff_id, t.email, t.company_id, "
+        "c.name AS company_name FROM staff_sessions s JOIN staff t ON t.id = s.staff_id "
+        "JOIN companies c ON c.id = t.company_id WHERE s.token_hash = ? AND t.disabled = 0",
+        (hash_key(token),)).fetchone()
+
+
+def touch_session(conn, token_hash, now_ms):
+    conn.execute("UPDATE staff_sessions SET last_seen_at = ? WHERE token_hash = ?",
+                 (iso(now_ms), token_hash))
+
+
+def end_session(conn, token_hash):
+    conn.execute("DELETE FROM staff_sessions WHERE token_hash = ?", (token_hash,))
+
+
+# What the pages read beyond the API's lists
+
+def company_choices(conn, table, company_id, label, where="1", limit=500):
+    """(id, label) of a company's records for a form's select, newest first."""
+    return [tuple(row) for row in conn.execute(
+        f"SELECT id, {label} FROM {table} WHERE company_id = ? AND {where} "
+        f"ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, limit))]
+
+
+def names_of(conn, table, label, ids):
+    ids = list(set(filter(None, ids)))
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
+
+
+def order_search(conn, company_id, text):
+    """The orders list's search as a filter and its parameters: the order with that ID, else
+    the orders whose PO number begins with the text, ignoring ASCII case (both served by an
+    index, so a search costs the same at any number of orders)."""
+    text = text.strip()
+    if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
+                    (text, company_id)).fetchone():
+        return "id = ?", [text]
+    return ("po_number >= ? COLLATE NOCASE AND po_number < ? COLLATE NOCASE",
+            [text, text + chr(0x10FFFF)])
+
+
+def order_history(conn, company_id, order_id):
+    """The order's status changes, oldest first, as its order.status_changed events recorded
+    them (events are kept when a webhook subscribes to them)."""
+    return [json.loads(row[0])["data"] | {"at": row[1]} for row in conn.execute(
+        "SELECT body, created_at FROM events WHERE company_id = ? AND name = "
+        "'order.status_changed' AND json_extract(body, '$.data.id') = ? ORDER BY created_at, id",
+        (company_id, order_id))]
+
+
+def company_api_keys(conn, company_id):
+    return conn.execute("SELECT id, scopes, rate_limit, expires_at, revoked, created_at "
+                        "FROM api_keys WHERE company_id = ? ORDER BY created_at DESC, id DESC",
+                        (company_id,)).fetchall()
+
+
+# Markup
+
+class Markup(str):
+    """Text that is HTML already; anything else is escaped on its way into a template."""
+
+
+def escape(value):
+    if isinstance(value, Markup):
+        return value
+    return Markup(html.escape("" if value is None else str(value), quote=True))
+
+
+def render(template, **values):
+    return Markup(template.format(**{name: escape(value) for name, value in values.items()}))
+
+
+def join(pieces):
+    return Markup("".join(escape(piece) for piece in pieces))
+
+
+def amount_text(number):
+    return "" if number is None else f"{number:,.2f}"
+
+
+LAYOUT = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title} - ordering</title>
+<link rel="stylesheet" href="/dashboard/style.css">
+</head>
+<body>
+<a class="skip" href="#main">Skip to content</a>
+<header>{header}</header>
+<main id="main">
+<h1>{title}</h1>
+{notice}{body}
+</main>
+</body>
+</html>
+"""
+
+NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
+              ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
+              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
+
+HEADER = """<nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
+<form class="account" method="post" action="/dashboard/sign-out">{csrf}<span>{email}</span>
+<button type="submit">Sign out</button></form>"""
+
+SIGN_IN_FORM = """<form class="card narrow" method="post" action="/dashboard/sign-in">
+{error}
+<label for="email">Email</label>
+<input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
+<label for="password">Password</label>
+<input id="password" name="password" type="password" autocomplete="current-password" required>
+<button type="submit">Sign in</button>
+</form>"""
+
+STYLESHEET = """\
+:root { --ink: #1d2430; --muted: #5b6575; --line: #d7dce3; --paper: #ffffff;
+  --wash: #f4f6f9; --accent: #1f5fbf; --danger: #b42318; --ok: #17713a; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+  color: var(--ink); background: var(--wash); }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid #f5b400; outline-offset: 2px; }
+.skip { position: absolute; left: -999px; }
+.skip:focus { left: 8px; top: 8px; background: var(--paper); padding: 6px; z-index: 1; }
+header { display: flex; flex-wrap: wrap; align-items: center; justify-content: space-between;
+  gap: 8px; padding: 8px 16px; background: var(--ink); color: #fff; }
+header a { color: #fff; text-decoration: none; padding: 4px 8px; border-radius: 4px; }
+header a[aria-current] { background: rgba(255,255,255,.18); }
+nav { display: flex; flex-wrap: wrap; align-items: center; gap: 8px; }
+nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-style: none; }
+.brand { margin-right: 8px; }
+.account { display: flex; align-items: center; gap: 8px; margin: 0; }
+.account span { color: #c9d1dc; font-size: 13px; }
+.account button { margin-top: 0; }
+main { max-width: 1180px; margin: 0 auto; padding: 16px; }
+h1 { font-size: 22px; margin: 8px 0 16px; }
+h2 { font-size: 17px; margin: 24px 0 8px; }
+.card { background: var(--paper); border: 1px solid var(--line); border-radius: 8px;
+  padding: 16px; margin-bottom: 16px; }
+.narrow { max-width: 420px; }
+.table-wrap { overflow-x: auto; background: var(--paper); border: 1px solid var(--line);
+  border-radius: 8px; margin-bottom: 16px; }
+table { width: 100%; border-collapse: collapse; }
+th, td { text-align: left; padding: 8px 10px; border-bottom: 1px solid var(--line);
+  vertical-align: top; }
+th { font-size: 13px; color: var(--muted); font-weight: 600; background: var(--wash); }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr:last-child td { border-bottom: 0; }
+label { display: block; font-weight: 600; margin: 10px 0 4px; font-size: 14px; }
+label.check { display: inline-flex; gap: 6px; align-items: center; font-weight: 400;
+  margin: 4px 12px 4px 0; }
+input, select, textarea { font: inherit; padding: 7px 9px; border: 1px solid #aeb6c2;
+  border-radius: 6px; width: 100%; max-width: 100%; background: #fff; color: var(--ink); }
+input[type=checkbox] { width: auto; }
+textarea { min-height: 70px; }
+button, .button { font: inherit; display: inline-block; padding: 7px 14px; border-radius: 6px;
+  border: 1px solid var(--accent); background: var(--accent); color: #fff; cursor: pointer;
+  text-decoration: none; margin-top: 10px; }
+button.secondary { background: #fff; color: var(--accent); }
+button.danger { background: var(--danger); border-color: var(--danger); }
+.inline { display: inline; margin: 0 6px 0 0; }
+.inline button { margin-top: 0; }
+.filters { display: grid; grid-template-columns: repeat(auto-fit, minmax(160px, 1fr));
+  gap: 0 12px; align-items: end; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 0 16px; }
+.error { color: var(--danger); font-size: 14px; margin: 4px 0 0; }
+.alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
+  margin-bottom: 16px; }
+.notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
+  margin-bottom: 16px; word-break: break-all; }
+.status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
+  font-weight: 600; background: #e6ebf2; }
+.status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
+.status-SHIPPED { background: #e4f5ff; } .status-DELIVERED { background: #e3f6e8; }
+.status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
+.muted { color: var(--muted); font-size: 13px; }
+code { font-size: 13px; word-break: break-all; }
+.pager { margin: 8px 0 24px; }
+dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
+dl.facts dt { color: var(--muted); }
+dl.facts dd { margin: 0; }
+@media (max-width: 640px) {
+  main { padding: 10px; }
+  th, td { padding: 6px; }
+  .hide-narrow { display: none; }
+}
+"""
+
+
+# Pages
+
+#: Form field each field-less message of the operations belongs to.
+FIELD_OF_MESSAGE = {
+    "Email is required.": "email", "Invalid email address.": "email",
+    "A customer with this email already exists.": "email",
+    CREDIT_LIMIT_MESSAGE: "creditLimit", TAX_RATE_MESSAGE: "taxRateOverride",
+    "Invalid status.": "status", "Invalid order status.": "status",
+    "customerId is required": "customerId", "Customer not found.": "customerId",
+    "At least one item is required": "items", "productId is required": "items",
+    "quantity must be a number": "items", "quantity must be a whole number": "items",
+    "quantity must be at least 1": "items",
+    "Tracking URL is required when carrier is OTHER.": "tracking.url",
+    "URL is required.": "url", "Invalid URL.": "url",
+    "At least one event is required.": "events",
+}
+
+
+def form_errors(error):
+    """{form field: message} for an operation's refusal, the API's own words."""
+    if error.details:
+        return {detail["field"].split("[")[0]: detail["rule"] for detail in error.details}
+    field = FIELD_OF_MESSAGE.get(error.message)
+    if field is None and error.message.startswith(("Product ", "Insufficient stock")):
+        field = "items"
+    if field is None and error.message.startswith("Unknown event"):
+        field = "events"
+    return {field or "form": error.message}
+
+
+class Visit:
+    """What a page gets: the signed-in staff member, the query and form, and what a refused
+    form left behind to show again (errors by field, the values sent)."""
+
+    def __init__(self, service, session, token):
+        self.settings = service.settings
+        self.service = service
+        self.session = session
+        self.company_id = session["company_id"]
+        self.csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
+        query = bottle.request.query.decode()
+        self.query = {name: query.get(name) for name in query}
+        self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
+        self.errors = {}
+        self.notice = None
+
+    @property
+    def conn(self):
+        return self.service.db.conn
+
+    def csrf_matches(self):
+        sent = str(self.form.get("csrf", "")).encode("utf-8", "replace")
+        return hmac.compare_digest(sent, self.csrf.encode())
+
+    def write(self):
+        return self.service.db.write()
+
+    def filters(self):
+        """The query parameters given a value (an empty one is no filter, as in the API)."""
+        return {name: value for name, value in self.query.items() if value}
+
+    def call(self, query):
+        """A Call, as the API's list routes take it, for this company."""
+        return Call(self.conn, self.company_id, query, None, self.settings)
+
+    def value(self, name, default=""):
+        if self.errors and name in self.form:
+            return self.form.get(name)
+        return "" if default is None else default
+
+    def field(self, name, label, default="", kind="text", **attributes):
+        extra = join(render(' {name}="{value}"', name=key.replace("_", "-"), value=value)
+                     for key, value in attributes.items())
+        control = render('<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>',
+                         id=name, name=name, kind=kind, value=self.value(name, default),
+                         extra=extra)
+        if kind == "textarea":
+            control = render('<textarea id="{id}" name="{name}"{extra}>{value}</textarea>',
+                             id=name, name=name, value=self.value(name, default), extra=extra)
+        return render('<div><label for="{id}">{label}</label>{control}{error}</div>',
+                      id=name, label=label, control=control, error=self.error(name))
+
+    def select(self, name, label, options, default=""):
+        chosen = self.value(name, default)
+        return render('<div><label for="{id}">{label}</label><select id="{id}" name="{id}">'
+                      '{options}</select>{error}</div>', id=name, label=label,
+                      error=self.error(name), options=join(
+                          render('<option value="{v}"{s}>{t}</option>', v=value, t=text,
+                                 s=Markup(" selected") if str(value) == str(chosen) else "")
+                          for value, text in options))
+
+    def checks(self, name, values, chosen):
+        chosen = set(self.form.getall(name)) if self.errors and self.form else set(chosen)
+        return render('<fieldset><legend>{name}</legend>{boxes}{error}</fieldset>', name=name,
+                      error=self.error(name), boxes=join(
+                          render('<label class="check"><input type="checkbox" name="{n}" '
+                                 'value="{v}"{c}> {v}</label>', n=name, v=value,
+                                 c=Markup(" checked") if value in chosen else "")
+                          for value in values))
+
+    def error(self, name):
+        message = self.errors.get(name)
+        return render('<p class="error" role="alert">{m}</p>', m=message) if message else ""
+
+    def form_tag(self, action, body, css="card"):
+        return render('<form class="{css}" method="post" action="{action}">'
+                      '<input type="hidden" name="csrf" value="{csrf}">{body}</form>',
+                      css=css, action=action, csrf=self.csrf, body=body)
+
+    def button(self, action, text, css="", **hidden):
+        fields = join(render('<input type="hidden" name="{n}" value="{v}">', n=n, v=v)
+                      for n, v in hidden.items())
+        return self.form_tag(action, render('{fields}<button type="submit" class="{css}">{t}'
+                                            '</button>', fields=fields, css=css, t=text),
+                             css="inline")
+
+    def page(self, title, body, status=200):
+        here = bottle.request.path
+        links = join(render('<li><a href="{href}"{current}>{text}</a></li>', href=href, text=text,
+                            current=Markup(' aria-current="page"') if here.startswith(href)
+                            else "") for text, href in NAVIGATION)
+        header = render(HEADER, company=self.session["company_name"], links=links,
+                        email=self.session["email"],
+                        csrf=render('<input type="hidden" name="csrf" value="{c}">', c=self.csrf))
+        notice = render('<div class="notice" role="status">{n}</div>', n=self.notice) \
+            if self.notice else ""
+        if self.errors:  # a message that belongs to no single field is shown here alone
+            notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
+                                          m=self.errors.get("form", "see the messages below."))])
+        bottle.response.status = status
+        return render(LAYOUT, title=title, header=header, notice=notice, body=body)
+
+    def refusal(self, error):
+        title = "Not found" if error.status == 404 else "Refused"
+        return self.page(title, render('<p class="alert" role="alert">{m}</p>',
+                                       m=error.message), error.status)
+
+
+def redirect(location):
+    bottle.response.status = 303
+    bottle.response.set_header("Location", location)
+    return ""
+
+
+#: (method, path, handler, the page a refused form is shown again on).
+PAGES = []
+
+
+def page(method, path, refused=None):
+    def register(handler):
+        PAGES.append((method, path, handler, refused))
+        return handler
+    return register
+
+
+def pager(visit, result, path):
+    cursor = result["pagination"]["nextCursor"]
+    if not cursor:
+        return ""
+    query = dict(visit.filters(), cursor=cursor)
+    return render('<p class="pager"><a class="button" href="{path}?{q}">Next page</a></p>',
+                  path=path, q=urllib.parse.urlencode(query))
+
+
+def listing(visit, title, noun, filter_fields, listed, result):
+    """A list page: a button for a new record, the filters, the table and the next page."""
+    path = bottle.request.path
+    return visit.page(title, join([
+        render('<p><a class="button" href="{p}/new">New {n}</a></p>', p=path, n=noun),
+        render('<form class="card filters" method="get" action="{p}">{f}<div><button '
+               'type="submit">Filter</button> <a href="{p}">Clear</a></div></form>',
+               p=path, f=join(filter_fields)),
+        listed, pager(visit, result, path)]))
+
+
+def table(headings, rows, numeric=()):
+    head = join(render('<th{c}>{h}</th>', h=h, c=Markup(' class="num"') if h in numeric else "")
+                for h in headings)
+    body = join(render("<tr>{cells}</tr>", cells=join(
+        render("<td{c}>{v}</td>", v=v, c=Markup(' class="num"') if h in numeric else "")
+        for h, v in zip(headings, row))) for row in rows)
+    if not rows:
+        body = render('<tr><td colspan="{n}" class="muted">Nothing here yet.</td></tr>',
+                      n=len(headings))
+    return render('<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
+                  '<tbody>{body}</tbody></table></div>', head=head, body=body)
+
+
+def link(href, text):
+    return render('<a href="{h}">{t}</a>', h=href, t=text)
+
+
+def status_tag(status):
+    return render('<span class="status status-{s}">{s}</span>', s=status)
+
+
+def form_int(form, field, required=True):
+    text = (form.get(field) or "").strip()
+    if not text and not required:
+        return None
+    if not re.fullmatch(r"-?\d{1,18}", text):
+        raise invalid(field, "must be a whole number")
+    return int(text)
+
+
+def form_amount(form, field, required=True):
+    text = (form.get(field) or "").strip()
+    if not text and not required:
+        return None
+    cents = cents_from_text(text)
+    if cents is None:
+        raise invalid(field, "must be an amount such as 12.50")
+    return cents
+
+
+def form_number(form, field):
+    """A form's number as the API's JSON would carry it: empty is null, and what is not a
+    number stays text, for the operation to refuse in its own words."""
+    text = (form.get(field) or "").strip()
+    if not text:
+        return None
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        return value if math.isfinite(value) else text
+    return text
+
+
+def form_text(form, field):
+    return (form.get(field) or "").strip() or None
+
+
+# Orders
+
+@page("GET", "/dashboard/orders")
+def orders_page(visit):
+    query = visit.filters()
+    filters, params = order_filters(query)
+    if query.get("search"):
+        clause, values = order_search(visit.conn, visit.company_id, query["search"])
+        filters.append(clause)
+        params += values
+    result = paginate(visit.conn, "orders", visit.company_id, query, filters, params,
+                      lambda conn, rows: rows)
+    customers = names_of(visit.conn, "customers", "email",
+                         [row["customer_id"] for row in result["data"]])
+    rows = [(link(f"/dashboard/orders/{row['id']}", row["id"]), row["created_at"][:16]
+             .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
+             status_tag(row["status"]), amount_text(money(row["total_cents"])))
+            for row in result["data"]]
+    statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
+    choices = [("", "Any customer")] + company_choices(visit.conn, "customers",
+                                                       visit.company_id, "email")
+    return listing(visit, "Orders", "order", [
+        visit.field("search", "Order ID or start of PO number", query.get("search", "")),
+        visit.select("status", "Status", statuses, query.get("status", "")),
+        visit.select("customerId", "Customer", choices, query.get("customerId", "")),
+        visit.field("since", "Created from", query.get("since", ""), kind="date"),
+        visit.field("until", "Created until", query.get("until", ""), kind="date")],
+        table(("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"), rows,
+              numeric=("Total",)), result)
+
+
+CARRIER_CHOICES = [(carrier, carrier) for carrier in CARRIERS]
+LINES_ON_NEW_ORDER = 5
+
+
+@page("GET", "/dashboard/orders/new")
+def new_order_page(visit):
+    customers = company_choices(visit.conn, "customers", visit.company_id, "email")
+    products = [("", "(none)")] + company_choices(
+        visit.conn, "products", visit.company_id,
+        "name || ' (' || COALESCE(sku, '-') || ', stock ' || stock || ')'", "is_active = 1")
+    lines = join(render('<div class="grid">{product}{quantity}</div>',
+                        product=visit.select(f"productId{n}", f"Product {n + 1}", products),
+                        quantity=visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "",
+                                             kind="number", min="1"))
+                 for n in range(LINES_ON_NEW_ORDER))
+    body = visit.form_tag("/dashboard/orders", join([
+        render('<p class="muted">Orders created here emit no order.created.</p>'),
+        visit.select("customerId", "Customer", customers), lines, visit.error("items"),
+        visit.field("poNumber", "PO number"), visit.field("notes", "Notes", kind="textarea"),
+        render('<button type="submit">Create order</button>')]))
+    return visit.page("New order", body)
+
+
+@page("POST", "/dashboard/orders", refused=new_order_page)
+def create_order_action(visit):
+    items = []
+    for n in range(LINES_ON_NEW_ORDER):
+        if visit.form.get(f"productId{n}"):
+            quantity = form_number(visit.form, f"quantity{n}")
+            items.append({"productId": visit.form[f"productId{n}"], "quantity": quantity})
+    body = {"customerId": visit.form.get("customerId"), "items": items,
+            "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
+    with visit.write() as conn:
+        order = place_order(conn, visit.company_id, body, source="dashboard")
+    return redirect(f"/dashboard/orders/{order['id']}")
+
+
+@page("GET", "/dashboard/orders/<order_id>")
+def order_page(visit, order_id):
+    order = order_with_items(visit.conn, visit.company_id, order_id)
+    customer = order["customerId"] and load_customer(visit.conn, visit.company_id,
+                                                     order["customerId"])
+    facts = render(
+        '<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>'
+        '<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>'
+        '<dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>'
+        '<dd>{tracking}</dd></dl></div>', status=status_tag(order["status"]),
+        customer=link(f"/dashboard/customers/{customer['id']}",
+                      f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
+        po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
+        updated=order["updatedAt"], tracking=render(
+            '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>',
+            **order["tracking"]) if order["tracking"] else "none")
+    lines = table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
+                  [(item["productName"], item["productSku"] or "", item["quantity"],
+                    amount_text(item["unitPrice"]), amount_text(item["unitPrice"] *
+                                                                 item["quantity"]))
+                   for item in order["items"]] +
+                  [("", "", "", render("<strong>Total</strong>"),
+                    render("<strong>{t}</strong>", t=amount_text(order["total"])))],
+                  numeric=("Quantity", "Unit price", "Line total"))
+    history = table(("When (UTC)", "From", "To", "Tracking"),
+                    [(order["createdAt"], "", "SUBMITTED", "")] +
+                    [(change["at"], change["previousStatus"], change["status"],
+                      change["tracking"]["number"] if change["tracking"] else "")
+                     for change in order_history(visit.conn, visit.company_id, order_id)])
+    actions = []
+    for status in DASHBOARD_TRANSITIONS[order["status"]]:
+        action = f"/dashboard/orders/{order_id}/status"
+        if status == "SHIPPED":
+            actions.append(visit.form_tag(action, join([
+                render('<h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">'),
+                render('<div class="grid">{c}{n}{u}</div>', c=visit.select(
+                    "tracking.carrier", "Carrier", CARRIER_CHOICES), n=visit.field(
+                    "tracking.number", "Tracking number", required="required"), u=visit.field(
+                    "tracking.url", "Tracking URL (OTHER carrier, or to override)", kind="url")),
+                render('<button type="submit">Mark SHIPPED</button>')])))
+        else:
+            css = "danger" if status == "CANCELLED" else ""
+            actions.append(visit.button(action, f"Mark {status}", css, status=status))
+    if not actions:
+        actions.append(render('<p class="muted">{s} is final: no further status.</p>',
+                              s=order["status"]))
+    open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
+        render("<h3>Open a return</h3>"),
+        visit.field("reason", "Reason (3 to 2000 characters)", kind="textarea"),
+        visit.field("itemCount", "Line items returned (default: all)", kind="number", min="1"),
+        render('<button type="submit" class="secondary">Open return</button>')]))
+    body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}</div>',
+                                                           a=join(actions)),
+                 render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
+                 render('<p class="muted">Status changes come from the order.status_changed '
+                        'events, which are kept while a webhook subscribes to them.</p>'),
+                 open_return])
+    return visit.page(f"Order {order_id}", body)
+
+
+@page("POST", "/dashboard/orders/<order_id>/status", refused=order_page)
+def order_status_action(visit, order_id):
+    body = {"status": visit.form.get("status")}
+    if body["status"] == "SHIPPED":
+        body["tracking"] = {"carrier": visit.form.get("tracking.carrier"),
+                            "number": visit.form.get("tracking.number", ""),
+                            "url": form_text(visit.form, "tracking.url")}
+    status, tracking = parse_status_update(body, visit.settings.tracking_url_templates)
+    with visit.write() as conn:
+        dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking)
+    return redirect(f"/dashboard/orders/{order_id}")
+
+
+# Products
+
+@page("GET", "/dashboard/products")
+def products_page(visit):
+    query = visit.filters()
+    result = list_products(visit.call(query))
+    rows = [(link(f"/dashboard/products/{p['id']}", p["name"]), p["sku"] or "",
+             p["category"] or "", amount_text(p["price"]), p["stock"],
+             "active" if p["isActive"] else "inactive") for p in result["data"]]
+    return listing(visit, "Products", "product", [
+        visit.field("search", "Name, SKU or category", query.get("search", "")),
+        visit.select("active", "Active", [("", "All"), ("true", "Active"),
+                                          ("false", "Inactive")], query.get("active"))],
+        table(("Name", "SKU", "Category", "Price", "Stock", "State"), rows,
+              numeric=("Price", "Stock")), result)
+
+
+def product_form(visit, action, product=None):
+    product = product or {}
+    threshold = product.get("low_stock_threshold")
+    price = product.get("price_cents")
+    return visit.form_tag(action, join([
+        render('<div class="grid">{a}{b}{c}{d}{e}{f}{g}{h}</div>',
+               a=visit.field("name", "Name", product.get("name"), required="required"),
+               b=visit.field("sku", "SKU", product.get("sku")),
+               c=visit.field("category", "Category", product.get("category")),
+               d=visit.field("unit", "Unit", product.get("unit", "each")),
+               e=visit.field("price", "Price", "" if price is None else
+                             f"{price // 100}.{price % 100:02d}", inputmode="decimal"),
+               f=visit.field("stock", "Stock", product.get("stock", 0), kind="number"),
+               g=visit.field("lowStockThreshold", "Low-stock threshold",
+                             "" if threshold is None else threshold, kind="number", min="0"),
+               h=visit.field("imageUrl", "Image URL", product.get("image_url"), kind="url")),
+        visit.field("description", "Description", product.get("description"), kind="textarea"),
+        render('<label class="check"><input type="checkbox" name="isActive" value="on"{c}> '
+               'Active</label>', c=Markup(" checked") if (
+                   "isActive" in visit.form if visit.errors else product.get("is_active", 1))
+               else ""),
+        render('<div><button type="submit">Save</button></div>')]))
+
+
+def product_fields(form):
+    fields = {"name": (form.get("name") or "").strip(), "unit": (form.get("unit") or "").strip(),
+              "price_cents": form_amount(form, "price"), "stock": form_int(form, "stock"),
+              "low_stock_threshold": form_int(form, "lowStockThreshold", required=False),
+              "is_active": int("isActive" in form)}
+    for name, column in (("sku", "sku"), ("category", "category"), ("imageUrl", "image_url"),
+                         ("description", "description")):
+        fields[column] = form_text(form, name)
+    return fields
+
+
+@page("GET", "/dashboard/products/new")
+def new_product_page(visit):
+    return visit.page("New product", join([
+        render('<p class="muted">Creating a product emits no event.</p>'),
+        product_form(visit, "/dashboard/products")]))
+
+
+@page("POST", "/dashboard/products", refused=new_product_page)
+def create_product_action(visit):
+    fields = product_fields(visit.form)
+    with visit.write() as conn:
+        product = create_product(conn, visit.company_id, **fields)
+    return redirect(f"/dashboard/products/{product['id']}")
+
+
+@page("GET", "/dashboard/products/<product_id>")
+def product_page(visit, product_id):
+    product = load_product(visit.conn, visit.company_id, product_id)
+    return visit.page(product["name"], product_form(
+        visit, f"/dashboard/products/{product_id}", dict(product)))
+
+
+@page("POST", "/dashboard/products/<product_id>", refused=product_page)
+def update_product_action(visit, product_id):
+    fields = product_fields(visit.form)
+    with visit.write() as conn:
+        update_product(conn, visit.company_id, product_id, **fields)
+    return redirect(f"/dashboard/products/{product_id}")
+
+
+# Customers
+
+@page("GET", "/dashboard/customers")
+def customers_page(visit):
+    query = visit.filters()
+    result = list_customers(visit.call(query))
+    rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
+             status_tag(c["status"]), amount_text(c["creditLimit"]), c["createdAt"][:10])
+            for c in result["data"]]
+    return listing(visit, "Customers", "customer", [
+        visit.field("search", "Email or name", query.get("search", "")),
+        visit.select("status", "Status", [("", "Any")] + [(s, s) for s in CUSTOMER_STATUSES],
+                     query.get("status"))],
+        table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
+              numeric=("Credit limit",)), result)
+
+
+def customer_body(form):
+    body = {"name": form_text(form, "name"), "notes": form_text(form, "notes"),
+            "creditLimit": form_number(form, "creditLimit"),
+            "taxRateOverride": form_number(form, "taxRateOverride")}
+    return body
+
+
+def customer_fields(visit, customer):
+    credit = customer.get("credit_limit_cents")
+    return render('<div class="grid">{n}{c}{t}</div>{notes}',
+                  n=visit.field("name", "Name", customer.get("name")),
+                  c=visit.field("creditLimit", "Credit limit", "" if credit is None else
+                                f"{credit // 100}.{credit % 100:02d}", inputmode="decimal"),
+                  t=visit.field("taxRateOverride", "Tax rate override (0 to 0.3)",
+                                customer.get("tax_rate_override"), inputmode="decimal"),
+                  notes=visit.field("notes", "Internal notes", customer.get("notes"),
+                                    kind="textarea"))
+
+
+@page("GET", "/dashboard/customers/new")
+def new_customer_page(visit):
+    return visit.page("New customer", visit.form_tag("/dashboard/customers", join([
+        render('<p class="muted">Customers created here emit no customer.created.</p>'),
+        visit.field("email", "Email", kind="email", required="required"),
+        customer_fields(visit, {}), render('<button type="submit">Create customer</button>')])))
+
+
+@page("POST", "/dashboard/customers", refused=new_customer_page)
+def create_customer_action(visit):
+    body = dict(customer_body(visit.form), email=visit.form.get("email", ""))
+    with visit.write() as conn:
+        customer = create_customer(conn, visit.company_id, body, source="dashboard")
+    return redirect(f"/dashboard/customers/{customer['id']}")
+
+
+@page("GET", "/dashboard/customers/<customer_id>")
+def customer_page(visit, customer_id):
+    customer = load_customer(visit.conn, visit.company_id, customer_id)
+    blocked = customer["status"] == "BLOCKED"
+    status = render('<div class="card"><p>Status: {tag}</p>{button}</div>',
+                    tag=status_tag(customer["status"]),
+                    button=visit.button(f"/dashboard/customers/{customer_id}/status",
+                                        "Unblock" if blocked else "Block",
+                                        "" if blocked else "danger",
+                                        status="ACTIVE" if blocked else "BLOCKED"))
+    edit = visit.form_tag(f"/dashboard/customers/{customer_id}", join([
+        customer_fields(visit, dict(customer)), render('<button type="submit">Save</button>')]))
+    orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
+    return visit.page(customer["email"], join([status, edit, render("<p>{o}</p>", o=orders)]))
+
+
+@page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
+def update_customer_action(visit, customer_id):
+    with visit.write() as conn:
+        update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
+    return redirect(f"/dashboard/customers/{customer_id}")
+
+
+@page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page)
+def customer_status_action(visit, customer_id):
+    with visit.write() as conn:
+        update_customer(conn, visit.company_id, customer_id, {"status": visit.form.get("status")})
+    return redirect(f"/dashboard/customers/{customer_id}")
+
+
+# Returns
+
+RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
+
+
+@page("GET", "/dashboard/returns")
+def returns_page(visit):
+    result = paginate(visit.conn, "returns", visit.company_id, visit.filters(),
+                      serialize=lambda conn, rows: rows)
+    rows = []
+    for row in result["data"]:
+        action = f"/dashboard/returns/{row['id']}"
+        if row["status"] in RETURN_STEPS:
+            step, text = RETURN_STEPS[row["status"]]
+            next_step = visit.button(f"{action}/{step}", text)
+        elif row["status"] == "RECEIVED":
+            next_step = visit.form_tag(f"{action}/refund", join([
+                visit.select("method", "Method", [("CREDIT", "CREDIT (credit note)"),
+                                                  ("MANUAL", "MANUAL (out of band)")]),
+                visit.field("goodUnits", "Good units", "0", kind="number", min="0"),
+                visit.field("damagedUnits", "Damaged units", "0", kind="number", min="0"),
+                visit.field("subtotal", "Subtotal", inputmode="decimal"),
+                visit.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
+                render('<button type="submit">Refund</button>')]), css="refund")
+        else:
+            next_step = ""
+        rows.append((row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
+                     row["reason"], row["item_count"], status_tag(row["status"]), next_step))
+    body = join([
+        table(("Return", "Order", "Reason", "Items", "Status", "Next step"), rows),
+        pager(visit, result, "/dashboard/returns"),
+        render('<p class="muted">Open a return from its order\'s page.</p>')])
+    return visit.page("Returns", body)
+
+
+@page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
+def open_return_action(visit, order_id):
+    with visit.write() as conn:
+        open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
+                    form_int(visit.form, "itemCount", required=False), actor="staff")
+    return redirect("/dashboard/returns")
+
+
+@page("POST", "/dashboard/returns/<return_id>/<step>", refused=returns_page)
+def return_step_action(visit, return_id, step):
+    with visit.write() as conn:
+        if step == "approve":
+            approve_return(conn, visit.company_id, return_id)
+        elif step == "receive":
+            receive_return(conn, visit.company_id, return_id)
+        elif step == "refund":
+            refund_return(conn, visit.company_id, return_id, visit.form.get("method"),
+                          form_int(visit.form, "goodUnits"), form_int(visit.form, "damagedUnits"),
+                          form_amount(visit.form, "subtotal"),
+                          form_amount(visit.form, "amount", required=False))
+        else:
+            raise not_found("Page")
+    return redirect("/dashboard/returns")
+
+
+# Webhooks
+
+@page("GET", "/dashboard/webhooks")
+def webhooks_page(visit):
+    sections = []
+    for hook in list_webhooks(visit.call({}))["data"]:
+        action = f"/dashboard/webhooks/{hook['id']}"
+        deliveries = table(("When (UTC)", "Event", "Status code", "Duration", "Success",
+                            "Response"),
+                           [(d["createdAt"], d["event"], d["statusCode"] or "",
+                             f"{d['durationMs']} ms", "yes" if d["success"] else "no",
+                             render("<code>{b}</code>", b=(d["responseBody"] or "")[:300]))
+                            for d in recent_deliveries(visit.conn, hook["id"])])
+        sections.append(render(
+            '<section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}'
+            '<p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>',
+            url=hook["url"], state=status_tag("active" if hook["isActive"] else "inactive"),
+            events=", ".join(hook["events"]),
+            grace=render('<p class="muted">Old secret still signs X-Webhook-Signature-Old '
+                         'until {g}.</p>', g=hook["secretRotationGraceExpiresAt"])
+            if hook["secretRotationGraceExpiresAt"] else "",
+            toggle=visit.button(f"{action}/toggle", "Deactivate" if hook["isActive"]
+                                else "Activate", "secondary"),
+            rotate=visit.button(f"{action}/rotate", "Rotate secret (24 h grace)", "secondary"),
+            deliveries=deliveries))
+    create = visit.form_tag("/dashboard/webhooks", join([
+        render("<h2>New webhook</h2>"),
+        visit.field("url", "URL", kind="url", required="required"),
+        visit.checks("events", EVENT_CATALOG, ()),
+        render('<label class="check"><input type="checkbox" name="isActive" value="on" '
+               'checked> Active</label>'),
+        render('<div><button type="submit">Create webhook</button></div>')]))
+    return visit.page("Webhooks", join(sections + [create]))
+
+
+@page("POST", "/dashboard/webhooks", refused=webhooks_page)
+def create_webhook_action(visit):
+    body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
+            "isActive": "isActive" in visit.form}
+    with visit.write() as conn:
+        hook = create_webhook(conn, visit.company_id, body)
+    visit.notice = render("Webhook created. Its signing secret, shown this once: "
+                          "<code>{s}</code>", s=hook["secret"])
+    return webhooks_page(visit)
+
+
+@page("POST", "/dashboard/webhooks/<webhook_id>/toggle", refused=webhooks_page)
+def toggle_webhook_action(visit, webhook_id):
+    with visit.write() as conn:
+        hook = load_webhook(conn, visit.company_id, webhook_id)
+        update_webhook(conn, visit.company_id, webhook_id, {"isActive": not hook["is_active"]})
+    return redirect("/dashboard/webhooks")
+
+
+@page("POST", "/dashboard/webhooks/<webhook_id>/rotate", refused=webhooks_page)
+def rotate_webhook_action(visit, webhook_id):
+    with visit.write() as conn:
+        load_webhook(conn, visit.company_id, webhook_id)
+        rotated = rotate_webhook_secret(conn, webhook_id)
+    visit.notice = render("New signing secret, shown this once: <code>{s}</code>. Until {g} "
+                          "deliveries also carry X-Webhook-Signature-Old.",
+                          s=rotated["secret"], g=rotated["secretRotationGraceExpiresAt"])
+    return webhooks_page(visit)
+
+
+# API keys
+
+@page("GET", "/dashboard/keys")
+def keys_page(visit):
+    now = now_iso()
+    rows = [(key["id"], key["scopes"].replace(" ", ", "), key["rate_limit"],
+             key["expires_at"] or "never", key["created_at"][:10],
+             status_tag("revoked") if key["revoked"] else
+             status_tag("expired") if key["expires_at"] and key["expires_at"] <= now else
+             visit.button(f"/dashboard/keys/{key['id']}/revoke", "Revoke", "danger"))
+            for key in company_api_keys(visit.conn, visit.company_id)]
+    create = visit.form_tag("/dashboard/keys", join([
+        render("<h2>New key</h2>"), visit.checks("scopes", SCOPES, SCOPES),
+        render('<div class="grid">{b}{e}</div>',
+               b=visit.field("rateLimit", "Requests per minute", 60, kind="number", min="1"),
+               e=visit.field("expiresAt", "Expires (date or ISO 8601 time, empty: never)")),
+        render('<div><button type="submit">Create key</button></div>')]))
+    return visit.page("API keys", join([
+        table(("Key", "Scopes", "Per minute", "Expires", "Created", "State"), rows), create]))
+
+
+@page("POST", "/dashboard/keys", refused=keys_page)
+def create_key_action(visit):
+    expires = form_text(visit.form, "expiresAt")
+    if expires is not None:
+        ms = js_parse_date(expires)
+        if ms is None:
+            raise invalid("expiresAt", "must be a date (2026-11-22) or an ISO 8601 datetime")
+        expires = iso(ms)
+    with visit.write() as conn:
+        key = create_api_key(conn, visit.company_id, visit.form.getall("scopes"),
+                             form_int(visit.form, "rateLimit"), expires)
+    visit.notice = render("Key {i} created. The key, shown this once: <code>{k}</code>",
+                          i=key["id"], k=key["key"])
+    return keys_page(visit)
+
+
+@page("POST", "/dashboard/keys/<key_id>/revoke", refused=keys_page)
+def revoke_key_action(visit, key_id):
+    load_row(visit.conn, "api_keys", "API key", visit.company_id, key_id)
+    visit.service.revoke_key(key_id)
+    return redirect("/dashboard/keys")
+
+
+# Serving: sessions, CSRF, headers
+
+class Dashboard:
+    """The pages bound to one app's service. clock() gives the time sessions and the sign-in
+    throttle go by (tests move it)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.clock = time.time
+
+    def now_ms(self):
+        return int(self.clock() * 1000)
+
+    def secure_request(self, environ):
+        if self.service.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_PROTO"):
+            return environ["HTTP_X_FORWARDED_PROTO"].split(",")[0].strip().lower() == "https"
+        return environ.get("wsgi.url_scheme") == "https"
+
+    def set_session_cookie(self, token, **expiry):
+        """A browser-session cookie: the server ends idle sessions, the browser need not."""
+        bottle.response.set_cookie(
+            SESSION_COOKIE, token, path="/dashboard", httponly=True, samesite="lax",
+            secure=self.secure_request(bottle.request.environ), **expiry)
+
+    def session(self):
+        """(session row, token) of the signed-in browser, or (None, None); an idle session
+        ends here."""
+        token = bottle.request.get_cookie(SESSION_COOKIE)
+        if not token:
+            return None, None
+        db = self.service.db
+        found = load_session(db.conn, token)
+        if found is None:
+            return None, None
+        now_ms = self.now_ms()
+        idle_since = iso(now_ms - self.service.settings.session_idle_seconds * 1000)
+        if found["last_seen_at"] < idle_since:
+            with db.write() as conn:
+                end_session(conn, found["token_hash"])
+            return None, None
+        if found["last_seen_at"] < iso(now_ms - SESSION_TOUCH_SECONDS * 1000):
+            with db.write() as conn:
+                touch_session(conn, found["token_hash"], now_ms)
+        return found, token
+
+    def serve(self, handler, refused, url_args):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/html; charset=utf-8"
+        found, token = self.session()
+        if found is None:
+            if bottle.request.method == "POST":
+                bottle.response.status = 403
+                return self.bare_page("Signed out", render(
+                    '<p class="card narrow">Your session has ended. <a href="/dashboard/sign-in">'
+                    'Sign in again</a>.</p>'))
+            return redirect("/dashboard/sign-in")
+        visit = Visit(self.service, found, token)
+        if bottle.request.method == "POST" and not visit.csrf_matches():
+            return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
+        try:
+            return handler(visit, **url_args)
+        except ApiError as error:
+            if refused is None:
+                return visit.refusal(error)
+            visit.errors = form_errors(error)
+            takes = refused.__code__.co_varnames[1:refused.__code__.co_argcount]
+            try:
+                body = refused(visit, **{k: v for k, v in url_args.items() if k in takes})
+            except ApiError as missing:
+                return visit.refusal(missing)
+            bottle.response.status = error.status
+            return body
+
+    def bare_page(self, title, body):
+        return render(LAYOUT.replace("<header>{header}</header>\n", ""), title=title,
+                      notice="", body=body)
+
+    def sign_in_page(self, error="", email=""):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/html; charset=utf-8"
+        return self.bare_page("Sign in", render(
+            SIGN_IN_FORM, email=email,
+            error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
+
+    def sign_in(self):
+        form = bottle.request.forms.decode()
+        email, password = form.get("email", ""), form.get("password", "")
+        address = self.service.client_address(bottle.request.environ)
+        subjects = sign_in_subjects(email, address)
+        db, now_ms = self.service.db, self.now_ms()
+        wait = sign_in_wait(db.conn, subjects, now_ms)
+        if wait > 0:
+            bottle.response.status = 429
+            bottle.response.set_header("Retry-After", str(math.ceil(wait)))
+            return self.sign_in_page(f"Too many failed sign-ins. Try again in "
+                                     f"{math.ceil(wait)} seconds.", email)
+        staff = find_staff(db.conn, email, password)
+        with db.write() as conn:
+            if staff is None:
+                record_sign_in_failure(conn, subjects, now_ms)
+            else:
+                token = start_session(conn, staff, subjects, now_ms,
+                                      self.service.settings.session_idle_seconds)
+        if staff is None:
+            bottle.response.status = 401
+            return self.sign_in_page(SIGN_IN_REFUSED, email)
+        self.set_session_cookie(token)
+        return redirect("/dashboard/orders")
+
+    def sign_out(self):
+        found, token = self.session()
+        if found is not None:
+            visit = Visit(self.service, found, token)
+            if not visit.csrf_matches():
+                for name, value in SECURITY_HEADERS.items():
+                    bottle.response.set_header(name, value)
+                return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED),
+                                  403)
+            with self.service.db.write() as conn:
+                end_session(conn, found["token_hash"])
+        self.set_session_cookie("", max_age=0)
+        return redirect("/dashboard/sign-in")
+
+    def stylesheet(self):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/css; charset=utf-8"
+        bottle.response.set_header("Cache-Control", "max-age=3600")
+        return STYLESHEET
+
+
+def install_dashboard(app):
+    if not app.service.settings.dashboard:
+        return
+    dashboard = app.dashboard = Dashboard(app.service)
+
+    def bind(handler, refused):
+        return lambda **url_args: dashboard.serve(handler, refused, url_args)
+    for method, path, handler, refused in PAGES:
+        app.route(path, method, bind(handler, refused))
+    app.route("/dashboard/style.css", "GET", dashboard.stylesheet)
+    app.route("/dashboard/sign-in", "GET", lambda: dashboard.sign_in_page())
+    app.route("/dashboard/sign-in", "POST", dashboard.sign_in)
+    app.route("/dashboard/sign-out", "POST", dashboard.sign_out)
+    app.route("/dashboard", "GET", lambda: redirect("/dashboard/orders"))
+    app.route("/", "GET", lambda: redirect("/dashboard"))
+
+
+APP_EXTENSIONS.append(install_dashboard)
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. Command line
 # ---------------------------------------------------------------------------------------------
 
 class AccessLog:
@@ -3353,12 +4582,26 @@ def cmd_webhook_rotate_secret(conn, args):
     return rotate_webhook_secret(conn, args.id, args.grace_hours)
 
 
+def read_password(stream):
+    """A password piped on standard input: one line, its line ending not part of it."""
+    return stream.read().rstrip("\r\n")
+
+
+def cmd_staff_create(conn, args):
+    return create_staff(conn, args.company, args.email, read_password(sys.stdin))
+
+
+def cmd_staff_disable(conn, args):
+    return disable_staff(conn, args.id)
+
+
 def cmd_deliveries(conn, args):
     _company_of(conn, "webhooks", "Webhook", args.id)
     return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
 
 
 DEMO_SLUG = "demo-wholesale"
+DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
 DEMO_CATALOG = (
     # name, sku, category, unit, price (cents), stock, low-stock threshold, active
     ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
@@ -3377,8 +4620,8 @@ DEMO_CATALOG = (
 
 
 def demo(settings):
-    """A demo company with a small catalog and two customers (made once), and a new key with
-    all seven scopes on every run."""
+    """A demo company with a small catalog, two customers and a staff account (made once),
+    and on every run a new key with all seven scopes and a new staff password."""
     db = Database(settings.db_path, settings)
     with db.write() as conn:
         company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
@@ -3394,6 +4637,13 @@ def demo(settings):
         else:
             company_id = company["id"]
         key = create_api_key(conn, company_id, list(SCOPES))
+        password = secrets.token_urlsafe(12)
+        staff = conn.execute("SELECT id FROM staff WHERE company_id = ? AND email_key = ?",
+                             (company_id, DEMO_STAFF_EMAIL)).fetchone()
+        if staff is None:
+            create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
+        else:
+            set_staff_password(conn, staff["id"], password)
         customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
                                 "LIMIT 1", (company_id,)).fetchone()
         product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
@@ -3411,6 +4661,9 @@ def demo(settings):
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
+        f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
+        f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
+        password,
     ])
 
 
@@ -3455,6 +4708,8 @@ def build_parser():
                            help="requests per minute per client address (600; 0 is off)")
     serve_cmd.add_argument("--trust-proxy", action="store_true", default=None,
                            help="take the client address from X-Forwarded-For")
+    serve_cmd.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                           default=None, help="serve the API only, no /dashboard")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
@@ -3543,6 +4798,18 @@ def build_parser():
 
     sub = command("deliveries", cmd_deliveries, "the 5 most recent delivery attempts of a webhook")
     sub.add_argument("id", metavar="WEBHOOK_ID")
+
+    sub = command("staff-create", cmd_staff_create,
+                  "create a dashboard staff account; the password (at least "
+                  f"{STAFF_PASSWORD_MIN} characters) is read from standard input")
+    sub.add_argument("--company", required=True, help="company ID")
+    sub.add_argument("--email", required=True)
+    sub.add_argument("--password-stdin", action="store_true", required=True,
+                     help="read the password from standard input (required: never a flag)")
+
+    sub = command("staff-disable", cmd_staff_disable,
+                  "disable a staff account and end its sessions at once")
+    sub.add_argument("id", metavar="STAFF_ID")
     return parser
 
 
@@ -3569,7 +4836,7 @@ def main(argv=None):
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy"):
+                     "ip_rate_limit", "trust_proxy", "dashboard"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

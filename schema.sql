@@ -91,6 +91,8 @@ CREATE INDEX IF NOT EXISTS orders_by_company_status_newest
     ON orders (company_id, status, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS orders_by_company_customer_newest
     ON orders (company_id, customer_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS orders_by_company_po_number    -- the dashboard's search
+    ON orders (company_id, po_number COLLATE NOCASE);
 
 CREATE TABLE IF NOT EXISTS order_items (
     id               TEXT PRIMARY KEY,
@@ -198,3 +200,34 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
     PRIMARY KEY (company_id, key)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
+
+-- Dashboard staff. A password is kept only as its scrypt hash with a salt of its own; an
+-- email is unique within a company. A disabled account can no longer sign in.
+CREATE TABLE IF NOT EXISTS staff (
+    id             TEXT PRIMARY KEY,
+    company_id     TEXT NOT NULL REFERENCES companies(id),
+    email          TEXT NOT NULL,
+    email_key      TEXT NOT NULL,           -- case-folded email
+    password_hash  TEXT NOT NULL,
+    disabled       INTEGER NOT NULL DEFAULT 0,
+    created_at     TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS staff_unique_email ON staff (company_id, email_key);
+CREATE INDEX IF NOT EXISTS staff_by_email ON staff (email_key);
+
+-- A signed-in browser. Only the SHA-256 of the session cookie is kept; last_seen_at moves
+-- forward as the session is used, and the session ends after the idle limit.
+CREATE TABLE IF NOT EXISTS staff_sessions (
+    token_hash    TEXT PRIMARY KEY,
+    staff_id      TEXT NOT NULL REFERENCES staff(id) ON DELETE CASCADE,
+    created_at    TEXT NOT NULL,
+    last_seen_at  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS staff_sessions_of_staff ON staff_sessions (staff_id);
+
+-- Failed dashboard sign-ins, per email and per client address ("email:..." / "address:...").
+CREATE TABLE IF NOT EXISTS sign_in_failures (
+    subject          TEXT PRIMARY KEY,
+    failures         INTEGER NOT NULL,
+    last_failure_at  TEXT NOT NULL
+) WITHOUT ROWID;

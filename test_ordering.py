@@ -234,7 +234,7 @@ def run_cli(db_path, *args, env=None):
 def test_unknown_route_is_json_404(api, tenant):
     assert_error(api.get("/api/v1/nothing", headers=tenant.headers, status=404), 404,
                  "Not found.")
-    assert_error(api.get("/", status=404), 404, "Not found.")
+    assert_error(api.get("/dashboard/nothing", status=404), 404, "Not found.")
 
 
 def test_wrong_method_is_json_405(api, tenant):
@@ -4485,3 +4485,1069 @@ def test_key_revoked_from_the_command_line_reaches_a_running_server(db_path):
                    == (401, {"error": INVALID}), what="the revocation to reach the server")
     finally:
         stop_server(process)
+# Dashboard: staff accounts, sign-in, sessions, CSRF and the pages (WebTest)
+# ---------------------------------------------------------------------------------------------
+
+STAFF_PASSWORD = "correct horse battery"
+
+
+def make_staff(tenant, email="staff@acme.example", password=STAFF_PASSWORD):
+    with tenant.db.write() as conn:
+        return ordering.create_staff(conn, tenant.id, email, password)
+
+
+def signed_in(app, email="staff@acme.example", password=STAFF_PASSWORD, **environ):
+    """A browser (its own cookie jar) signed in to the dashboard."""
+    browser = webtest.TestApp(app, extra_environ=environ)
+    page = browser.get("/dashboard/sign-in")
+    main_form(page)["email"], main_form(page)["password"] = email, password
+    assert main_form(page).submit(status=303).location.endswith("/dashboard/orders")
+    return browser
+
+
+@pytest.fixture
+def staff(tenant):
+    return make_staff(tenant)
+
+
+@pytest.fixture
+def browser(app, staff):
+    return signed_in(app)
+
+
+def csrf_of(page):
+    return page.html.find("input", {"name": "csrf"})["value"]
+
+
+def form_to(page, action_end, **fields):
+    """The form of page whose action ends with action_end (and whose fields match)."""
+    found = [form for form in page.forms.values() if form.action.endswith(action_end)
+             and all(form[name].value == value for name, value in fields.items())]
+    assert len(found) == 1, [form.action for form in page.forms.values()]
+    return found[0]
+
+
+def main_form(page):
+    """The page's one form besides the sign-out button in its header."""
+    forms = [form for form in page.forms.values() if not form.action.endswith("/sign-out")]
+    assert len(forms) == 1, [form.action for form in forms]
+    return forms[0]
+
+
+def field_error(page, name):
+    """The message shown next to a form field."""
+    control = page.html.find(attrs={"name": name})
+    message = control.find_next(class_="error")
+    return message.get_text() if message is not None else None
+
+
+def run_cli_input(db_path, text, *args):
+    return subprocess.run([sys.executable, os.path.join(HERE, "ordering.py"), "--db",
+                           str(db_path), *args], input=text, capture_output=True, text=True,
+                          timeout=60)
+
+
+def order_status(tenant, order_id):
+    return tenant.db.conn.execute("SELECT status FROM orders WHERE id = ?",
+                                  (order_id,)).fetchone()[0]
+
+
+# Staff commands
+
+def test_staff_create_reads_the_password_from_stdin_and_prints_the_account(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    result = run_cli_input(db_path, STAFF_PASSWORD + "\n", "staff-create", "--company",
+                           company["id"], "--email", "Staff@Acme.example", "--password-stdin")
+    assert result.returncode == 0, result.stderr
+    account = json.loads(result.stdout)
+    assert set(account) == {"id", "email", "companyId"}
+    assert (account["email"], account["companyId"]) == ("Staff@Acme.example", company["id"])
+    assert account["id"].startswith("stf_")
+    row = read_db(db_path).execute("SELECT password_hash FROM staff").fetchone()
+    algorithm, n, r, p, salt, digest = row[0].split("$")
+    assert (algorithm, n, r, p, len(bytes.fromhex(salt))) == ("scrypt", "16384", "8", "1", 16)
+    assert STAFF_PASSWORD not in row[0]
+    assert ordering.staff_password_matches(STAFF_PASSWORD, row[0])
+
+
+def test_staff_create_refuses_short_password_duplicate_email_and_writes_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    create = ("staff-create", "--company", company["id"], "--email", "a@acme.example",
+              "--password-stdin")
+    short = run_cli_input(db_path, "x" * 11 + "\n", *create)
+    assert short.returncode != 0 and short.stdout == ""
+    assert "password: must be at least 12 characters" in short.stderr
+    assert "Traceback" not in short.stderr
+    assert run_cli_input(db_path, "y" * 12, *create).returncode == 0
+    duplicate = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company",
+                              company["id"], "--email", "A@ACME.example", "--password-stdin")
+    assert duplicate.returncode != 0 and duplicate.stdout == ""
+    assert ("A staff account with this email already exists in the company."
+            in duplicate.stderr) and "Traceback" not in duplicate.stderr
+    unknown = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company", "co_nope",
+                            "--email", "b@acme.example", "--password-stdin")
+    assert unknown.returncode != 0 and "Company not found." in unknown.stderr
+    assert read_db(db_path).execute("SELECT COUNT(*) FROM staff").fetchone()[0] == 1
+
+
+def test_each_account_has_a_salt_of_its_own(app, tenant, other):
+    make_staff(tenant)
+    make_staff(other)
+    hashes = [row[0] for row in app.service.db.conn.execute("SELECT password_hash FROM staff")]
+    assert hashes[0].split("$")[4] != hashes[1].split("$")[4]
+    assert hashes[0].split("$")[5] != hashes[1].split("$")[5]
+
+
+def test_demo_prints_a_staff_sign_in_that_works(db_path):
+    for _ in range(2):  # a new password on every run, the account made once
+        result = run_cli(db_path, "demo")
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[-2] == ("Dashboard: http://127.0.0.1:8080/dashboard, sign in as "
+                             "staff@demo-wholesale.example with the password (new on every run):")
+        app = build_app(db_path)
+        try:
+            signed_in(app, "staff@demo-wholesale.example", lines[-1]).get("/dashboard/orders",
+                                                                         status=200)
+        finally:
+            app.service.close(grace=0)
+    assert read_db(db_path).execute("SELECT COUNT(*) FROM staff").fetchone()[0] == 1
+
+
+def test_staff_disable_ends_the_account_and_its_sessions_at_once(db_path, app, tenant, staff):
+    browser = signed_in(app)
+    browser.get("/dashboard/orders", status=200)
+    assert cli_json(db_path, "staff-disable", staff["id"]) == {"id": staff["id"],
+                                                               "disabled": True}
+    assert browser.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
+    page = webtest.TestApp(app).get("/dashboard/sign-in")
+    main_form(page)["email"], main_form(page)["password"] = staff["email"], STAFF_PASSWORD
+    assert "Wrong email or password." in main_form(page).submit(status=401).text
+    cli_refuses(db_path, "staff-disable", "stf_nope", message="Staff account not found.")
+
+
+# Sign-in and sessions
+
+def test_root_redirects_to_the_dashboard_and_the_sign_in_page(api):
+    assert api.get("/", status=303).location.endswith("/dashboard")
+    assert api.get("/dashboard", status=303).location.endswith("/dashboard/orders")
+    assert api.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
+    page = api.get("/dashboard/sign-in", status=200)
+    assert page.content_type == "text/html"
+    assert set(main_form(page).fields) >= {"email", "password"}
+
+
+def test_dashboard_can_be_turned_off(db_path):
+    app = build_app(db_path, dashboard=False)
+    try:
+        api = webtest.TestApp(app)
+        assert_error(api.get("/", status=404), 404, "Not found.")
+        assert_error(api.get("/dashboard/sign-in", status=404), 404, "Not found.")
+    finally:
+        app.service.close(grace=0)
+
+
+def test_serve_no_dashboard_flag(db_path):
+    process, port = start_server(db_path, "--no-dashboard")
+    try:
+        assert http_request(port, "GET", "/dashboard/sign-in") == (404, {"error": "Not found."})
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def session_cookie(response):
+    cookies = [c for c in response.headers.getall("Set-Cookie")
+               if c.startswith(ordering.SESSION_COOKIE + "=")]
+    assert len(cookies) == 1
+    return cookies[0]
+
+
+def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, status=303,
+                     **environ):
+    return webtest.TestApp(app, extra_environ=environ).post(
+        "/dashboard/sign-in", {"email": email, "password": password}, status=status)
+
+
+def test_session_cookie_is_httponly_lax_random_and_secure_over_https(app, staff):
+    plain = session_cookie(sign_in_response(app))
+    assert "; HttpOnly" in plain and "; SameSite=lax" in plain and "; Path=/dashboard" in plain
+    assert "Secure" not in plain
+    token = plain.split(";")[0].split("=", 1)[1]
+    assert len(token) >= 43 and token != session_cookie(sign_in_response(app)).split(";")[0]
+    assert "; Secure" in session_cookie(sign_in_response(app, **{"wsgi.url_scheme": "https"}))
+    forwarded = {"HTTP_X_FORWARDED_PROTO": "https"}
+    assert "Secure" not in session_cookie(sign_in_response(app, **forwarded))
+
+
+def test_forwarded_proto_makes_the_cookie_secure_only_behind_a_trusted_proxy(db_path):
+    app = build_app(db_path, trust_proxy=True)
+    try:
+        make_staff(Tenant(app, "Acme"))
+        cookie = session_cookie(sign_in_response(app, HTTP_X_FORWARDED_PROTO="https"))
+        assert "; Secure" in cookie
+    finally:
+        app.service.close(grace=0)
+
+
+def test_session_is_stored_only_as_a_hash(app, staff):
+    token = session_cookie(sign_in_response(app)).split(";")[0].split("=", 1)[1]
+    rows = app.service.db.conn.execute("SELECT * FROM staff_sessions").fetchall()
+    assert [row["token_hash"] for row in rows] == [ordering.hash_key(token)]
+    with open(app.service.db.path, "rb") as main, open(app.service.db.path + "-wal", "rb") as wal:
+        assert token.encode() not in main.read() + wal.read()
+
+
+def test_session_ends_after_twelve_hours_idle(app, staff):
+    now = [time.time()]
+    app.dashboard.clock = lambda: now[0]
+    browser = signed_in(app)
+    now[0] += 11 * 3600
+    browser.get("/dashboard/orders", status=200)          # use moves the idle limit forward
+    now[0] += 11 * 3600
+    browser.get("/dashboard/orders", status=200)
+    now[0] += 12 * 3600 + 1
+    assert browser.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
+
+
+def test_idle_sessions_and_old_failure_counts_are_purged(app, staff):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    signed_in(app)
+    sign_in_response(app, email="guess@acme.example", status=401, REMOTE_ADDR="192.0.2.1")
+    now[0] += 12 * 3600 + 1
+    sign_in_response(app, email="other@acme.example", status=401, REMOTE_ADDR="192.0.2.2")
+    signed_in(app)
+    conn = app.service.db.conn
+    assert conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 1
+    assert [row[0] for row in conn.execute("SELECT subject FROM sign_in_failures "
+                                            "ORDER BY subject")] == [
+        "address:192.0.2.2", "email:other@acme.example"]
+
+
+def test_sign_out_ends_the_session(app, browser):
+    page = browser.get("/dashboard/orders")
+    form_to(page, "/dashboard/sign-out").submit(status=303)
+    assert browser.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
+
+
+def test_wrong_email_and_wrong_password_get_the_same_answer(app, staff):
+    wrong_email = sign_in_response(app, email="nobody@acme.example", status=401)
+    wrong_password = sign_in_response(app, password="not the password", status=401)
+    assert "Wrong email or password." in wrong_email.text
+    assert wrong_email.text == wrong_password.text.replace(
+        "staff@acme.example", "nobody@acme.example")
+    assert "Set-Cookie" not in wrong_password.headers
+
+
+def test_failed_sign_ins_per_email_are_slowed_then_refused(app, staff):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    for attempt in range(3):
+        sign_in_response(app, password="wrong", status=401,
+                         REMOTE_ADDR=f"10.0.0.{attempt}")
+    # the fourth try must wait 2 seconds, even with the right password
+    slowed = sign_in_response(app, status=429, REMOTE_ADDR="10.0.1.1")
+    assert "Too many failed sign-ins. Try again in 2 seconds." in slowed.text
+    assert slowed.headers["Retry-After"] == "2"
+    now[0] += 2
+    sign_in_response(app, password="wrong", status=401, REMOTE_ADDR="10.0.1.2")
+    assert "in 4 seconds" in sign_in_response(app, status=429, REMOTE_ADDR="10.0.1.3").text
+    for failures in range(4, 10):
+        now[0] += 2 ** (failures - 2)       # 4, 8, ... 128 seconds
+        sign_in_response(app, password="wrong", status=401, REMOTE_ADDR=f"10.0.2.{failures}")
+    # ten failures: refused for fifteen minutes, and a quiet spell of that length starts over
+    assert "in 900 seconds" in sign_in_response(app, status=429, REMOTE_ADDR="10.0.3.1").text
+    now[0] += 899
+    sign_in_response(app, status=429, REMOTE_ADDR="10.0.3.2")
+    now[0] += 1
+    sign_in_response(app, status=303, REMOTE_ADDR="10.0.3.3")
+
+
+def test_failed_sign_ins_per_address_are_refused_for_every_email(app, staff):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    for attempt in range(3):
+        sign_in_response(app, email=f"guess{attempt}@acme.example", status=401,
+                         REMOTE_ADDR="192.0.2.7")
+    sign_in_response(app, status=429, REMOTE_ADDR="192.0.2.7")
+    sign_in_response(app, status=303, REMOTE_ADDR="192.0.2.8")
+
+
+def test_a_successful_sign_in_clears_the_email_count(app, staff):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    for round_ in range(3):
+        for attempt in range(2):
+            sign_in_response(app, password="wrong", status=401,
+                             REMOTE_ADDR=f"10.{round_}.0.{attempt}")
+        sign_in_response(app, status=303, REMOTE_ADDR=f"10.{round_}.1.1")
+
+
+def test_every_form_that_changes_something_needs_the_csrf_token(app, tenant, browser):
+    customer = tenant.customer(name="Cafe")
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    form = form_to(page, "/status")
+    assert form["csrf"].value == csrf_of(page)
+    form["csrf"] = "forged"
+    refused = form.submit(status=403)
+    assert ordering.CSRF_REFUSED in refused.text
+    browser.post(f"/dashboard/customers/{customer['id']}/status", {"status": "BLOCKED"},
+                 status=403)
+    assert tenant.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "ACTIVE"
+    # and the token of another session is not this session's
+    other_page = signed_in(app).get(f"/dashboard/customers/{customer['id']}")
+    browser.post(f"/dashboard/customers/{customer['id']}/status",
+                 {"status": "BLOCKED", "csrf": csrf_of(other_page)}, status=403)
+    assert tenant.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "ACTIVE"
+    form_to(browser.get(f"/dashboard/customers/{customer['id']}"), "/status").submit(status=303)
+    assert tenant.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "BLOCKED"
+
+
+def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
+    product = tenant.product()
+    customer = tenant.customer()
+    order = place(webtest.TestApp(tenant.app), tenant, [{"productId": product["id"],
+                                                        "quantity": 1}], customer["id"]).json
+    pages = ["/dashboard/orders/new", f"/dashboard/orders/{order['data']['id']}",
+             "/dashboard/products/new", f"/dashboard/products/{product['id']}",
+             "/dashboard/customers/new", f"/dashboard/customers/{customer['id']}",
+             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys"]
+    for path in pages:
+        page = browser.get(path)
+        posting = [form for form in page.forms.values() if form.method.lower() == "post"]
+        assert posting, path
+        assert all(form["csrf"].value == csrf_of(page) for form in posting), path
+
+
+DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
+                   "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
+                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys")
+
+
+def test_every_page_sends_the_security_headers_and_no_script(api, browser):
+    responses = [browser.get(path) for path in DASHBOARD_PAGES]
+    responses.append(api.get("/dashboard/sign-in"))
+    responses.append(browser.get("/dashboard/orders/ord_nope", status=404))
+    responses.append(api.get("/dashboard/style.css"))
+    for response in responses:
+        policy = response.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in policy and "script-src" not in policy
+        assert "'unsafe-inline'" not in policy and "frame-ancestors 'none'" in policy
+        assert response.headers["X-Frame-Options"] == "DENY"
+        assert response.headers["Referrer-Policy"] == "same-origin"
+        assert "<script" not in response.text.lower()
+        assert not re.search(r"<[^>]+\son\w+=", response.text)
+        assert not re.search(r"\sstyle=", response.text)
+
+
+def test_stylesheet_is_served_by_the_module_without_external_assets(api):
+    css = api.get("/dashboard/style.css")
+    assert css.content_type == "text/css"
+    assert "http" not in css.text and "@import" not in css.text and "url(" not in css.text
+
+
+def test_a_customer_named_like_a_script_is_escaped(tenant, browser):
+    evil = "<script>alert(1)</script>"
+    customer = tenant.customer(email="evil@acme.example", name=evil, notes=evil)
+    product = tenant.product(name=evil, sku=evil, category=evil)
+    order = place(webtest.TestApp(tenant.app), tenant, [{"productId": product["id"],
+                                                        "quantity": 1}], customer["id"],
+                  poNumber=evil, notes=evil).json["data"]
+    for path in ("/dashboard/customers", f"/dashboard/customers/{customer['id']}",
+                 "/dashboard/orders", f"/dashboard/orders/{order['id']}",
+                 "/dashboard/products", f"/dashboard/products/{product['id']}",
+                 "/dashboard/orders/new", f"/dashboard/orders?search={evil}"):
+        page = browser.get(path)
+        assert evil not in page.text, path
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in browser.get(
+        f"/dashboard/customers/{customer['id']}").text
+
+
+# Tenancy
+
+def test_other_companys_records_are_not_found_and_cannot_be_changed(app, tenant, other, browser):
+    api = webtest.TestApp(app)
+    product = other.product()
+    customer = other.customer()
+    order = place(api, other, [{"productId": product["id"], "quantity": 1}],
+                  customer["id"]).json["data"]
+    hook = subscribe(api, other, "http://127.0.0.1:9/hook", ["order.created"])
+    key = other.new_key(["orders:read"])
+    with other.db.write() as conn:
+        returned = ordering.open_return(conn, other.id, order["id"], "Damaged")
+    for path, message in ((f"/dashboard/orders/{order['id']}", "Order not found."),
+                          (f"/dashboard/products/{product['id']}", "Product not found."),
+                          (f"/dashboard/customers/{customer['id']}", "Customer not found.")):
+        assert message in browser.get(path, status=404).text
+    assert order["id"] not in browser.get("/dashboard/orders").text
+    assert customer["email"] not in browser.get("/dashboard/customers").text
+    assert hook["url"] not in browser.get("/dashboard/webhooks").text
+    assert key["id"] not in browser.get("/dashboard/keys").text
+    assert returned["id"] not in browser.get("/dashboard/returns").text
+    before = snapshot(app.service.db)
+    csrf = csrf_of(browser.get("/dashboard/orders"))
+    for path, form, message in (
+            (f"/dashboard/orders/{order['id']}/status", {"status": "CONFIRMED"},
+             "Order not found."),
+            (f"/dashboard/products/{product['id']}",
+             {"name": "X", "unit": "each", "price": "1", "stock": "1"}, "Product not found."),
+            (f"/dashboard/customers/{customer['id']}/status", {"status": "BLOCKED"},
+             "Customer not found."),
+            (f"/dashboard/webhooks/{hook['id']}/toggle", {}, "Webhook not found."),
+            (f"/dashboard/webhooks/{hook['id']}/rotate", {}, "Webhook not found."),
+            (f"/dashboard/keys/{key['id']}/revoke", {}, "API key not found."),
+            (f"/dashboard/returns/{returned['id']}/approve", {}, "Return not found."),
+            (f"/dashboard/orders/{order['id']}/returns", {"reason": "Broken"},
+             "Order not found.")):
+        response = browser.post(path, dict(form, csrf=csrf), status=404)
+        assert message in response.text, path
+    assert snapshot(app.service.db) == before
+    assert other.db.conn.execute("SELECT revoked FROM api_keys WHERE id = ?",
+                                 (key["id"],)).fetchone()[0] == 0
+
+
+# Orders
+
+def dashboard_order(tenant, status="SUBMITTED", quantity=1):
+    product = tenant.product(stock=50)
+    customer = tenant.customer(name="Corner Cafe")
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {
+            "customerId": customer["id"],
+            "items": [{"productId": product["id"], "quantity": quantity}]}, source="dashboard")
+        path = {"SUBMITTED": [], "CONFIRMED": ["CONFIRMED"], "SHIPPED": ["CONFIRMED", "SHIPPED"],
+                "DELIVERED": ["CONFIRMED", "SHIPPED", "DELIVERED"], "CANCELLED": ["CANCELLED"]}
+        for step in path[status]:
+            ordering.update_order_status(conn, tenant.id, order["id"], step)
+    return order
+
+
+@pytest.mark.parametrize("status,offered", list(ordering.DASHBOARD_TRANSITIONS.items()))
+def test_status_buttons_are_the_transitions_the_workflow_allows(tenant, browser, status,
+                                                                offered):
+    order = dashboard_order(tenant, status)
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    shown = [form["status"].value for form in page.forms.values()
+             if form.action.endswith("/status")]
+    assert shown == list(offered)
+    if "SHIPPED" in offered:
+        ship = form_to(page, "/status", status="SHIPPED")
+        assert {"tracking.carrier", "tracking.number", "tracking.url"} <= set(ship.fields)
+
+
+@pytest.mark.parametrize("status,target", [("SUBMITTED", "SHIPPED"), ("SUBMITTED", "DELIVERED"),
+                                           ("SHIPPED", "CONFIRMED"), ("DELIVERED", "SHIPPED"),
+                                           ("CANCELLED", "CONFIRMED")])
+def test_a_refused_transition_changes_nothing(app, tenant, browser, receiver, status, target,
+                                              db_path):
+    subscribe(webtest.TestApp(app), tenant, receiver.url, list(ordering.EVENT_CATALOG))
+    order = dashboard_order(tenant, status)
+    assert settle(db_path)
+    before = snapshot(app.service.db)
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    response = browser.post(f"/dashboard/orders/{order['id']}/status",
+                            {"status": target, "csrf": csrf_of(page), "tracking.carrier":
+                             "CARRIER_A", "tracking.number": "ABC123"}, status=422)
+    message = ("Cannot update a cancelled order." if status == "CANCELLED" else
+               f"The dashboard does not move an order from {status} to {target}.")
+    assert message in response.text
+    assert snapshot(app.service.db) == before and order_status(tenant, order["id"]) == status
+
+
+def test_shipping_needs_a_tracking_number_shown_next_to_its_field(app, tenant, browser):
+    order = dashboard_order(tenant, "CONFIRMED")
+    before = snapshot(app.service.db)
+    ship = form_to(browser.get(f"/dashboard/orders/{order['id']}"), "/status", status="SHIPPED")
+    ship["tracking.number"] = "x"
+    page = ship.submit(status=400)
+    assert field_error(page, "tracking.number") == "must be 3 to 64 characters"
+    ship = form_to(page, "/status", status="SHIPPED")
+    ship["tracking.carrier"] = "OTHER"
+    ship["tracking.number"] = "ABC123"
+    page = ship.submit(status=400)
+    assert field_error(page, "tracking.url") == "Tracking URL is required when carrier is OTHER."
+    assert snapshot(app.service.db) == before
+
+
+def test_shipping_stores_tracking_from_the_carrier_template(app, tenant, browser, receiver,
+                                                           db_path):
+    order = dashboard_order(tenant, "CONFIRMED")
+    subscribe(webtest.TestApp(app), tenant, receiver.url, ["order.status_changed",
+                                                          "order.shipped"])
+    ship = form_to(browser.get(f"/dashboard/orders/{order['id']}"), "/status", status="SHIPPED")
+    ship["tracking.carrier"] = "CARRIER_B"
+    ship["tracking.number"] = " PKG 42 "
+    page = ship.submit(status=303).follow()
+    url = "https://tracking.carrier-b.example/parcels/PKG%2042"
+    assert order_status(tenant, order["id"]) == "SHIPPED" and url in page.text
+    shipped = one(receiver, "order.shipped")["json"]["data"]
+    assert shipped["tracking"] == {"carrier": "CARRIER_B", "number": "PKG 42", "url": url}
+    assert one(receiver, "order.status_changed")["json"]["data"]["previousStatus"] == "CONFIRMED"
+    history = page.html.find("h2", string="History").find_next("table").get_text(" ")
+    assert "CONFIRMED" in history and "SHIPPED" in history and "PKG 42" in history
+
+
+def test_order_page_shows_lines_totals_and_customer(tenant, browser):
+    order = dashboard_order(tenant, quantity=3)
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    lines = page.html.find("h2", string="Lines").find_next("table").get_text(" ")
+    assert "Rice 25kg" in lines and "12.50" in lines and "37.50" in lines
+    assert "Corner Cafe" in page.text
+
+
+def test_order_created_in_the_dashboard_emits_no_order_created(app, tenant, browser, db_path):
+    subscribe(webtest.TestApp(app), tenant, "http://127.0.0.1:9/hook", ["order.created",
+                                                                       "product.low_stock"])
+    product = tenant.product(stock=5)
+    customer = tenant.customer()
+    page = browser.get("/dashboard/orders/new")
+    main_form(page)["customerId"] = customer["id"]
+    main_form(page)["productId0"] = product["id"]
+    main_form(page)["quantity0"] = "2"
+    main_form(page)["poNumber"] = "PO-77"
+    created = main_form(page).submit(status=303).follow()
+    order_id = created.request.path.rsplit("/", 1)[1]
+    row = tenant.db.conn.execute("SELECT * FROM orders WHERE id = ?", (order_id,)).fetchone()
+    assert (row["source"], row["status"], row["po_number"], row["total_cents"]) == (
+        "dashboard", "SUBMITTED", "PO-77", 2500)
+    assert tenant.stock(product["id"]) == 3
+    assert event_count(db_path, "order.created") == 0
+
+
+def test_order_form_shows_the_apis_stock_message(app, tenant, browser):
+    product = tenant.product(name="Tea", stock=1)
+    customer = tenant.customer()
+    page = browser.get("/dashboard/orders/new")
+    main_form(page)["customerId"] = customer["id"]
+    main_form(page)["productId0"] = product["id"]
+    main_form(page)["quantity0"] = "2"
+    before = snapshot(app.service.db)
+    refused = main_form(page).submit(status=400)
+    assert ('Insufficient stock for product "Tea". Available: 1, requested: 2.'
+            in refused.html.get_text())
+    assert snapshot(app.service.db) == before
+
+
+def test_orders_list_filters_search_and_pages(app, tenant, browser):
+    api = webtest.TestApp(app)
+    product = tenant.product(stock=1000)
+    first, second = tenant.customer(), tenant.customer()
+    orders = [place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                    (first if n % 2 else second)["id"], poNumber=f"PO-{n:03d}").json["data"]
+              for n in range(60)]
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, orders[7]["id"], "CONFIRMED")
+
+    def listed(query=""):
+        page = browser.get("/dashboard/orders" + query)
+        return [a.get_text() for a in page.html.select("tbody a")], page
+    ids, page = listed()
+    assert ids == [o["id"] for o in reversed(orders)][:50]
+    next_page = page.html.find("a", string="Next page")["href"]
+    assert listed(next_page.replace("/dashboard/orders", ""))[0] == [
+        o["id"] for o in reversed(orders)][50:]
+    assert listed("?status=CONFIRMED")[0] == [orders[7]["id"]]
+    assert listed(f"?customerId={first['id']}")[0][:2] == [orders[59]["id"], orders[57]["id"]]
+    assert listed("?search=po-012")[0] == [orders[12]["id"]]
+    assert listed("?search=PO-05")[0] == [o["id"] for o in reversed(orders[50:60])]
+    assert listed("?search=012")[0] == []
+    assert listed(f"?search={orders[3]['id']}")[0] == [orders[3]["id"]]
+    assert listed("?since=2999-01-01")[0] == []
+    assert len(listed("?until=2999-01-01")[0]) == 50
+
+
+# Products
+
+def test_product_create_emits_nothing_and_edits_emit_as_today(app, tenant, browser, receiver,
+                                                              db_path):
+    subscribe(webtest.TestApp(app), tenant, receiver.url, ["product.updated",
+                                                          "product.low_stock"])
+    page = browser.get("/dashboard/products/new")
+    main_form(page)["name"], main_form(page)["sku"], main_form(page)["price"] = "Olive Oil 5l", "OIL-5", "38.99"
+    main_form(page)["stock"], main_form(page)["lowStockThreshold"] = "40", "10"
+    main_form(page)["category"] = "Pantry"
+    edit = main_form(page).submit(status=303).follow()
+    product_id = edit.request.path.rsplit("/", 1)[1]
+    row = tenant.db.conn.execute("SELECT * FROM products WHERE id = ?", (product_id,)).fetchone()
+    assert (row["price_cents"], row["stock"], row["low_stock_threshold"], row["is_active"]) == (
+        3899, 40, 10, 1)
+    assert event_count(db_path, "product.updated") == 0
+    main_form(edit)["stock"] = "4"
+    main_form(edit).submit(status=303)
+    updated = one(receiver, "product.updated")["json"]["data"]
+    assert (updated["id"], updated["stock"], updated["price"]) == (product_id, 4, 38.99)
+    low = one(receiver, "product.low_stock")["json"]["data"]
+    assert (low["currentStock"], low["threshold"], low["triggeringOrderId"]) == (4, 10, None)
+
+
+def test_product_form_errors_show_next_to_their_fields(app, tenant, browser):
+    product = tenant.product()
+    before = snapshot(app.service.db)
+    page = browser.get(f"/dashboard/products/{product['id']}")
+    main_form(page)["price"] = "12.345"
+    refused = main_form(page).submit(status=400)
+    assert field_error(refused, "price") == "must be an amount such as 12.50"
+    assert main_form(refused)["price"].value == "12.345"
+    main_form(refused)["price"], main_form(refused)["name"] = "12.00", " "
+    assert field_error(main_form(refused).submit(status=400), "name") == "is required"
+    assert snapshot(app.service.db) == before
+
+
+def test_inactive_products_are_listed_and_the_toggle_sends_the_light_payload(app, tenant,
+                                                                             browser, receiver):
+    subscribe(webtest.TestApp(app), tenant, receiver.url, ["product.updated"])
+    product = tenant.product(name="Old Tea", is_active=False)
+    assert "Old Tea" in browser.get("/dashboard/products").text
+    page = browser.get(f"/dashboard/products/{product['id']}")
+    main_form(page)["isActive"] = True
+    main_form(page).submit(status=303)
+    assert one(receiver, "product.updated")["json"]["data"] == {
+        "id": product["id"], "sku": None, "name": "Old Tea", "isActive": True}
+
+
+# Customers
+
+def test_customer_create_emits_no_customer_created(app, tenant, browser, db_path):
+    subscribe(webtest.TestApp(app), tenant, "http://127.0.0.1:9/h", ["customer.created"])
+    page = browser.get("/dashboard/customers/new")
+    main_form(page)["email"], main_form(page)["name"], main_form(page)["creditLimit"] = (
+        "buyer@cafe.example", "Cafe", "2500.50")
+    created = main_form(page).submit(status=303).follow()
+    row = tenant.db.conn.execute("SELECT * FROM customers").fetchone()
+    assert (row["email"], row["name"], row["credit_limit_cents"], row["status"]) == (
+        "buyer@cafe.example", "Cafe", 250050, "ACTIVE")
+    assert created.request.path == f"/dashboard/customers/{row['id']}"
+    assert event_count(db_path, "customer.created") == 0
+
+
+def test_customer_form_errors_are_the_apis_messages(app, tenant, browser):
+    tenant.customer(email="taken@cafe.example")
+    before = snapshot(app.service.db)
+    page = browser.get("/dashboard/customers/new")
+    main_form(page)["email"], main_form(page)["creditLimit"] = "taken@cafe.example", "5"
+    assert field_error(main_form(page).submit(status=409), "email") == (
+        "A customer with this email already exists.")
+    main_form(page)["email"], main_form(page)["creditLimit"] = "new@cafe.example", "100000001"
+    assert field_error(main_form(page).submit(status=400), "creditLimit") == (
+        "Credit limit must be between 0 and 100000000.")
+    main_form(page)["creditLimit"], main_form(page)["taxRateOverride"] = "", "0.5"
+    assert field_error(main_form(page).submit(status=400), "taxRateOverride") == (
+        "Tax rate override must be between 0 and 0.3.")
+    main_form(page)["taxRateOverride"], main_form(page)["email"] = "", "not-an-email"
+    assert field_error(main_form(page).submit(status=400), "email") == "Invalid email address."
+    assert snapshot(app.service.db) == before
+
+
+def test_block_unblock_and_edit_emit_customer_updated(app, tenant, browser, receiver):
+    subscribe(webtest.TestApp(app), tenant, receiver.url, ["customer.updated"])
+    customer = tenant.customer(name="Cafe")
+    path = f"/dashboard/customers/{customer['id']}"
+    form_to(browser.get(path), "/status", status="BLOCKED").submit(status=303)
+    blocked = one(receiver, "customer.updated")["json"]["data"]
+    assert (blocked["status"], blocked["previousStatus"]) == ("BLOCKED", "ACTIVE")
+    form_to(browser.get(path), "/status", status="ACTIVE").submit(status=303)
+    edit = form_to(browser.get(path), customer["id"])
+    edit["name"], edit["notes"] = "Corner Cafe", "Pays on time"
+    edit.submit(status=303)
+    # deliveries run in parallel: they may arrive in any order
+    updates = [r["json"]["data"] for r in receiver.wait_for(3, event="customer.updated")]
+    assert sorted((u["name"], u["status"], u.get("previousStatus")) for u in updates) == [
+        ("Cafe", "ACTIVE", "BLOCKED"), ("Cafe", "BLOCKED", "ACTIVE"),
+        ("Corner Cafe", "ACTIVE", None)]
+    assert "Corner Cafe" in browser.get("/dashboard/customers?search=corner").text
+    assert customer["email"] not in browser.get("/dashboard/customers?status=BLOCKED").text
+
+
+# Returns
+
+def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver):
+    subscribe(webtest.TestApp(app), tenant, receiver.url,
+              ["return.created", "return.approved", "refund.processed"])
+    order = dashboard_order(tenant, "DELIVERED")
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    opened = form_to(page, "/returns")
+    opened["reason"] = "ok"
+    refused = opened.submit(status=400)
+    assert field_error(refused, "reason") == "must be 3 to 2000 characters"
+    opened = form_to(refused, "/returns")
+    opened["reason"] = "Two bags arrived torn"
+    returns = opened.submit(status=303).follow()
+    created = one(receiver, "return.created")["json"]["data"]
+    assert (created["actor"], created["status"], created["orderId"]) == (
+        "staff", "REQUESTED", order["id"])
+    form_to(returns, f"/{created['id']}/approve").submit(status=303)
+    assert one(receiver, "return.approved")["json"]["data"]["status"] == "APPROVED"
+    returns = browser.get("/dashboard/returns")
+    assert not [f for f in returns.forms.values() if f.action.endswith("/approve")]
+    form_to(returns, f"/{created['id']}/receive").submit(status=303)
+    refund = form_to(browser.get("/dashboard/returns"), f"/{created['id']}/refund")
+    refund["method"], refund["goodUnits"], refund["damagedUnits"] = "CREDIT", "1", "1"
+    refund["subtotal"] = "25.00"
+    refund.submit(status=303)
+    processed = one(receiver, "refund.processed")["json"]["data"]
+    assert (processed["amount"], processed["method"], processed["breakdown"]) == (
+        25, "CREDIT", {"goodUnits": 1, "damagedUnits": 1, "subtotal": 25})
+    assert "REFUNDED" in browser.get("/dashboard/returns").text
+
+
+def test_a_return_step_from_the_wrong_state_changes_nothing(app, tenant, browser):
+    order = dashboard_order(tenant, "DELIVERED")
+    with tenant.db.write() as conn:
+        returned = ordering.open_return(conn, tenant.id, order["id"], "Torn", actor="staff")
+    before = snapshot(app.service.db)
+    csrf = csrf_of(browser.get("/dashboard/returns"))
+    response = browser.post(f"/dashboard/returns/{returned['id']}/receive", {"csrf": csrf},
+                            status=422)
+    assert "Return is REQUESTED; only a APPROVED return can become RECEIVED." in response.text
+    assert snapshot(app.service.db) == before
+
+
+# Webhooks
+
+def test_webhooks_create_toggle_rotate_and_recent_deliveries(app, tenant, browser, receiver,
+                                                            db_path):
+    page = browser.get("/dashboard/webhooks")
+    create = form_to(page, "/dashboard/webhooks")
+    create["url"] = receiver.url + "/hook"
+    create.get("events", index=list(ordering.EVENT_CATALOG).index("customer.updated")).checked = True
+    created = create.submit(status=200)
+    secret = re.search(r"(whsec_[A-Za-z0-9_-]+)", created.text).group(1)
+    hook = tenant.db.conn.execute("SELECT * FROM webhooks").fetchone()
+    assert hook["secret"] == secret
+    assert secret not in browser.get("/dashboard/webhooks").text
+    customer = tenant.customer()
+    api = webtest.TestApp(app)
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"name": "A"}, headers=tenant.headers)
+    assert_signed(one(receiver, "customer.updated"), secret, "customer.updated")
+    done_rows(db_path, hook["id"], 1)
+    listed = browser.get("/dashboard/webhooks")
+    deliveries = listed.html.find("h3", string="Recent deliveries").find_next("table")
+    assert "customer.updated" in deliveries.get_text() and "200" in deliveries.get_text()
+    rotated = form_to(listed, f"/{hook['id']}/rotate").submit(status=200)
+    new_secret = re.search(r"(whsec_[A-Za-z0-9_-]+)", rotated.text).group(1)
+    assert new_secret != secret
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"name": "B"}, headers=tenant.headers)
+    second = receiver.wait_for(2, event="customer.updated")[1]
+    assert ordering.verify_signature(new_secret, second["body"],
+                                     header(second, "X-Webhook-Signature"))
+    assert ordering.verify_signature(secret, second["body"],
+                                     header(second, "X-Webhook-Signature-Old"))
+    form_to(browser.get("/dashboard/webhooks"), f"/{hook['id']}/toggle").submit(status=303)
+    assert tenant.db.conn.execute("SELECT is_active FROM webhooks").fetchone()[0] == 0
+
+
+def test_webhook_form_shows_the_apis_messages(app, tenant, browser):
+    create = form_to(browser.get("/dashboard/webhooks"), "/dashboard/webhooks")
+    create["url"] = "ftp://example.com/x"
+    refused = create.submit(status=400)
+    assert field_error(refused, "url") == "Invalid URL."
+    create = form_to(refused, "/dashboard/webhooks")
+    create["url"] = "https://example.com/x"
+    assert "At least one event is required." in create.submit(status=400).text
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM webhooks").fetchone()[0] == 0
+
+
+# API keys
+
+def test_keys_are_created_shown_once_and_revoked_at_once(app, tenant, browser):
+    api = webtest.TestApp(app)
+    page = browser.get("/dashboard/keys")
+    create = form_to(page, "/dashboard/keys")
+    for box in create.fields["scopes"]:
+        box.checked = box._value == "orders:read"
+    create["rateLimit"] = "120"
+    create["expiresAt"] = "2999-01-01"
+    created = create.submit(status=200)
+    key = re.search(r"(sk_[A-Za-z0-9_-]+)", created.text).group(1)
+    row = tenant.db.conn.execute("SELECT * FROM api_keys WHERE key_hash = ?",
+                                 (ordering.hash_key(key),)).fetchone()
+    assert (row["scopes"], row["rate_limit"], row["expires_at"]) == (
+        "orders:read", 120, "2999-01-01T00:00:00.000Z")
+    listed = browser.get("/dashboard/keys")
+    assert key not in listed.text and row["id"] in listed.text
+    assert api.get("/api/v1/orders", headers={"Authorization": "Bearer " + key}).status_int == 200
+    form_to(listed, f"/{row['id']}/revoke").submit(status=303)
+    assert_error(api.get("/api/v1/orders", headers={"Authorization": "Bearer " + key},
+                         status=401), 401, INVALID)
+    assert "revoked" in browser.get("/dashboard/keys").text
+
+
+def test_key_form_refuses_no_scopes_and_a_bad_expiry(app, tenant, browser):
+    before = snapshot(app.service.db)
+    create = form_to(browser.get("/dashboard/keys"), "/dashboard/keys")
+    create["expiresAt"] = "soon"
+    refused = create.submit(status=400)
+    assert field_error(refused, "expiresAt") == (
+        "must be a date (2026-11-22) or an ISO 8601 datetime")
+    create = form_to(refused, "/dashboard/keys")
+    for box in create.fields["scopes"]:
+        box.checked = False
+    create["expiresAt"] = ""
+    assert "must be some of" in create.submit(status=400).text
+    assert snapshot(app.service.db) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard in a real browser: headless Chromium driven by Selenium against `ordering.py serve`
+# ---------------------------------------------------------------------------------------------
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--window-size=1280,900")
+
+
+def require_browser():
+    """Skip (fail under CI=true) when Chromium, its driver or Selenium is missing."""
+    missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(path)]
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        missing.append("the selenium package")
+    if missing:
+        reason = (f"real-browser tests need {', '.join(missing)} (Debian: apt-get install "
+                  f"chromium chromium-driver; pip install -e '.[test]')")
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def test_a_missing_browser_skips_but_fails_under_ci(monkeypatch, tmp_path):
+    monkeypatch.setitem(globals(), "CHROMIUM", str(tmp_path / "chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="apt-get install chromium chromium-driver"):
+        require_browser()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=re.escape(str(tmp_path / "chromium"))):
+        require_browser()
+
+
+class Served:
+    """A company with a staff account, a webhook to a real receiver and a few records, served
+    by `ordering.py serve --allow-private-webhooks` and visited by one Chromium."""
+
+    def __init__(self, tmp, receiver):
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+        self.path = tmp / "served.db"
+        self.receiver = receiver
+        self.db = ordering.Database(str(self.path))
+        with self.db.write() as conn:
+            self.company = ordering.create_company(conn, "Served Wholesale")
+            self.staff = ordering.create_staff(conn, self.company["id"], "staff@served.example",
+                                               STAFF_PASSWORD)
+            self.hook = ordering.create_webhook(conn, self.company["id"], {
+                "url": receiver.url + "/hook", "events": list(ordering.EVENT_CATALOG)})
+            self.key = ordering.create_api_key(conn, self.company["id"], ALL_SCOPES)
+        self.process, self.port = start_server(self.path, "--allow-private-webhooks")
+        self.base = f"http://127.0.0.1:{self.port}"
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in CHROMIUM_FLAGS:
+            options.add_argument(flag)
+        try:
+            self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        except Exception:
+            self.process.terminate()
+            raise
+        self.driver.implicitly_wait(5)
+
+    def close(self):
+        try:
+            self.driver.quit()
+        finally:
+            self.process.terminate()
+            self.process.wait(15)
+
+    def write(self):
+        return self.db.write()
+
+    def open(self, path):
+        self.driver.get(self.base + path)
+
+    def submit(self, button):
+        """Click a submit button and wait for the page it leads to."""
+        from selenium.webdriver.support import expected_conditions
+        from selenium.webdriver.support.ui import WebDriverWait
+        page = self.driver.find_element("tag name", "html")
+        button.click()
+        WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
+
+    def form(self, action_end):
+        forms = [f for f in self.driver.find_elements("tag name", "form")
+                 if f.get_attribute("action").endswith(action_end)]
+        assert len(forms) == 1, action_end
+        return forms[0]
+
+    def fill(self, form, **values):
+        from selenium.webdriver.support.ui import Select
+        for name, value in values.items():
+            control = form.find_element("name", name.replace("__", "."))
+            if control.tag_name == "select":
+                Select(control).select_by_value(value)
+            else:
+                control.clear()
+                control.send_keys(value)
+
+    def sign_in(self):
+        self.driver.delete_all_cookies()
+        self.open("/")
+        assert self.driver.current_url.endswith("/dashboard/sign-in")
+        form = self.form("/dashboard/sign-in")
+        self.fill(form, email=self.staff["email"], password=STAFF_PASSWORD)
+        self.submit(form.find_element("css selector", "button[type=submit]"))
+        assert self.driver.current_url.endswith("/dashboard/orders")
+
+    def delivered(self, event, record_id, count=1):
+        """The deliveries of event about record_id, once count have arrived."""
+        deadline = time.monotonic() + 15
+        while True:
+            found = [r for r in self.receiver.wait_for(0, timeout=0, event=event)
+                     if r["json"]["data"].get("id") == record_id]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            with self.receiver.arrived:
+                self.receiver.arrived.wait(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    require_browser()
+    receiver = Receiver()
+    served = Served(tmp_path_factory.mktemp("browser"), receiver)
+    yield served
+    served.close()
+    receiver.close()
+
+
+@pytest.fixture
+def visitor(served):
+    served.sign_in()
+    return served
+
+
+def served_order(served, status="CONFIRMED", stock=50):
+    with served.write() as conn:
+        product = ordering.create_product(conn, served.company["id"], name="Jasmine Rice",
+                                          price_cents=4250, stock=stock)
+        customer = ordering.create_customer(conn, served.company["id"], {
+            "email": f"buyer{time.monotonic_ns()}@served.example", "name": "Corner Cafe"})
+        order = ordering.place_order(conn, served.company["id"], {
+            "customerId": customer["id"], "items": [{"productId": product["id"],
+                                                     "quantity": 2}]}, source="dashboard")
+        for step in {"CONFIRMED": ["CONFIRMED"], "DELIVERED": [
+                "CONFIRMED", "SHIPPED", "DELIVERED"]}[status]:
+            ordering.update_order_status(conn, served.company["id"], order["id"], step)
+    return order, product, customer
+
+
+def test_browser_ships_an_order_with_tracking(visitor):
+    order, _, _ = served_order(visitor)
+    visitor.open(f"/dashboard/orders/{order['id']}")
+    # CONFIRMED offers SHIPPED (a form with tracking) and CANCELLED (a button)
+    ship = [f for f in visitor.driver.find_elements("tag name", "form")
+            if f.get_attribute("action").endswith("/status")
+            and f.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
+    visitor.fill(ship, tracking__carrier="CARRIER_C", tracking__number="TRK-55501")
+    visitor.submit(ship.find_element("css selector", "button[type=submit]"))
+    assert "TRK-55501" in visitor.driver.page_source
+    url = "https://tracking.carrier-c.example/?tracknum=TRK-55501"
+    changed = visitor.delivered("order.status_changed", order["id"], count=2)[-1]["json"]["data"]
+    assert (changed["previousStatus"], changed["status"]) == ("CONFIRMED", "SHIPPED")
+    shipped = visitor.delivered("order.shipped", order["id"])[0]["json"]["data"]
+    assert shipped["tracking"] == {"carrier": "CARRIER_C", "number": "TRK-55501", "url": url}
+    buttons = [b.text for b in visitor.driver.find_elements("css selector", "form button")]
+    assert "Mark DELIVERED" in buttons and "Mark CANCELLED" not in buttons
+
+
+def test_browser_edits_stock_below_the_threshold(visitor):
+    with visitor.write() as conn:
+        product = ordering.create_product(conn, visitor.company["id"], name="Sea Salt",
+                                          price_cents=320, stock=40, low_stock_threshold=10)
+    visitor.open(f"/dashboard/products/{product['id']}")
+    form = visitor.form(f"/dashboard/products/{product['id']}")
+    visitor.fill(form, stock="6")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    updated = visitor.delivered("product.updated", product["id"])[0]["json"]["data"]
+    assert (updated["stock"], updated["price"]) == (6, 3.2)
+    low = visitor.delivered("product.low_stock", product["id"])[0]["json"]["data"]
+    assert (low["currentStock"], low["threshold"], low["triggeringOrderId"]) == (6, 10, None)
+
+
+def test_browser_blocks_a_customer(visitor):
+    _, _, customer = served_order(visitor)
+    visitor.open("/dashboard/customers")
+    visitor.driver.find_element("link text", customer["email"]).click()
+    visitor.submit(visitor.form("/status").find_element("css selector", "button"))
+    assert "BLOCKED" in visitor.driver.page_source
+    updated = visitor.delivered("customer.updated", customer["id"])[0]["json"]["data"]
+    assert (updated["status"], updated["previousStatus"]) == ("BLOCKED", "ACTIVE")
+
+
+def test_browser_walks_a_return_to_refunded(visitor):
+    order, _, _ = served_order(visitor, "DELIVERED")
+    visitor.open(f"/dashboard/orders/{order['id']}")
+    form = visitor.form("/returns")
+    visitor.fill(form, reason="One bag arrived torn")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    return_id = visitor.db.conn.execute("SELECT id FROM returns WHERE order_id = ?",
+                                        (order["id"],)).fetchone()[0]
+    created = visitor.delivered("return.created", return_id)[0]["json"]["data"]
+    assert (created["orderId"], created["status"], created["actor"]) == (
+        order["id"], "REQUESTED", "staff")
+    visitor.submit(visitor.form(f"/{return_id}/approve").find_element("css selector", "button"))
+    visitor.submit(visitor.form(f"/{return_id}/receive").find_element("css selector", "button"))
+    refund = visitor.form(f"/{return_id}/refund")
+    visitor.fill(refund, method="MANUAL", goodUnits="2", damagedUnits="0", subtotal="85.00")
+    visitor.submit(refund.find_element("css selector", "button[type=submit]"))
+    assert visitor.delivered("return.approved", return_id)
+    refund_id = visitor.db.conn.execute("SELECT id FROM refunds WHERE return_id = ?",
+                                        (return_id,)).fetchone()[0]
+    processed = visitor.delivered("refund.processed", refund_id)[0]["json"]["data"]
+    assert (processed["returnId"], processed["amount"], processed["method"]) == (
+        return_id, 85, "MANUAL")
+    row = visitor.db.conn.execute("SELECT status FROM returns WHERE id = ?",
+                                  (return_id,)).fetchone()
+    assert row[0] == "REFUNDED"
+
+
+def test_browser_rotates_a_secret_and_the_next_delivery_carries_the_old_signature(visitor):
+    old_secret = visitor.hook["secret"]
+    visitor.open("/dashboard/webhooks")
+    visitor.submit(visitor.form(f"/{visitor.hook['id']}/rotate").find_element("css selector",
+                                                                              "button"))
+    new_secret = re.search(r"whsec_[A-Za-z0-9_-]+", visitor.driver.find_element(
+        "css selector", ".notice code").text).group(0)
+    assert new_secret != old_secret
+    _, _, customer = served_order(visitor)   # its events may be signed before the rotation
+    visitor.open(f"/dashboard/customers/{customer['id']}")
+    visitor.submit(visitor.form("/status").find_element("css selector", "button"))
+    delivery = visitor.delivered("customer.updated", customer["id"])[0]
+    assert ordering.verify_signature(new_secret, delivery["body"],
+                                     header(delivery, "X-Webhook-Signature"))
+    assert ordering.verify_signature(old_secret, delivery["body"],
+                                     header(delivery, "X-Webhook-Signature-Old"))
+
+
+def test_browser_creates_and_revokes_a_key(visitor):
+    visitor.open("/dashboard/keys")
+    form = visitor.form("/dashboard/keys")
+    for box in form.find_elements("css selector", "input[name=scopes]"):
+        if box.is_selected() != (box.get_attribute("value") == "orders:read"):
+            box.click()
+    visitor.fill(form, rateLimit="30")
+    visitor.submit(form.find_element("css selector", "button[type=submit]"))
+    key = visitor.driver.find_element("css selector", ".notice code").text
+    assert key.startswith("sk_")
+    bearer = {"Authorization": "Bearer " + key}
+    assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer)[0] == 200
+    assert http_request(visitor.port, "GET", "/api/v1/customers", headers=bearer) == (
+        403, {"error": 'Insufficient permissions. This key lacks the "customers:read" scope.'})
+    key_id = visitor.db.conn.execute("SELECT id FROM api_keys WHERE key_hash = ?",
+                                     (ordering.hash_key(key),)).fetchone()[0]
+    visitor.submit(visitor.form(f"/{key_id}/revoke").find_element("css selector", "button"))
+    assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer) == (
+        401, {"error": INVALID})
