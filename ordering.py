@@ -22,6 +22,7 @@ import base64
 import collections
 import dataclasses
 import datetime
+import decimal
 import hashlib
 import hmac
 import http.client
@@ -318,12 +319,33 @@ def money(cents):
     return cents // 100 if cents % 100 == 0 else cents / 100
 
 
+class JsonFloat(float):
+    """A JSON number written with a fraction or an exponent: a float to every rule but money,
+    which reads its exact decimal text (a double cannot tell 20000.005 from 20000.00500001)."""
+
+    __slots__ = ("text",)
+
+    def __new__(cls, text):
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+
+_CENT = decimal.Decimal("0.01")
+
+
 def cents_from_number(value):
-    """A JSON number to integer cents, or None when it has more than two decimals."""
-    cents = round(value * 100)
-    if abs(value * 100 - cents) > 1e-6 * max(1, abs(cents)):
+    """A number to integer cents, exactly; None when it is not a whole number of cents.
+
+    JSON numbers are read from their text; a float from Python code by its shortest repr
+    (0.1 is 0.1, not the double nearest to it). The caller checks the range first."""
+    if isinstance(value, float):
+        value = getattr(value, "text", None) or repr(value)
+    exact = decimal.Decimal(value)
+    cents = exact.quantize(_CENT)
+    if cents != exact:
         return None
-    return int(cents)
+    return int(cents.scaleb(2))
 
 
 def cents_from_text(text):
@@ -1778,7 +1800,7 @@ def _has_lone_surrogate(value):
 def parse_json_body(raw):
     try:
         value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
-                           parse_int=_json_int)
+                           parse_int=_json_int, parse_float=JsonFloat)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(400, "Invalid JSON body.") from None
     # A \ud800-style escape decodes to a lone surrogate, which is not text: no UTF-8 form.

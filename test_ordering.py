@@ -625,6 +625,134 @@ def test_create_customer_wrong_types_fail_validation(api, tenant, body, field):
     assert error["details"][0]["field"] == field
 
 
+# ---------------------------------------------------------------------------------------------
+# Money: one exact rule at every magnitude (a whole number of cents, read from the JSON text)
+# ---------------------------------------------------------------------------------------------
+
+def post_raw(api, path, raw, headers, status):
+    return api.post(path, raw.encode(), headers=dict(headers, **{
+        "Content-Type": "application/json"}), status=status)
+
+
+@pytest.mark.parametrize("text,cents", [
+    ("0", 0), ("-0", 0), ("-0.0", 0), ("0.01", 1), ("0.1", 10), ("42.5", 4250),
+    ("42.50000", 4250), ("1e2", 10000), ("1.5E1", 1500), ("123456.78", 12345678),
+    ("20000.01", 2000001), ("99999999.99", 9999999999), ("100000000", 10000000000),
+    ("100000000.00", 10000000000)])
+def test_credit_limit_accepted_exactly_at_every_magnitude(api, tenant, text, cents):
+    created = post_raw(api, "/api/v1/customers",
+                       f'{{"email": "m@example.com", "creditLimit": {text}}}',
+                       tenant.headers, 201).json["data"]
+    patched = api.patch(f"/api/v1/customers/{created['id']}",
+                        f'{{"creditLimit": {text}}}'.encode(),
+                        headers=dict(tenant.headers, **{"Content-Type": "application/json"}),
+                        status=200).json["data"]
+    stored = tenant.db.conn.execute("SELECT credit_limit_cents FROM customers WHERE id = ?",
+                                    (created["id"],)).fetchone()[0]
+    assert (stored, created["creditLimit"], patched["creditLimit"]) == (
+        cents, ordering.money(cents), ordering.money(cents))
+
+
+@pytest.mark.parametrize("text", [
+    "10.005", "0.001", "0.009", "20000.005", "99999999.999", "45600615.03819431",
+    "99999999.991", "0.1000000000000000000001", "1e-3", "1e-999999", "12.3450000001",
+    "100000000.000000000000001"])
+def test_credit_limit_that_is_not_whole_cents_is_refused_at_every_magnitude(api, tenant, text):
+    expected = {"error": "Validation failed.", "details": [
+        {"field": "creditLimit", "rule": "must have at most two decimal places"}]}
+    assert post_raw(api, "/api/v1/customers",
+                    f'{{"email": "m@example.com", "creditLimit": {text}}}',
+                    tenant.headers, 400).json == expected
+    customer = tenant.customer(creditLimit=5)
+    assert api.patch(f"/api/v1/customers/{customer['id']}",
+                     f'{{"creditLimit": {text}}}'.encode(),
+                     headers=dict(tenant.headers, **{"Content-Type": "application/json"}),
+                     status=400).json == expected
+    assert [c["creditLimit"] for c in api.get("/api/v1/customers",
+                                              headers=tenant.headers).json["data"]] == [5]
+
+
+@pytest.mark.parametrize("text", ["-0.01", "-1e-2", "100000000.01", "100000000.001", "1e9",
+                                  "1e999999", "-1e999999"])
+def test_credit_limit_out_of_range_keeps_its_message(api, tenant, text):
+    assert post_raw(api, "/api/v1/customers",
+                    f'{{"email": "m@example.com", "creditLimit": {text}}}',
+                    tenant.headers, 400).json == {
+        "error": "Credit limit must be between 0 and 100000000."}
+
+
+def test_credit_limit_from_python_code_reads_floats_by_their_shortest_form(app, tenant):
+    with app.service.db.write() as conn:
+        customer = ordering.create_customer(conn, tenant.id, {"email": "py@example.com",
+                                                              "creditLimit": 0.1})
+        assert customer["credit_limit_cents"] == 10
+        with pytest.raises(ordering.ApiError) as refused:
+            ordering.update_customer(conn, tenant.id, customer["id"], {"creditLimit": 20000.005})
+    assert refused.value.details == [{"field": "creditLimit",
+                                      "rule": "must have at most two decimal places"}]
+
+
+def test_other_numbers_keep_their_rules_when_money_is_exact(api, tenant):
+    """Quantities and tax rates are not money: they keep their float reading and messages."""
+    product = tenant.product(stock=1000)
+    customer = tenant.customer()
+
+    def order(quantity_text, status):
+        raw = (f'{{"customerId": "{customer["id"]}", "items": '
+               f'[{{"productId": "{product["id"]}", "quantity": {quantity_text}}}]}}')
+        return post_raw(api, "/api/v1/orders", raw, tenant.headers, status)
+
+    assert order("1e2", 201).json["data"]["items"][0]["quantity"] == 100
+    assert order("2.0", 201).json["data"]["items"][0]["quantity"] == 2
+    assert order("2.5", 400).json == {"error": "quantity must be a whole number"}
+    assert order("-0", 400).json == {"error": "quantity must be at least 1"}
+    assert order("-0.0", 400).json == {"error": "quantity must be at least 1"}
+    assert order("true", 400).json == {"error": "quantity must be a number"}
+    assert order("1e999999", 400).json["details"] == [
+        {"field": "items[0].quantity", "rule": "must be at most 1000000000"}]
+    for text, stored in (("0.3", 0.3), ("0.30000000000000001", 0.3), ("1e-1", 0.1),
+                         ("0.123456789", 0.123456789), ("-0", 0)):
+        created = post_raw(api, "/api/v1/customers",
+                           f'{{"email": "t{len(text)}{stored}@example.com", '
+                           f'"taxRateOverride": {text}}}', tenant.headers, 201).json["data"]
+        assert created["taxRateOverride"] == stored
+    assert post_raw(api, "/api/v1/customers",
+                    '{"email": "t@example.com", "taxRateOverride": 0.300001}',
+                    tenant.headers, 400).json == {
+        "error": "Tax rate override must be between 0 and 0.3."}
+    assert post_raw(api, "/api/v1/customers",
+                    '{"email": "t@example.com", "creditLimit": true}',
+                    tenant.headers, 400).json["details"] == [
+        {"field": "creditLimit", "rule": "must be a number or null"}]
+
+
+@pytest.mark.parametrize("price,shown", [("0", 0), ("0.01", 0.01), ("12.5", 12.5),
+                                         ("42.50", 42.5), ("99999999.99", 99999999.99),
+                                         ("10000000000.00", 10000000000)])
+def test_product_price_from_the_command_line_is_exact(db_path, price, shown):
+    company = cli_json(db_path, "company-create", "--name", "Prices")
+    product = cli_json(db_path, "product-create", "--company", company["id"], "--name", "P",
+                       "--price", price)
+    assert product["price"] == shown
+    assert cli_json(db_path, "product-update", product["id"], "--price", price)["price"] == shown
+
+
+@pytest.mark.parametrize("price,message", [
+    ("10.005", "must be an amount such as 12.50"),
+    ("20000.005", "must be an amount such as 12.50"),
+    ("99999999.999", "must be an amount such as 12.50"),
+    ("45600615.03819431", "must be an amount such as 12.50"),
+    ("1e2", "must be an amount such as 12.50"),
+    ("10000000000.01", "price: must be an amount from 0 to 10000000000")])
+def test_product_price_from_the_command_line_refuses_what_is_not_whole_cents(db_path, price,
+                                                                             message):
+    company = cli_json(db_path, "company-create", "--name", "Prices")
+    stderr = cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "P",
+                         "--price", price, message=message)
+    assert "Traceback" not in stderr
+    assert sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM products").fetchone()[0] == 0
+
+
 def test_customer_email_is_unique_per_company_ignoring_case(api, tenant, other):
     api.post_json("/api/v1/customers", {"email": "dup@example.com"}, headers=tenant.headers,
                   status=201)
