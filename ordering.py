@@ -105,6 +105,9 @@ class Settings:
     ip_rate_limit: int = 600
     #: Take the client address from X-Forwarded-For (only behind a proxy you run).
     trust_proxy: bool = False
+    #: With trust_proxy: the address the proxy connects from ("*": any peer). serve tells
+    #: waitress to honour X-Forwarded-For from this peer only and to drop it from any other.
+    proxy_address: str = "127.0.0.1"
     #: Seconds an Idempotency-Key and its response are remembered.
     idempotency_ttl: int = 24 * 3600
     #: Seconds a looked-up API key is trusted before it is read again (revocation delay for
@@ -126,6 +129,7 @@ class Settings:
             "ORDERING_ALLOW_PRIVATE_WEBHOOKS": ("allow_private_webhooks", _flag),
             "ORDERING_IP_RATE_LIMIT": ("ip_rate_limit", int),
             "ORDERING_TRUST_PROXY": ("trust_proxy", _flag),
+            "ORDERING_PROXY_ADDRESS": ("proxy_address", proxy_address),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
         }
         for variable, (field, parse) in readers.items():
@@ -141,6 +145,17 @@ class Settings:
 
 def _flag(text):
     return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def proxy_address(text):
+    """'*' or an IP address, written as the server reports peers (waitress compares text)."""
+    text = text.strip()
+    if text == "*":
+        return text
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError(f"proxy address must be an IP address or *, not {text!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2669,6 +2684,8 @@ class Service:
     # Who is calling
 
     def client_address(self, environ):
+        # The last hop is the one the proxy appended; earlier ones are whatever the client
+        # sent. (Under serve, waitress has already done the same and checked the peer.)
         if self.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_FOR"):
             return environ["HTTP_X_FORWARDED_FOR"].split(",")[-1].strip()
         return environ.get("REMOTE_ADDR", "")
@@ -2944,9 +2961,15 @@ def serve(settings):
     access_log = AccessLog(app)
     # waitress buffers a body before the app sees it: bound that, well above the app's own
     # limit, which answers with the JSON 413.
+    proxy = {}
+    if settings.trust_proxy:
+        # waitress drops X-Forwarded-For unless the peer is a proxy it was told to trust;
+        # from that peer it keeps only the last hop and makes it REMOTE_ADDR.
+        proxy = dict(trusted_proxy=settings.proxy_address, trusted_proxy_count=1,
+                     trusted_proxy_headers={"x-forwarded-for"})
     server = waitress.create_server(access_log, host=settings.host, port=settings.port,
                                     threads=settings.threads, ident="ordering",
-                                    max_request_body_size=8 * settings.max_body_bytes)
+                                    max_request_body_size=8 * settings.max_body_bytes, **proxy)
 
     def stop(signum, frame):
         raise SystemExit(0)
@@ -2976,6 +2999,13 @@ def _amount(text):
     if cents is None:
         raise argparse.ArgumentTypeError("must be an amount such as 12.50")
     return cents
+
+
+def _proxy_address(text):
+    try:
+        return proxy_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _moment(text):
@@ -3203,6 +3233,9 @@ def build_parser():
                            help="requests per minute per client address (600; 0 is off)")
     serve_cmd.add_argument("--trust-proxy", action="store_true", default=None,
                            help="take the client address from X-Forwarded-For")
+    serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
+                           help="with --trust-proxy: the proxy's IP address, or * for any "
+                                "peer (127.0.0.1)")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
@@ -3317,7 +3350,7 @@ def main(argv=None):
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "allow_private_webhooks", "ip_rate_limit",
-                     "trust_proxy"):
+                     "trust_proxy", "proxy_address"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

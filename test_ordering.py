@@ -1428,6 +1428,81 @@ def test_forwarded_for_is_trusted_only_when_told(db_path):
             app.service.close(grace=0)
 
 
+def test_forwarded_for_uses_the_last_hop_the_proxy_appended(db_path):
+    app = build_app(db_path, ip_rate_limit=2, trust_proxy=True)
+    try:
+        api = webtest.TestApp(app)
+        for spoofed in ("1.1.1.1", "2.2.2.2"):
+            api.get("/api/v1/products", headers={"X-Forwarded-For": f"{spoofed}, 10.0.0.7"},
+                    status=401)
+        assert api.get("/api/v1/products", headers={"X-Forwarded-For": "3.3.3.3, 10.0.0.7"},
+                       status=429).json["error"] == "Rate limit exceeded. Try again shortly."
+        api.get("/api/v1/products", headers={"X-Forwarded-For": "10.0.0.7, 10.0.0.8"},
+                status=401)
+    finally:
+        app.service.close(grace=0)
+
+
+def ip_budget_outcomes(port, forwarded_for_values):
+    """Statuses of unauthenticated requests with these X-Forwarded-For values (None: no
+    header), all in one rate-limit minute: the sequence is run again if a minute began
+    while it ran, since the per-IP windows are aligned to the clock minute."""
+    for _ in range(3):
+        minute = int(time.time() // 60)
+        statuses = [http_request(port, "GET", "/api/v1/products", headers=(
+            {} if value is None else {"X-Forwarded-For": value}))[0]
+            for value in forwarded_for_values]
+        if int(time.time() // 60) == minute:
+            return statuses
+        forwarded_for_values = [value and value.replace("10.", "11.")
+                                for value in forwarded_for_values]
+    raise AssertionError("three minute boundaries in a row")
+
+
+def test_trust_proxy_through_the_real_server_budgets_each_forwarded_client(db_path):
+    process, port = start_server(db_path, "--trust-proxy", "--ip-rate-limit", "3")
+    try:
+        distinct = [f"10.0.0.{n}" for n in range(1, 7)]
+        assert ip_budget_outcomes(port, distinct * 3) == [401] * 18
+        assert ip_budget_outcomes(port, ["10.1.0.1"] * 4) == [401, 401, 401, 429]
+        # The client wrote the first entry; the proxy appended the real address.
+        assert ip_budget_outcomes(port, [f"203.0.113.{n}, 10.2.0.9" for n in range(4)]) == [
+            401, 401, 401, 429]
+        assert ip_budget_outcomes(port, ["10.2.0.9, 10.3.0.1"]) == [401]
+        # Without the header the request is the proxy's own (here 127.0.0.1).
+        assert ip_budget_outcomes(port, [None] * 4) == [401, 401, 401, 429]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+    assert process.returncode == 0, server_log(db_path)
+    assert re.search(r"^\S+ 10\.2\.0\.9 \"GET /api/v1/products\" 401 ", server_log(db_path),
+                     re.MULTILINE), server_log(db_path)
+
+
+@pytest.mark.parametrize("extra", [(), ("--trust-proxy", "--proxy-address", "192.0.2.10")])
+def test_forwarded_for_is_ignored_from_peers_that_are_not_the_proxy(db_path, extra):
+    process, port = start_server(db_path, *extra, "--ip-rate-limit", "3")
+    try:
+        assert ip_budget_outcomes(port, [f"10.4.0.{n}" for n in range(4)]) == [
+            401, 401, 401, 429]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=20)
+    assert process.returncode == 0, server_log(db_path)
+
+
+def test_proxy_address_must_be_an_ip_address_or_star(db_path):
+    stderr = cli_refuses(db_path, "serve", "--trust-proxy", "--proxy-address", "proxy.local")
+    assert "proxy address must be an IP address or *, not 'proxy.local'" in stderr
+    assert "Traceback" not in stderr
+    stderr = cli_refuses(db_path, "serve", env={"ORDERING_PROXY_ADDRESS": "10.0.0.300"})
+    assert "proxy address must be an IP address or *, not '10.0.0.300'" in stderr
+    assert "Traceback" not in stderr
+    assert not os.path.exists(db_path)
+    assert ordering.Settings.from_environment({"ORDERING_PROXY_ADDRESS": " ::1 "}).proxy_address \
+        == "::1"
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line and server
 # ---------------------------------------------------------------------------------------------
