@@ -99,6 +99,9 @@ class Settings:
     delivery_workers: int = 4
     #: Webhook delivery: seconds between looks at the outbox for work from other processes.
     delivery_poll_interval: float = 1.0
+    #: Days events and delivery-log entries are kept (each webhook keeps its 5 most recent
+    #: deliveries whatever their age; undelivered work is never removed); 0 keeps everything.
+    retention_days: float = 30.0
     #: Allow webhook URLs that resolve to loopback, private or reserved addresses.
     allow_private_webhooks: bool = False
     #: Requests per minute from one client address, checked before authentication; 0 is off.
@@ -126,6 +129,7 @@ class Settings:
             "ORDERING_SYNCHRONOUS": ("synchronous", str),
             "ORDERING_WEBHOOK_TIMEOUT": ("webhook_timeout", float),
             "ORDERING_DELIVERY_WORKERS": ("delivery_workers", int),
+            "ORDERING_RETENTION_DAYS": ("retention_days", _non_negative_float),
             "ORDERING_ALLOW_PRIVATE_WEBHOOKS": ("allow_private_webhooks", _flag),
             "ORDERING_IP_RATE_LIMIT": ("ip_rate_limit", int),
             "ORDERING_TRUST_PROXY": ("trust_proxy", _flag),
@@ -145,6 +149,13 @@ class Settings:
 
 def _flag(text):
     return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise ValueError(f"must be a number 0 or more, not {text!r}")
+    return value
 
 
 def proxy_address(text):
@@ -1549,6 +1560,37 @@ def describe_failure(error, timeout):
 #: WAL size in bytes beyond which the sender's housekeeping truncates it.
 WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
 
+#: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
+KEEP_DELIVERIES = 5
+
+#: Rows retention deletes per webhook (and events) in one write transaction, so that a first
+#: prune of a large file never holds the write lock for long.
+PRUNE_BATCH = 1000
+
+
+def prune_history(conn, before, batch=PRUNE_BATCH):
+    """One batch of retention: delivery-log entries attempted before `before` (ISO text) except
+    each webhook's KEEP_DELIVERIES most recent, then events created before it that no delivery
+    refers to any more (an event still pending or being sent keeps its row). Returns the
+    number of rows deleted; 0 when nothing is left to prune."""
+    deleted = 0
+    for (webhook_id,) in conn.execute("SELECT id FROM webhooks").fetchall():
+        kept = conn.execute(
+            "SELECT attempted_at, id FROM deliveries WHERE webhook_id = ? AND state = 'done' "
+            "ORDER BY attempted_at DESC, id DESC LIMIT 1 OFFSET ?",
+            (webhook_id, KEEP_DELIVERIES - 1)).fetchone()
+        if kept is None:
+            continue
+        deleted += conn.execute(
+            "DELETE FROM deliveries WHERE id IN (SELECT id FROM deliveries WHERE webhook_id = ? "
+            "AND state = 'done' AND attempted_at < ? AND (attempted_at, id) < (?, ?) LIMIT ?)",
+            (webhook_id, before, kept[0], kept[1], batch)).rowcount
+    deleted += conn.execute(
+        "DELETE FROM events WHERE id IN (SELECT id FROM events e WHERE created_at < ? AND NOT "
+        "EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id) LIMIT ?)",
+        (before, batch)).rowcount
+    return deleted
+
 _CLAIMABLE = ("state = 'pending' OR (state = 'sending' AND lease_until < :now)")
 
 
@@ -1661,12 +1703,12 @@ class Sender:
                 if free > 0:
                     self.submit(self.claim(free))
                 self._housekeeping()
-            except sqlite3.Error:
-                log.exception("could not claim webhook deliveries; will try again")
+            except Exception:  # whatever it is, the thread must live: it alone claims work
+                log.exception("webhook dispatcher failed; will try again")
 
     def _housekeeping(self):
         """Off the request path: keep the WAL file bounded, and once a minute forget expired
-        idempotency keys."""
+        idempotency keys and prune old events and delivery-log entries."""
         wal = self.db.path + "-wal"
         if os.path.exists(wal) and os.path.getsize(wal) > WAL_TRUNCATE_BYTES:
             # Under constant reads SQLite's automatic checkpoints never get to restart the
@@ -1677,6 +1719,18 @@ class Sender:
         self.next_housekeeping = time.monotonic() + 60
         with self.db.write() as conn:
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now_iso(),))
+        self.prune()
+
+    def prune(self, now=None):
+        """Retention (settings.retention_days before now, epoch seconds), batch by batch."""
+        days = self.settings.retention_days
+        if days <= 0:
+            return
+        before = iso(int(((time.time() if now is None else now) - days * 86400) * 1000))
+        while not self.stopping.is_set():
+            with self.db.write() as conn:
+                if not prune_history(conn, before):
+                    return
 
     # Sending
 
@@ -3199,7 +3253,12 @@ def backup(settings, destination):
     server runs."""
     if os.path.exists(destination):
         raise ApiError(409, f"{destination} already exists; choose a new file.")
-    source = Database(settings.db_path, settings).conn
+    if not os.path.isfile(settings.db_path):
+        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
+    # Not through Database, which would create a missing file and migrate an old one; mode=rw
+    # never creates the file, should it vanish after the check.
+    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(settings.db_path))}"
+                             "?mode=rw", uri=True, timeout=settings.busy_timeout_ms / 1000)
     target = sqlite3.connect(destination)
     try:
         source.backup(target)
@@ -3207,6 +3266,7 @@ def backup(settings, destination):
         check = target.execute("PRAGMA integrity_check").fetchone()[0]
     finally:
         target.close()
+        source.close()
     return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
             "integrity": check}
 

@@ -163,6 +163,7 @@ CREATE TABLE IF NOT EXISTS events (
     body        TEXT NOT NULL,              -- the exact JSON envelope that is sent and signed
     created_at  TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_created ON events (created_at);   -- retention
 
 -- A delivery is pending, then sending (claimed by one process until lease_until), then done;
 -- a done row is the delivery log entry of the spec.

@@ -1746,6 +1746,30 @@ def test_backup_is_a_consistent_copy(api, tenant, db_path, tmp_path):
     assert "already exists" in cli_refuses(db_path, "backup", str(destination))
 
 
+def test_backup_refuses_a_missing_source_and_creates_nothing(tmp_path):
+    source, destination = tmp_path / "missing.db", tmp_path / "copy.db"
+    result = run_cli(source, "backup", str(destination))
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"ordering backup: {source} does not exist; nothing to back up.\n"
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_backup_copies_an_old_file_without_migrating_it(tmp_path):
+    source, destination = tmp_path / "old.db", tmp_path / "copy.db"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE legacy (x)")
+    conn.execute("INSERT INTO legacy VALUES (1)")
+    conn.commit()
+    conn.close()
+    result = cli_json(source, "backup", str(destination))
+    assert result["integrity"] == "ok"
+    for path in (source, destination):
+        conn = sqlite3.connect(path)
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("legacy",)]
+        conn.close()
+
+
 def test_health_needs_no_key(api, app, monkeypatch):
     assert api.get("/healthz").json == {"status": "ok"}
 
@@ -2879,6 +2903,155 @@ def test_outbox_event_is_delivered_by_a_later_app(db_path, receiver):
         assert len(rows) == 1 and rows[0]["success"] == 1
     finally:
         second.service.close(grace=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5b. The dispatcher outlives any error; retention of events and the delivery log
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["claim", "_housekeeping"])
+def test_dispatcher_survives_any_exception_and_logs_it(app, api, tenant, receiver, caplog,
+                                                       method):
+    sender = app.service.sender
+    original, failed = getattr(sender, method), threading.Event()
+
+    def fail_once(*args, **kwargs):
+        if not failed.is_set():
+            failed.set()
+            raise OSError(28, "No space left on device")
+        return original(*args, **kwargs)
+    setattr(sender, method, fail_once)
+    sender.notify()
+    assert failed.wait(10)
+    hook = subscribe(api, tenant, receiver.url + "/after", ["customer.created"])
+    customer = api.post_json("/api/v1/customers", {"email": "after@example.com"},
+                             headers=tenant.headers, status=201).json["data"]
+    data = assert_signed(one(receiver, "customer.created"), hook["secret"], "customer.created")
+    assert data["id"] == customer["id"]
+    errors = [r for r in caplog.records if r.message == "webhook dispatcher failed; will try again"]
+    assert len(errors) == 1 and errors[0].levelno == logging.ERROR
+    assert isinstance(errors[0].exc_info[1], OSError)
+    assert "No space left on device" in caplog.text
+
+
+def at(text):
+    """Epoch seconds of an ISO text, for an injected 'now'."""
+    return ordering.js_parse_date(text) / 1000
+
+
+@pytest.fixture
+def history(quiet, quiet_api, quiet_tenant, db_path):
+    """Webhook A: ten customer.created deliveries, seven done in January 2020 (one a day),
+    one still pending from 2020, two done just now. Webhook B: three customer.updated
+    deliveries done in February 2020. Two events nobody refers to: one old, one new."""
+    a = quiet_subscribe(quiet_api, quiet_tenant, "http://a.example/hook", ["customer.created"])
+    b = quiet_subscribe(quiet_api, quiet_tenant, "http://b.example/hook", ["customer.updated"])
+    customers = [quiet_tenant.customer(f"h{n}@example.com") for n in range(10)]
+    for customer in customers[:3]:
+        quiet_api.patch_json(f"/api/v1/customers/{customer['id']}", {"notes": "x"},
+                             headers=quiet_tenant.headers, status=200)
+    now = ordering.now_iso()
+    with quiet.service.db.write() as conn:
+        rows = conn.execute("SELECT id, event_id FROM deliveries WHERE webhook_id = ? "
+                            "ORDER BY id", (a["id"],)).fetchall()
+        for n, (delivery_id, event_id) in enumerate(rows):
+            day = f"2020-01-{n + 1:02d}T00:00:00.000Z"
+            if n < 7:
+                conn.execute("UPDATE deliveries SET state = 'done', attempted_at = ?, "
+                             "success = 1, created_at = ? WHERE id = ?", (day, day, delivery_id))
+            elif n == 7:
+                conn.execute("UPDATE deliveries SET created_at = ? WHERE id = ?",
+                             (day, delivery_id))
+            else:
+                conn.execute("UPDATE deliveries SET state = 'done', attempted_at = ?, "
+                             "success = 1 WHERE id = ?", (now, delivery_id))
+                continue
+            conn.execute("UPDATE events SET created_at = ? WHERE id = ?", (day, event_id))
+        conn.execute("UPDATE deliveries SET state = 'done', attempted_at = '2020-02-01T00:00:00"
+                     ".000Z', success = 1 WHERE webhook_id = ?", (b["id"],))
+        conn.execute("UPDATE events SET created_at = '2020-02-01T00:00:00.000Z' "
+                     "WHERE name = 'customer.updated'")
+        for event_id, created in (("evt_orphan_old", "2020-01-01T00:00:00.000Z"),
+                                  ("evt_orphan_new", now)):
+            conn.execute("INSERT INTO events (id, company_id, name, body, created_at) VALUES "
+                         "(?, ?, 'customer.created', '{}', ?)", (event_id, quiet_tenant.id,
+                                                                 created))
+    return {"a": a["id"], "b": b["id"], "a_rows": [row[0] for row in rows],
+            "a_events": [row[1] for row in rows]}
+
+
+def surviving(db_path, history):
+    conn = read_db(db_path)
+    try:
+        deliveries = {row[0] for row in conn.execute("SELECT id FROM deliveries")}
+        events = {row[0] for row in conn.execute("SELECT id FROM events")}
+    finally:
+        conn.close()
+    return ([n for n, d in enumerate(history["a_rows"]) if d in deliveries],
+            [n for n, e in enumerate(history["a_events"]) if e in events],
+            len(deliveries) - len(set(history["a_rows"]) & deliveries), events)
+
+
+def test_retention_prunes_by_age_keeping_five_per_webhook_and_all_undelivered_work(
+        quiet, db_path, history):
+    sender = quiet.service.sender
+    assert quiet.service.settings.retention_days == 30
+    # A clock 30 days after 2020-01-04: entries attempted before that midnight go, except
+    # A's five most recent (the two of today and the three of January 5 to 7).
+    sender.prune(now=at("2020-01-04T00:00:00Z") + 30 * 86400)
+    kept_a, kept_events, kept_b, events = surviving(db_path, history)
+    assert kept_a == [3, 4, 5, 6, 7, 8, 9]
+    assert kept_events == [3, 4, 5, 6, 7, 8, 9]
+    assert kept_b == 3 and "evt_orphan_old" not in events and "evt_orphan_new" in events
+    sender.prune()   # the real clock: everything from 2020 is past 30 days
+    kept_a, kept_events, kept_b, events = surviving(db_path, history)
+    assert kept_a == [4, 5, 6, 7, 8, 9]        # five done (three old, two new) and the pending
+    assert kept_events == [4, 5, 6, 7, 8, 9]
+    assert kept_b == 3                          # B has only three: all kept, however old
+    assert {"evt_orphan_new"} <= events and len(events) == 6 + 3 + 1
+    assert [d["createdAt"][:10] for d in ordering.recent_deliveries(
+        quiet.service.db.conn, history["a"])][2:] == ["2020-01-07", "2020-01-06", "2020-01-05"]
+    sender.prune()
+    assert surviving(db_path, history)[:3] == (kept_a, kept_events, kept_b)
+
+
+def test_retention_works_in_small_batches(quiet, db_path, history, monkeypatch):
+    monkeypatch.setattr(ordering, "PRUNE_BATCH", 1)
+    with quiet.service.db.write() as conn:
+        assert ordering.prune_history(conn, "2030-01-01T00:00:00.000Z", batch=1) == 2
+    quiet.service.sender.prune()
+    assert surviving(db_path, history)[:3] == ([4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9], 3)
+
+
+def test_retention_zero_keeps_everything(db_path, history):
+    app = build_app(db_path, deliver=False, retention_days=0)
+    try:
+        app.service.sender.prune(now=at("2100-01-01T00:00:00Z"))
+    finally:
+        app.service.close(grace=0)
+    assert surviving(db_path, history)[:3] == (list(range(10)), list(range(10)), 3)
+
+
+def test_retention_runs_in_the_senders_housekeeping(db_path, history):
+    app = build_app(db_path)
+    try:
+        # (This app also sends A's pending delivery, which then counts among the recent.)
+        deadline = time.monotonic() + 10
+        while {0, 1, 2, 3} & set(surviving(db_path, history)[0]):
+            assert time.monotonic() < deadline, surviving(db_path, history)
+            time.sleep(0.05)
+        assert "evt_orphan_old" not in surviving(db_path, history)[3]
+    finally:
+        app.service.close(grace=0)
+
+
+def test_retention_days_from_the_environment():
+    assert ordering.Settings.from_environment({}).retention_days == 30
+    assert ordering.Settings.from_environment(
+        {"ORDERING_RETENTION_DAYS": "7.5"}).retention_days == 7.5
+    for bad in ("-1", "inf", "nan", "soon"):
+        with pytest.raises(ValueError):
+            ordering.Settings.from_environment({"ORDERING_RETENTION_DAYS": bad})
 
 
 # ---------------------------------------------------------------------------------------------
