@@ -405,7 +405,25 @@ def js_parse_int(text):
 _DATE_FORMS = re.compile(
     r"(?P<year>\d{4})(?:-(?P<month>\d{2})(?:-(?P<day>\d{2}))?)?"
     r"(?:[T ](?P<hour>\d{2}):(?P<minute>\d{2})(?::(?P<second>\d{2})(?:\.(?P<fraction>\d+))?)?"
-    r"(?P<zone>Z|[+-]\d{2}:?\d{2})?)?")
+    r"(?P<zone>Z|[+-]\d{2}:?\d{2})?)?", re.ASCII)
+#: What js_parse_date strips around a date (the ASCII whitespace of DATE_PATTERN).
+_DATE_SPACE = " \t\n\v\f\r"
+_DAY = ("((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        "|02-(0[1-9]|1[0-9]|2[0-8]))")
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
+#: Exactly the texts js_parse_date reads, or the empty text (a parameter given empty is
+#: ignored), as a regular expression in the syntax Python and ECMA-262 share: the OpenAPI
+#: document publishes it for since and until.
+DATE_PATTERN = (
+    rf"^([\t\n\v\f\r ]*(?!0000)({_LEAP_YEAR}-02-29|[0-9]{{4}}(-(0[1-9]|1[0-2])|-{_DAY})?)"
+    r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]+)?)?"
+    r"(Z|[+-]([01][0-9]|2[0-3]):?[0-5][0-9])?)?[\t\n\v\f\r ]*)?$")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+#: Bounds of the dates stored (years 1 to 9999), as epoch milliseconds.
+_FIRST_MS = (datetime.datetime(1, 1, 1, tzinfo=datetime.timezone.utc) - _EPOCH) \
+    // datetime.timedelta(milliseconds=1)
+_LAST_MS = (datetime.datetime.max.replace(tzinfo=datetime.timezone.utc) - _EPOCH) \
+    // datetime.timedelta(milliseconds=1)
 
 
 def js_parse_date(text):
@@ -415,7 +433,7 @@ def js_parse_date(text):
     UTC too (JavaScript would use the server's local zone, which would make results depend on
     where the server runs).
     """
-    match = _DATE_FORMS.fullmatch((text or "").strip())
+    match = _DATE_FORMS.fullmatch((text or "").strip(_DATE_SPACE))
     if not match:
         return None
     part = match.groupdict()
@@ -427,17 +445,17 @@ def js_parse_date(text):
             tzinfo=datetime.timezone.utc)
     except ValueError:
         return None
+    ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
     zone = part["zone"]
     if zone and zone != "Z":
         sign = -1 if zone[0] == "-" else 1
         hours, minutes = int(zone[1:3]), int(zone[-2:])
         if hours > 23 or minutes > 59:
             return None
-        try:
-            moment -= sign * datetime.timedelta(hours=hours, minutes=minutes)
-        except OverflowError:
-            return None
-    return int(moment.timestamp() * 1000)
+        ms -= sign * (hours * 60 + minutes) * 60_000
+    # An offset can carry a date just past year 1 or 9999; no stored date is beyond either,
+    # so the nearest bound compares the same (and stays a four-digit year in text).
+    return min(max(ms, _FIRST_MS), _LAST_MS)
 
 
 def hash_key(key):
@@ -538,32 +556,42 @@ def valid_email(email):
             and all(not label.startswith("-") and not label.endswith("-") for label in labels))
 
 
+def _ipv6_pattern():
+    """Every text form of an IPv6 address (RFC 4291: groups, :: once, a dotted IPv4 tail), as
+    ipaddress reads them; no zone."""
+    group, octet = "[0-9A-Fa-f]{1,4}", "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+    ipv4 = rf"{octet}(\.{octet}){{3}}"
+
+    def groups(count, tail=""):   # count groups joined by colons, then tail
+        if count == 0:
+            return tail
+        return f"({group}:){{{count - 1}}}{group}" + (f":{tail}" if tail else "")
+    forms = [groups(8), groups(6, ipv4)]
+    for left in range(8):
+        for right in range(8 - left):
+            forms.append(f"{groups(left)}::{groups(right)}")
+            if left + right <= 5:
+                forms.append(f"{groups(left)}::{groups(right, ipv4)}" if right else
+                             f"{groups(left)}::{ipv4}")
+    return "(" + "|".join(forms) + ")"
+
+
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?"
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+#: The URLs the service accepts (webhooks, tracking links, images), in the regular-expression
+#: syntax shared by Python and ECMA-262, so that the OpenAPI document publishes this very
+#: rule: http or https in any case; a host that is a DNS name (letters, digits, hyphens and
+#: underscores, no label starting or ending with a hyphen, an optional final dot, at most 253
+#: characters), or an IPv6 address in brackets (an IPv4 address is a name of digits); no user
+#: or password; an optional port up to 65535; then any printable ASCII.
+HTTP_URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://(?![^:/?#]{{254}})"
+                    rf"({_LABEL}(\.{_LABEL})*\.?|\[{_ipv6_pattern()}\])"
+                    rf"(:{_PORT})?([/?#][!-~]*)?$")
+_HTTP_URL = re.compile(HTTP_URL_PATTERN)
+
+
 def valid_http_url(url):
-    if not isinstance(url, str) or not 1 <= len(url) <= 2048 or not url.isascii():
-        return False
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
-        return False
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port
-    except ValueError:
-        return False
-    return (parts.scheme in ("http", "https") and valid_host(parts.hostname or "")
-            and parts.username is None and parts.password is None)
-
-
-_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9_-]*[a-z0-9])?)*\.?")
-
-
-def valid_host(host):
-    """A DNS name (letters, digits, hyphens, underscores, dots) or an IP address."""
-    if _HOST_NAME.fullmatch(host) and len(host) <= 253:
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return isinstance(url, str) and len(url) <= 2048 and _HTTP_URL.fullmatch(url) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2136,11 +2164,11 @@ TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
                     "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
 #: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
 URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
-_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|\d{1,4})"
-#: A URL a client sends: the common shape of what the service accepts.
+#: A URL a client sends: exactly what the service accepts.
 URL_INPUT_SCHEMA = string_schema(
-    1, 2048, pattern=rf"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9.-]+(:{_PORT})?([/?#][!-~]*)?$",
-    description="An http or https URL, at most 2048 characters, without credentials.")
+    1, 2048, pattern=HTTP_URL_PATTERN,
+    description="An http or https URL, at most 2048 characters, without credentials; the host "
+                "a DNS name or an IPv6 address in brackets.")
 CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
 TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
 EVENT_NAMES = enum_schema(EVENT_CATALOG)
@@ -2273,8 +2301,10 @@ COMPONENT_SCHEMAS = {
             "Trimmed; unique within the company, ignoring case (409).")),
         **_CUSTOMER_INPUT,
     }, optional=tuple(_CUSTOMER_INPUT), closed=False),
+    # email is left out rather than described as the schema `false`, which client generators
+    # refuse; the description says what sending it does.
     "CustomerUpdate": object_schema(
-        {**_CUSTOMER_INPUT, "email": False}, optional=(*_CUSTOMER_INPUT, "email"), closed=False,
+        _CUSTOMER_INPUT, optional=tuple(_CUSTOMER_INPUT), closed=False,
         description="Only what changes; null clears name, notes, creditLimit and "
                     "taxRateOverride. Sending email is 400: it cannot be changed."),
     "WebhookCreate": object_schema(_WEBHOOK_INPUT, optional=("isActive",), closed=False),
@@ -2385,15 +2415,16 @@ def api_operation(response, errors, body=None, query=(), description="", message
 AUTH_ERRORS = (401, 403, 429)
 BODY_ERRORS = (400, 413)
 PAGE_QUERY = (
-    query_param("limit", dict(integer_schema(1, 100), default=50),
-                "Page size. Read like JavaScript's parseInt: clamped to 1 to 100, 50 when it "
-                "is not a number."),
+    # No minimum or maximum: the server clamps rather than refuses (101 is read as 100).
+    # Any text is read (parseInt), so the parameter is an integer or any string.
+    query_param("limit", {"anyOf": [integer_schema(), string_schema()], "default": 50},
+                "Page size, clamped to 1 to 100 (0 or less is 1, more than 100 is 100). Read "
+                "like JavaScript's parseInt (10abc is 10); 50 when it is not a number."),
     query_param("cursor", string_schema(),
                 "nextCursor of the previous page; one that matches no record gives an empty "
                 "last page."),
 )
-DATE_QUERY = string_schema(pattern=r"^\s*(?!0000)\d{4}(-\d{2}(-\d{2})?)?"
-                                   r"([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?)?\s*$")
+DATE_QUERY = string_schema(pattern=DATE_PATTERN)
 _VALIDATION = "Invalid JSON body. / Validation failed."
 
 OPERATIONS = {
@@ -2403,14 +2434,15 @@ OPERATIONS = {
             query_param("category", string_schema(), "Exact match on category."),
             query_param("search", string_schema(),
                         "Substring of name, sku or category, ignoring case (Unicode folding)."),
-            query_param("active", enum_schema(("true", "false")),
-                        "Filter on isActive; another value is ignored."))),
+            query_param("active", string_schema(),
+                        "true or false: filter on isActive; another value is ignored."))),
     ("GET", "/api/v1/products/<product_id>"): api_operation(
         single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
     ("GET", "/api/v1/orders"): api_operation(
         list_of("Order"), AUTH_ERRORS + (400,), query=(
             *PAGE_QUERY,
-            query_param("status", enum_schema(ORDER_STATUSES), "Exact match."),
+            query_param("status", enum_schema((*ORDER_STATUSES, "")),
+                        "Exact match; empty is no filter."),
             query_param("customerId", string_schema(), "Orders of this customer only."),
             query_param("since", DATE_QUERY,
                         "createdAt >= since (inclusive): a date (UTC midnight), a year and "
@@ -2442,7 +2474,8 @@ OPERATIONS = {
     ("GET", "/api/v1/customers"): api_operation(
         list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
             *PAGE_QUERY,
-            query_param("status", enum_schema(CUSTOMER_STATUS_VALUES), "Exact match."),
+            query_param("status", enum_schema((*CUSTOMER_STATUS_VALUES, "")),
+                        "Exact match; empty is no filter."),
             query_param("search", string_schema(),
                         "Substring of email or name, ignoring case (Unicode folding).")),
         messages={400: "Invalid status."}),

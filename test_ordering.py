@@ -988,12 +988,27 @@ def test_order_list_shape_and_filters(api, tenant):
 
 
 @pytest.mark.parametrize("param", ["since=yesterday", "until=2026-13-01", "since=2026-02-30",
-                                   "until=22/11/2026", "until=9999-12-31T23:59-23:59",
-                                   "since=0001-01-01T00:00%2B01:00"])
+                                   "until=22/11/2026", "since=2024-01-01T10:00:78",
+                                   "until=2023-02-29", "since=%EF%BC%92%EF%BC%90%EF%BC%92%EF%BC%96",
+                                   "until=%1C2026", "since=%20", "until=2026-01-01T24:00"])
 def test_unparseable_dates_are_400(api, tenant, param):
     error = assert_error(api.get("/api/v1/orders?" + param, headers=tenant.headers, status=400),
                          400, "Validation failed.")
     assert error["details"][0]["field"] == param.split("=")[0]
+
+
+def test_dates_an_offset_carries_past_year_1_or_9999_are_the_nearest_bound(api, tenant):
+    order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 1}]).json["data"]
+
+    def ids(param):
+        return [o["id"] for o in api.get("/api/v1/orders?" + param,
+                                          headers=tenant.headers).json["data"]]
+    assert ids("until=9999-12-31T23:59-23:59") == [order["id"]]
+    assert ids("since=0001-01-01T00:00%2B01:00") == [order["id"]]
+    assert ordering.iso(ordering.js_parse_date("9999-12-31T23:59-23:59")) == \
+        "9999-12-31T23:59:59.999Z"
+    assert ordering.iso(ordering.js_parse_date("0001-01-01T00:00+01:00")) == \
+        "0001-01-01T00:00:00.000Z"
 
 
 def test_unknown_status_filter_is_400(api, tenant):
