@@ -4485,7 +4485,8 @@ import models
 from ordering_client import AuthenticatedClient
 from ordering_client.api.customers import post_customer
 from ordering_client.api.orders import get_order, list_orders, post_order
-from ordering_client.models import CustomerCreate, OrderCreate, OrderCreateItemsItem
+from ordering_client.models import (CustomerCreate, ListOrdersStatus, OrderCreate,
+                                    OrderCreateItemsItem)
 
 base, key, product_id = sys.argv[1:4]
 client = AuthenticatedClient(base_url=base, token=key, raise_on_unexpected_status=True)
@@ -4495,7 +4496,7 @@ order = post_order.sync(client=client, idempotency_key="generated-1", body=Order
     customer_id=customer.id, items=[OrderCreateItemsItem(product_id=product_id, quantity=3)],
     po_number="PO-GEN")).data
 fetched = get_order.sync(client=client, order_id=order.id).data
-page = list_orders.sync(client=client, limit=101, status="", until="").data
+page = list_orders.sync(client=client, limit=101, status=ListOrdersStatus(""), until="").data
 request = urllib.request.Request(f"{base}/api/v1/orders/{order.id}",
                                  headers={"Authorization": "Bearer " + key})
 with urllib.request.urlopen(request) as answer:
