@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import fcntl
 import functools
+import decimal
 import hashlib
 import hmac
 import html
@@ -110,6 +111,9 @@ class Settings:
     delivery_workers: int = 4
     #: Webhook delivery: seconds between looks at the outbox for work from other processes.
     delivery_poll_interval: float = 1.0
+    #: Days events and delivery-log entries are kept (each webhook keeps its 5 most recent
+    #: deliveries whatever their age; undelivered work is never removed); 0 keeps everything.
+    retention_days: float = 30.0
     #: Allow webhook URLs that resolve to loopback, private or reserved addresses.
     allow_private_webhooks: bool = False
     #: Requests per minute from one client address, checked before authentication; 0 is off.
@@ -120,6 +124,9 @@ class Settings:
     #: shares (the database's path + "-rates"); off, each process counts alone (right only
     #: for a single process).
     shared_rate_limits: bool = True
+    #: With trust_proxy: the address the proxy connects from ("*": any peer). serve tells
+    #: waitress to honour X-Forwarded-For from this peer only and to drop it from any other.
+    proxy_address: str = "127.0.0.1"
     #: Seconds an Idempotency-Key and its response are remembered.
     idempotency_ttl: int = 24 * 3600
     #: Seconds a looked-up API key is trusted before it is read again (revocation delay for
@@ -142,12 +149,14 @@ class Settings:
             "ORDERING_SYNCHRONOUS": ("synchronous", str),
             "ORDERING_WEBHOOK_TIMEOUT": ("webhook_timeout", float),
             "ORDERING_DELIVERY_WORKERS": ("delivery_workers", int),
+            "ORDERING_RETENTION_DAYS": ("retention_days", _non_negative_float),
             "ORDERING_ALLOW_PRIVATE_WEBHOOKS": ("allow_private_webhooks", _flag),
             "ORDERING_IP_RATE_LIMIT": ("ip_rate_limit", int),
             "ORDERING_TRUST_PROXY": ("trust_proxy", _flag),
             "ORDERING_WORKERS": ("workers", int),
             "ORDERING_SHARED_RATE_LIMITS": ("shared_rate_limits", _flag),
             "ORDERING_KEY_CACHE_SECONDS": ("key_cache_seconds", float),
+            "ORDERING_PROXY_ADDRESS": ("proxy_address", proxy_address),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
         }
         for variable, (field, parse) in readers.items():
@@ -163,6 +172,24 @@ class Settings:
 
 def _flag(text):
     return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _non_negative_float(text):
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise ValueError(f"must be a number 0 or more, not {text!r}")
+    return value
+
+
+def proxy_address(text):
+    """'*' or an IP address, written as the server reports peers (waitress compares text)."""
+    text = text.strip()
+    if text == "*":
+        return text
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError(f"proxy address must be an IP address or *, not {text!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,12 +539,33 @@ def money(cents):
     return cents // 100 if cents % 100 == 0 else cents / 100
 
 
+class JsonFloat(float):
+    """A JSON number written with a fraction or an exponent: a float to every rule but money,
+    which reads its exact decimal text (a double cannot tell 20000.005 from 20000.00500001)."""
+
+    __slots__ = ("text",)
+
+    def __new__(cls, text):
+        number = super().__new__(cls, text)
+        number.text = text
+        return number
+
+
+_CENT = decimal.Decimal("0.01")
+
+
 def cents_from_number(value):
-    """A JSON number to integer cents, or None when it has more than two decimals."""
-    cents = round(value * 100)
-    if abs(value * 100 - cents) > 1e-6 * max(1, abs(cents)):
+    """A number to integer cents, exactly; None when it is not a whole number of cents.
+
+    JSON numbers are read from their text; a float from Python code by its shortest repr
+    (0.1 is 0.1, not the double nearest to it). The caller checks the range first."""
+    if isinstance(value, float):
+        value = getattr(value, "text", None) or repr(value)
+    exact = decimal.Decimal(value)
+    cents = exact.quantize(_CENT)
+    if cents != exact:
         return None
-    return int(cents)
+    return int(cents.scaleb(2))
 
 
 def cents_from_text(text):
@@ -551,7 +599,25 @@ def js_parse_int(text):
 _DATE_FORMS = re.compile(
     r"(?P<year>\d{4})(?:-(?P<month>\d{2})(?:-(?P<day>\d{2}))?)?"
     r"(?:[T ](?P<hour>\d{2}):(?P<minute>\d{2})(?::(?P<second>\d{2})(?:\.(?P<fraction>\d+))?)?"
-    r"(?P<zone>Z|[+-]\d{2}:?\d{2})?)?")
+    r"(?P<zone>Z|[+-]\d{2}:?\d{2})?)?", re.ASCII)
+#: What js_parse_date strips around a date (the ASCII whitespace of DATE_PATTERN).
+_DATE_SPACE = " \t\n\v\f\r"
+_DAY = ("((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+        "|02-(0[1-9]|1[0-9]|2[0-8]))")
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)"
+#: Exactly the texts js_parse_date reads, or the empty text (a parameter given empty is
+#: ignored), as a regular expression in the syntax Python and ECMA-262 share: the OpenAPI
+#: document publishes it for since and until.
+DATE_PATTERN = (
+    rf"^([\t\n\v\f\r ]*(?!0000)({_LEAP_YEAR}-02-29|[0-9]{{4}}(-(0[1-9]|1[0-2])|-{_DAY})?)"
+    r"([T ]([01][0-9]|2[0-3]):[0-5][0-9](:[0-5][0-9](\.[0-9]+)?)?"
+    r"(Z|[+-]([01][0-9]|2[0-3]):?[0-5][0-9])?)?[\t\n\v\f\r ]*)?$")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+#: Bounds of the dates stored (years 1 to 9999), as epoch milliseconds.
+_FIRST_MS = (datetime.datetime(1, 1, 1, tzinfo=datetime.timezone.utc) - _EPOCH) \
+    // datetime.timedelta(milliseconds=1)
+_LAST_MS = (datetime.datetime.max.replace(tzinfo=datetime.timezone.utc) - _EPOCH) \
+    // datetime.timedelta(milliseconds=1)
 
 
 def js_parse_date(text):
@@ -561,7 +627,7 @@ def js_parse_date(text):
     UTC too (JavaScript would use the server's local zone, which would make results depend on
     where the server runs).
     """
-    match = _DATE_FORMS.fullmatch((text or "").strip())
+    match = _DATE_FORMS.fullmatch((text or "").strip(_DATE_SPACE))
     if not match:
         return None
     part = match.groupdict()
@@ -573,17 +639,17 @@ def js_parse_date(text):
             tzinfo=datetime.timezone.utc)
     except ValueError:
         return None
+    ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
     zone = part["zone"]
     if zone and zone != "Z":
         sign = -1 if zone[0] == "-" else 1
         hours, minutes = int(zone[1:3]), int(zone[-2:])
         if hours > 23 or minutes > 59:
             return None
-        try:
-            moment -= sign * datetime.timedelta(hours=hours, minutes=minutes)
-        except OverflowError:
-            return None
-    return int(moment.timestamp() * 1000)
+        ms -= sign * (hours * 60 + minutes) * 60_000
+    # An offset can carry a date just past year 1 or 9999; no stored date is beyond either,
+    # so the nearest bound compares the same (and stays a four-digit year in text).
+    return min(max(ms, _FIRST_MS), _LAST_MS)
 
 
 def hash_key(key):
@@ -684,32 +750,42 @@ def valid_email(email):
             and all(not label.startswith("-") and not label.endswith("-") for label in labels))
 
 
+def _ipv6_pattern():
+    """Every text form of an IPv6 address (RFC 4291: groups, :: once, a dotted IPv4 tail), as
+    ipaddress reads them; no zone."""
+    group, octet = "[0-9A-Fa-f]{1,4}", "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+    ipv4 = rf"{octet}(\.{octet}){{3}}"
+
+    def groups(count, tail=""):   # count groups joined by colons, then tail
+        if count == 0:
+            return tail
+        return f"({group}:){{{count - 1}}}{group}" + (f":{tail}" if tail else "")
+    forms = [groups(8), groups(6, ipv4)]
+    for left in range(8):
+        for right in range(8 - left):
+            forms.append(f"{groups(left)}::{groups(right)}")
+            if left + right <= 5:
+                forms.append(f"{groups(left)}::{groups(right, ipv4)}" if right else
+                             f"{groups(left)}::{ipv4}")
+    return "(" + "|".join(forms) + ")"
+
+
+_LABEL = "[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?"
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+#: The URLs the service accepts (webhooks, tracking links, images), in the regular-expression
+#: syntax shared by Python and ECMA-262, so that the OpenAPI document publishes this very
+#: rule: http or https in any case; a host that is a DNS name (letters, digits, hyphens and
+#: underscores, no label starting or ending with a hyphen, an optional final dot, at most 253
+#: characters), or an IPv6 address in brackets (an IPv4 address is a name of digits); no user
+#: or password; an optional port up to 65535; then any printable ASCII.
+HTTP_URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://(?![^:/?#]{{254}})"
+                    rf"({_LABEL}(\.{_LABEL})*\.?|\[{_ipv6_pattern()}\])"
+                    rf"(:{_PORT})?([/?#][!-~]*)?$")
+_HTTP_URL = re.compile(HTTP_URL_PATTERN)
+
+
 def valid_http_url(url):
-    if not isinstance(url, str) or not 1 <= len(url) <= 2048 or not url.isascii():
-        return False
-    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
-        return False
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port
-    except ValueError:
-        return False
-    return (parts.scheme in ("http", "https") and valid_host(parts.hostname or "")
-            and parts.username is None and parts.password is None)
-
-
-_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9_-]*[a-z0-9])?)*\.?")
-
-
-def valid_host(host):
-    """A DNS name (letters, digits, hyphens, underscores, dots) or an IP address."""
-    if _HOST_NAME.fullmatch(host) and len(host) <= 253:
-        return True
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return isinstance(url, str) and len(url) <= 2048 and _HTTP_URL.fullmatch(url) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1710,6 +1786,37 @@ def describe_failure(error, timeout):
 #: WAL size in bytes beyond which the sender's housekeeping truncates it.
 WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
 
+#: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
+KEEP_DELIVERIES = 5
+
+#: Rows retention deletes per webhook (and events) in one write transaction, so that a first
+#: prune of a large file never holds the write lock for long.
+PRUNE_BATCH = 1000
+
+
+def prune_history(conn, before, batch=PRUNE_BATCH):
+    """One batch of retention: delivery-log entries attempted before `before` (ISO text) except
+    each webhook's KEEP_DELIVERIES most recent, then events created before it that no delivery
+    refers to any more (an event still pending or being sent keeps its row). Returns the
+    number of rows deleted; 0 when nothing is left to prune."""
+    deleted = 0
+    for (webhook_id,) in conn.execute("SELECT id FROM webhooks").fetchall():
+        kept = conn.execute(
+            "SELECT attempted_at, id FROM deliveries WHERE webhook_id = ? AND state = 'done' "
+            "ORDER BY attempted_at DESC, id DESC LIMIT 1 OFFSET ?",
+            (webhook_id, KEEP_DELIVERIES - 1)).fetchone()
+        if kept is None:
+            continue
+        deleted += conn.execute(
+            "DELETE FROM deliveries WHERE id IN (SELECT id FROM deliveries WHERE webhook_id = ? "
+            "AND state = 'done' AND attempted_at < ? AND (attempted_at, id) < (?, ?) LIMIT ?)",
+            (webhook_id, before, kept[0], kept[1], batch)).rowcount
+    deleted += conn.execute(
+        "DELETE FROM events WHERE id IN (SELECT id FROM events e WHERE created_at < ? AND NOT "
+        "EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id) LIMIT ?)",
+        (before, batch)).rowcount
+    return deleted
+
 _CLAIMABLE = ("state = 'pending' OR (state = 'sending' AND lease_until < :now)")
 
 
@@ -1839,12 +1946,12 @@ class Sender:
                 if free > 0:
                     self.submit(self.claim(free))
                 self._housekeeping()
-            except sqlite3.Error:
-                log.exception("could not claim webhook deliveries; will try again")
+            except Exception:  # whatever it is, the thread must live: it alone claims work
+                log.exception("webhook dispatcher failed; will try again")
 
     def _housekeeping(self):
         """Off the request path: keep the WAL file bounded, and once a minute forget expired
-        idempotency keys."""
+        idempotency keys and prune old events and delivery-log entries."""
         wal = self.db.path + "-wal"
         if os.path.exists(wal) and os.path.getsize(wal) > WAL_TRUNCATE_BYTES:
             # Under constant reads SQLite's automatic checkpoints never get to restart the
@@ -1855,6 +1962,18 @@ class Sender:
         self.next_housekeeping = time.monotonic() + 60
         with self.db.write() as conn:
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now_iso(),))
+        self.prune()
+
+    def prune(self, now=None):
+        """Retention (settings.retention_days before now, epoch seconds), batch by batch."""
+        days = self.settings.retention_days
+        if days <= 0:
+            return
+        before = iso(int(((time.time() if now is None else now) - days * 86400) * 1000))
+        while not self.stopping.is_set():
+            with self.db.write() as conn:
+                if not prune_history(conn, before):
+                    return
 
     # Sending
 
@@ -1973,7 +2092,7 @@ def _has_lone_surrogate(value):
 def parse_json_body(raw):
     try:
         value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
-                           parse_int=_json_int)
+                           parse_int=_json_int, parse_float=JsonFloat)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise ApiError(400, "Invalid JSON body.") from None
     # A \ud800-style escape decodes to a lone surrogate, which is not text: no UTF-8 form.
@@ -2246,11 +2365,11 @@ TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
                     "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
 #: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
 URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
-_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|\d{1,4})"
-#: A URL a client sends: the common shape of what the service accepts.
+#: A URL a client sends: exactly what the service accepts.
 URL_INPUT_SCHEMA = string_schema(
-    1, 2048, pattern=rf"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9.-]+(:{_PORT})?([/?#][!-~]*)?$",
-    description="An http or https URL, at most 2048 characters, without credentials.")
+    1, 2048, pattern=HTTP_URL_PATTERN,
+    description="An http or https URL, at most 2048 characters, without credentials; the host "
+                "a DNS name or an IPv6 address in brackets.")
 CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
 TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
 EVENT_NAMES = enum_schema(EVENT_CATALOG)
@@ -2383,8 +2502,10 @@ COMPONENT_SCHEMAS = {
             "Trimmed; unique within the company, ignoring case (409).")),
         **_CUSTOMER_INPUT,
     }, optional=tuple(_CUSTOMER_INPUT), closed=False),
+    # email is left out rather than described as the schema `false`, which client generators
+    # refuse; the description says what sending it does.
     "CustomerUpdate": object_schema(
-        {**_CUSTOMER_INPUT, "email": False}, optional=(*_CUSTOMER_INPUT, "email"), closed=False,
+        _CUSTOMER_INPUT, optional=tuple(_CUSTOMER_INPUT), closed=False,
         description="Only what changes; null clears name, notes, creditLimit and "
                     "taxRateOverride. Sending email is 400: it cannot be changed."),
     "WebhookCreate": object_schema(_WEBHOOK_INPUT, optional=("isActive",), closed=False),
@@ -2495,15 +2616,16 @@ def api_operation(response, errors, body=None, query=(), description="", message
 AUTH_ERRORS = (401, 403, 429)
 BODY_ERRORS = (400, 413)
 PAGE_QUERY = (
-    query_param("limit", dict(integer_schema(1, 100), default=50),
-                "Page size. Read like JavaScript's parseInt: clamped to 1 to 100, 50 when it "
-                "is not a number."),
+    # No minimum or maximum: the server clamps rather than refuses (101 is read as 100).
+    # Any text is read (parseInt), so the parameter is an integer or any string.
+    query_param("limit", {"anyOf": [integer_schema(), string_schema()], "default": 50},
+                "Page size, clamped to 1 to 100 (0 or less is 1, more than 100 is 100). Read "
+                "like JavaScript's parseInt (10abc is 10); 50 when it is not a number."),
     query_param("cursor", string_schema(),
                 "nextCursor of the previous page; one that matches no record gives an empty "
                 "last page."),
 )
-DATE_QUERY = string_schema(pattern=r"^\s*(?!0000)\d{4}(-\d{2}(-\d{2})?)?"
-                                   r"([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?)?\s*$")
+DATE_QUERY = string_schema(pattern=DATE_PATTERN)
 _VALIDATION = "Invalid JSON body. / Validation failed."
 
 OPERATIONS = {
@@ -2513,14 +2635,15 @@ OPERATIONS = {
             query_param("category", string_schema(), "Exact match on category."),
             query_param("search", string_schema(),
                         "Substring of name, sku or category, ignoring case (Unicode folding)."),
-            query_param("active", enum_schema(("true", "false")),
-                        "Filter on isActive; another value is ignored."))),
+            query_param("active", string_schema(),
+                        "true or false: filter on isActive; another value is ignored."))),
     ("GET", "/api/v1/products/<product_id>"): api_operation(
         single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
     ("GET", "/api/v1/orders"): api_operation(
         list_of("Order"), AUTH_ERRORS + (400,), query=(
             *PAGE_QUERY,
-            query_param("status", enum_schema(ORDER_STATUSES), "Exact match."),
+            query_param("status", enum_schema((*ORDER_STATUSES, "")),
+                        "Exact match; empty is no filter."),
             query_param("customerId", string_schema(), "Orders of this customer only."),
             query_param("since", DATE_QUERY,
                         "createdAt >= since (inclusive): a date (UTC midnight), a year and "
@@ -2552,7 +2675,8 @@ OPERATIONS = {
     ("GET", "/api/v1/customers"): api_operation(
         list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
             *PAGE_QUERY,
-            query_param("status", enum_schema(CUSTOMER_STATUS_VALUES), "Exact match."),
+            query_param("status", enum_schema((*CUSTOMER_STATUS_VALUES, "")),
+                        "Exact match; empty is no filter."),
             query_param("search", string_schema(),
                         "Substring of email or name, ignoring case (Unicode folding).")),
         messages={400: "Invalid status."}),
@@ -2849,6 +2973,8 @@ class Service:
     # Who is calling
 
     def client_address(self, environ):
+        # The last hop is the one the proxy appended; earlier ones are whatever the client
+        # sent. (Under serve, waitress has already done the same and checked the peer.)
         if self.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_FOR"):
             return environ["HTTP_X_FORWARDED_FOR"].split(",")[-1].strip()
         return environ.get("REMOTE_ADDR", "")
@@ -4346,10 +4472,18 @@ def serve(settings, sockets=None):
     app = create_app(settings=settings)
     access_log = AccessLog(app)
     where = {"sockets": sockets} if sockets else {"host": settings.host, "port": settings.port}
+    proxy = {}
+    if settings.trust_proxy:
+        # waitress drops X-Forwarded-For unless the peer is a proxy it was told to trust;
+        # from that peer it keeps only the last hop and makes it REMOTE_ADDR, and it turns
+        # X-Forwarded-Proto into wsgi.url_scheme (the dashboard's Secure cookie).
+        proxy = dict(trusted_proxy=settings.proxy_address, trusted_proxy_count=1,
+                     trusted_proxy_headers={"x-forwarded-for", "x-forwarded-proto"})
     # waitress buffers a body before the app sees it: bound that, well above the app's own
     # limit, which answers with the JSON 413.
     server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
-                                    max_request_body_size=8 * settings.max_body_bytes, **where)
+                                    max_request_body_size=8 * settings.max_body_bytes,
+                                    **where, **proxy)
 
     def stop(signum, frame):
         # Once: a second signal (a terminal's SIGINT reaches workers and their parent, which
@@ -4455,6 +4589,13 @@ def _amount(text):
     if cents is None:
         raise argparse.ArgumentTypeError("must be an amount such as 12.50")
     return cents
+
+
+def _proxy_address(text):
+    try:
+        return proxy_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _moment(text):
@@ -4672,7 +4813,12 @@ def backup(settings, destination):
     server runs."""
     if os.path.exists(destination):
         raise ApiError(409, f"{destination} already exists; choose a new file.")
-    source = Database(settings.db_path, settings).conn
+    if not os.path.isfile(settings.db_path):
+        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
+    # Not through Database, which would create a missing file and migrate an old one; mode=rw
+    # never creates the file, should it vanish after the check.
+    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(settings.db_path))}"
+                             "?mode=rw", uri=True, timeout=settings.busy_timeout_ms / 1000)
     target = sqlite3.connect(destination)
     try:
         source.backup(target)
@@ -4680,6 +4826,7 @@ def backup(settings, destination):
         check = target.execute("PRAGMA integrity_check").fetchone()[0]
     finally:
         target.close()
+        source.close()
     return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
             "integrity": check}
 
@@ -4710,6 +4857,9 @@ def build_parser():
                            help="take the client address from X-Forwarded-For")
     serve_cmd.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                            default=None, help="serve the API only, no /dashboard")
+    serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
+                           help="with --trust-proxy: the proxy's IP address, or * for any "
+                                "peer (127.0.0.1)")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
@@ -4836,7 +4986,7 @@ def main(argv=None):
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "dashboard"):
+                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

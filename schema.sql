@@ -165,6 +165,7 @@ CREATE TABLE IF NOT EXISTS events (
     body        TEXT NOT NULL,              -- the exact JSON envelope that is sent and signed
     created_at  TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS events_created ON events (created_at);   -- retention
 
 -- A delivery is pending, then sending (claimed by the process claimed_by until lease_until),
 -- then done;
