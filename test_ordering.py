@@ -1581,6 +1581,153 @@ def test_webhook_url_must_be_ascii(api, tenant):
 
 
 # ---------------------------------------------------------------------------------------------
+# Durability and group commit
+# ---------------------------------------------------------------------------------------------
+
+def test_connections_run_with_synchronous_full_by_default(app, db_path):
+    db = app.service.db
+    assert db.settings.synchronous == "FULL"
+    assert db.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    with db.write() as conn:
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    opted_out = build_app(db_path, synchronous="normal", deliver=False)
+    assert opted_out.service.db.conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+
+
+SYNCHRONOUS_REFUSED = ("synchronous (ORDERING_SYNCHRONOUS) must be one of OFF, NORMAL, FULL, "
+                       "EXTRA, not 'fast'")
+
+
+def test_unknown_synchronous_level_is_refused_at_start(db_path):
+    with pytest.raises(ValueError) as refused:
+        ordering.create_app(str(db_path), synchronous="fast")
+    assert str(refused.value) == SYNCHRONOUS_REFUSED
+    with pytest.raises(ValueError):
+        ordering.Settings.from_environment({"ORDERING_SYNCHRONOUS": "FULL; PRAGMA x"})
+    stderr = cli_refuses(db_path, "company-create", "--name", "Acme",
+                         env={"ORDERING_SYNCHRONOUS": "fast"}, message=SYNCHRONOUS_REFUSED)
+    assert "Traceback" not in stderr
+    assert not db_path.exists()
+
+
+class HeldCommits:
+    """Replaces a database's commit with one that waits until the test opens its gate, so
+    that writers pile up behind a commit in progress. fail holds the commits (by number,
+    from 1) that raise instead of committing."""
+
+    def __init__(self, db, fail=()):
+        self.db, self.fail, self.original = db, set(fail), db._commit
+        self.started, self.gates = 0, collections.defaultdict(threading.Event)
+        self.changed = threading.Condition()
+        db._commit = self.commit
+
+    def commit(self, conn):
+        with self.changed:
+            self.started += 1
+            number = self.started
+            self.changed.notify_all()
+        assert self.gates[number].wait(30)
+        if number in self.fail:
+            raise sqlite3.OperationalError("disk I/O error")
+        self.original(conn)
+
+    def wait_started(self, number):
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.started >= number, 30)
+
+    def wait_queued(self, writers):
+        deadline = time.monotonic() + 30
+        while self.db._queued < writers:
+            assert time.monotonic() < deadline, self.db._queued
+            time.sleep(0.005)
+
+
+def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_path):
+    app = build_app(db_path, deliver=False)
+    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+    rice = tenant.product(name="Rice", stock=10)
+    customer = tenant.customer()["id"]
+    products_before = tenant.db.conn.execute("SELECT COUNT(*) FROM products").fetchone()[0]
+    held = HeldCommits(tenant.db)
+    commits_before = tenant.db.commits
+
+    def order(quantity):
+        response = api.post_json("/api/v1/orders", {
+            "customerId": customer, "items": [{"productId": rice["id"], "quantity": quantity}]},
+            headers=tenant.headers, expect_errors=True)
+        seen = None
+        if response.status_int == 201:
+            check = sqlite3.connect(db_path)
+            seen = check.execute("SELECT COUNT(*) FROM orders WHERE id = ?",
+                                 (response.json["data"]["id"],)).fetchone()[0]
+            check.close()
+        return response, seen
+
+    def failing_body():
+        with tenant.db.write() as conn:
+            ordering.create_product(conn, tenant.id, name="Never", price_cents=100, stock=1)
+            raise RuntimeError("refused by the caller")
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        first = pool.submit(order, 1)
+        held.wait_started(1)
+        batch = [pool.submit(order, 2) for _ in range(3)]
+        refused, failing = pool.submit(order, 50), pool.submit(failing_body)
+        held.wait_queued(5)
+        held.gates[1].set()
+        held.wait_started(2)
+        # The second commit holds every body that queued behind the first one, and none of
+        # their requests has been answered while it is in progress.
+        assert not any(future.done() for future in batch)
+        held.gates[2].set()
+        results = [future.result(timeout=30) for future in [first, *batch]]
+        with pytest.raises(RuntimeError, match="refused by the caller"):
+            failing.result(timeout=30)
+        refusal, _ = refused.result(timeout=30)
+    assert tenant.db.commits - commits_before == 2
+    for response, seen in results:
+        assert response.status_int == 201 and seen == 1
+    # Bodies of one batch run in the order they get the connection; each sees the ones before.
+    assert refusal.status_int == 400 and refusal.json["error"] in [
+        f'Insufficient stock for product "Rice". Available: {left}, requested: 50.'
+        for left in (9, 7, 5, 3)]
+    conn = tenant.db.conn
+    assert conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 4
+    assert tenant.stock(rice["id"]) == 10 - 1 - 3 * 2
+    assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == products_before
+    app.service.close(grace=0)
+
+
+def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path, caplog):
+    app = build_app(db_path, deliver=False)
+    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+    rice = tenant.product(name="Rice", stock=100)
+    customer = tenant.customer()["id"]
+    held = HeldCommits(tenant.db, fail={2})
+
+    def order():
+        return api.post_json("/api/v1/orders", {
+            "customerId": customer, "items": [{"productId": rice["id"], "quantity": 1}]},
+            headers=tenant.headers, expect_errors=True)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(order)
+        held.wait_started(1)
+        batch = [pool.submit(order) for _ in range(3)]
+        held.wait_queued(3)
+        held.gates[1].set()
+        held.wait_started(2)
+        held.gates[2].set()
+        assert first.result(timeout=30).status_int == 201
+        assert [f.result(timeout=30).status_int for f in batch] == [500, 500, 500]
+    held.gates[3].set()
+    assert order().status_int == 201
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 2
+    assert tenant.stock(rice["id"]) == 98
+    app.service.close(grace=0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Hostile conditions through the real server (bench/hostile.py runs the heavier variants)
 # ---------------------------------------------------------------------------------------------
 
