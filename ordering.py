@@ -2978,15 +2978,53 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 # 10. Command line
 # ---------------------------------------------------------------------------------------------
 
+class OverloadLog:
+    """Takes the place of waitress's queue logger, which warns once per request that has to
+    wait for a free thread: under load that is a line per request, drowning every other line
+    and costing the request path. Here waiting requests are only counted, and reported at
+    most once per interval as one line with their number and the peak queue depth."""
+
+    def __init__(self, interval=10.0, clock=time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.waited = 0
+        self.peak = 0
+        self.since = None
+        self.next_report = -math.inf
+
+    def warning(self, message, depth, *args):
+        """Called by waitress for each request queued behind busy threads."""
+        with self.lock:
+            if self.waited == 0:
+                self.since = self.clock()
+            self.waited += 1
+            self.peak = max(self.peak, depth)
+        self.tick()
+
+    def tick(self):
+        """Report what waited, if anything did and the interval since the last report is over."""
+        with self.lock:
+            now = self.clock()
+            if self.waited == 0 or now < self.next_report:
+                return
+            waited, peak, since = self.waited, self.peak, self.since
+            self.waited = self.peak = 0
+            self.next_report = now + self.interval
+        log.warning("overloaded: %d requests waited for a free thread over %.1fs "
+                    "(peak queue depth %d)", waited, max(now - since, 0.0), peak)
+
+
 class AccessLog:
     """One line per request on stderr. Lines are queued and written in batches by a thread of
     their own, so a request never waits on the terminal or a full pipe, and pays no logging
-    framework overhead."""
+    framework overhead. The same thread reports overload (see OverloadLog)."""
 
     def __init__(self, app, stream=None):
         self.app = app
         self.stream = stream or sys.stderr
         self.lines = collections.deque()
+        self.overload = OverloadLog()
         self.wake = threading.Event()
         self.writer = threading.Thread(target=self._write, name="ordering-access-log",
                                        daemon=True)
@@ -3009,6 +3047,7 @@ class AccessLog:
     def _write(self):
         while not self.wake.wait(0.2):
             self.flush()
+            self.overload.tick()
         self.flush()
 
     def flush(self):
@@ -3035,6 +3074,7 @@ def serve(settings):
     server = waitress.create_server(access_log, host=settings.host, port=settings.port,
                                     threads=settings.threads, ident="ordering",
                                     max_request_body_size=8 * settings.max_body_bytes)
+    server.task_dispatcher.queue_logger = access_log.overload
 
     def stop(signum, frame):
         raise SystemExit(0)

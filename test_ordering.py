@@ -1727,6 +1727,56 @@ def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path, 
     app.service.close(grace=0)
 
 
+def test_overload_is_reported_once_per_interval_with_count_and_peak(caplog):
+    now = [100.0]
+    overload = ordering.OverloadLog(interval=10.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="ordering")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if "overloaded" in r.getMessage()]
+    overload.tick()
+    assert lines() == []
+    overload.warning("Task queue depth is %d", 3)
+    assert lines() == ["overloaded: 1 requests waited for a free thread over 0.0s "
+                       "(peak queue depth 3)"]
+    for depth in (5, 12, 7):
+        now[0] += 2.0
+        overload.warning("Task queue depth is %d", depth)
+    now[0] = 109.9
+    overload.tick()
+    assert len(lines()) == 1
+    now[0] = 110.0
+    overload.tick()
+    assert lines()[1:] == ["overloaded: 3 requests waited for a free thread over 8.0s "
+                           "(peak queue depth 12)"]
+    now[0] = 200.0
+    overload.tick()
+    assert len(lines()) == 2
+
+
+def test_a_server_under_more_requests_than_threads_logs_no_line_per_queued_request(db_path):
+    ordering.Database(str(db_path)).close()
+    process, port = start_server(db_path, "--threads", "1", "--ip-rate-limit", "0")
+    try:
+        def client(number):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(10):
+                connection.request("GET", "/healthz")
+                assert connection.getresponse().read() == b'{"status":"ok"}'
+            connection.close()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(client, range(16)))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = server_log(db_path)
+    assert text.count('"GET /healthz" 200') == 160
+    assert "Task queue depth" not in text
+    overloaded = re.findall(r"overloaded: (\d+) requests waited for a free thread over "
+                            r"[\d.]+s \(peak queue depth (\d+)\)", text)
+    assert len(overloaded) == 1 and int(overloaded[0][0]) >= 1, text[-2000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Hostile conditions through the real server (bench/hostile.py runs the heavier variants)
 # ---------------------------------------------------------------------------------------------
