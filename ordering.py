@@ -5,7 +5,7 @@ module you can run (``python ordering.py``), vendor, or embed (``create_app()`` 
 app). The sections follow the way a request travels:
 
   1. Settings      every tunable, read once from flags and environment
-  2. Storage       connections, schema and migrations, the write transaction
+  2. Storage       connections, schema and migrations, the write transaction (group commit)
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing
   4. Errors        ApiError and the validators that raise it with the spec's messages
   5. Records       rows to the JSON the API shows, one function per record type

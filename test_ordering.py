@@ -1698,6 +1698,46 @@ def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_pa
     app.service.close(grace=0)
 
 
+def test_each_request_of_a_batch_notifies_its_own_events_after_the_commit(db_path):
+    app = build_app(db_path, deliver=False)
+    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+    subscribe(api, tenant, "https://hooks.example/a", ["order.created"])
+    rice = tenant.product(name="Rice", stock=100)
+    customer = tenant.customer()["id"]
+    notified, lock = [], threading.Lock()
+
+    def listener(event_ids):
+        check = sqlite3.connect(db_path)
+        bodies = [json.loads(check.execute("SELECT body FROM events WHERE id = ?",
+                                           (event_id,)).fetchone()[0]) for event_id in event_ids]
+        check.close()
+        with lock:
+            notified.append((threading.get_ident(), [b["data"]["id"] for b in bodies]))
+    tenant.db.on_commit(listener)
+    held = HeldCommits(tenant.db)
+    for number in range(2, 10):
+        held.gates[number].set()
+
+    def order():
+        response = api.post_json("/api/v1/orders", {
+            "customerId": customer, "items": [{"productId": rice["id"], "quantity": 1}]},
+            headers=tenant.headers)
+        return threading.get_ident(), response.json["data"]["id"]
+
+    commits_before = tenant.db.commits
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        first = pool.submit(order)
+        held.wait_started(1)
+        batch = [pool.submit(order) for _ in range(4)]
+        held.wait_queued(4)
+        held.gates[1].set()
+        placed = [future.result(timeout=30) for future in [first, *batch]]
+    assert tenant.db.commits - commits_before == 2
+    # Each caller is told of its own order's event, and only once that event is committed.
+    assert sorted(notified) == sorted((thread, [order_id]) for thread, order_id in placed)
+    app.service.close(grace=0)
+
+
 def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path, caplog):
     app = build_app(db_path, deliver=False)
     api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
