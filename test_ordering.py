@@ -1641,20 +1641,39 @@ class HeldCommits:
             assert time.monotonic() < deadline, self.db._queued
             time.sleep(0.005)
 
+    def queue_behind_first_commit(self, pool, first, others):
+        """Run first until its commit starts, then others until all of them wait behind it,
+        then let the first commit go on. Returns the futures, first's first."""
+        futures = [pool.submit(first)]
+        self.wait_started(1)
+        futures += [pool.submit(call) for call in others]
+        self.wait_queued(len(others))
+        self.gates[1].set()
+        return futures
+
+
+def rice_shop(db_path, stock):
+    """An app without delivery, its tenant, one product (Rice) and one customer."""
+    app = build_app(db_path, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    return (app, webtest.TestApp(app), tenant, tenant.product(name="Rice", stock=stock),
+            tenant.customer()["id"])
+
+
+def order_rice(api, tenant, rice, customer, quantity=1):
+    return api.post_json("/api/v1/orders", {
+        "customerId": customer, "items": [{"productId": rice["id"], "quantity": quantity}]},
+        headers=tenant.headers, expect_errors=True)
+
 
 def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_path):
-    app = build_app(db_path, deliver=False)
-    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
-    rice = tenant.product(name="Rice", stock=10)
-    customer = tenant.customer()["id"]
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=10)
     products_before = tenant.db.conn.execute("SELECT COUNT(*) FROM products").fetchone()[0]
     held = HeldCommits(tenant.db)
     commits_before = tenant.db.commits
 
     def order(quantity):
-        response = api.post_json("/api/v1/orders", {
-            "customerId": customer, "items": [{"productId": rice["id"], "quantity": quantity}]},
-            headers=tenant.headers, expect_errors=True)
+        response = order_rice(api, tenant, rice, customer, quantity)
         seen = None
         if response.status_int == 201:
             check = sqlite3.connect(db_path)
@@ -1669,12 +1688,9 @@ def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_pa
             raise RuntimeError("refused by the caller")
 
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        first = pool.submit(order, 1)
-        held.wait_started(1)
-        batch = [pool.submit(order, 2) for _ in range(3)]
-        refused, failing = pool.submit(order, 50), pool.submit(failing_body)
-        held.wait_queued(5)
-        held.gates[1].set()
+        first, *batch, refused, failing = held.queue_behind_first_commit(
+            pool, functools.partial(order, 1),
+            [functools.partial(order, 2)] * 3 + [functools.partial(order, 50), failing_body])
         held.wait_started(2)
         # The second commit holds every body that queued behind the first one, and none of
         # their requests has been answered while it is in progress.
@@ -1699,11 +1715,8 @@ def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_pa
 
 
 def test_each_request_of_a_batch_notifies_its_own_events_after_the_commit(db_path):
-    app = build_app(db_path, deliver=False)
-    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=100)
     subscribe(api, tenant, "https://hooks.example/a", ["order.created"])
-    rice = tenant.product(name="Rice", stock=100)
-    customer = tenant.customer()["id"]
     notified, lock = [], threading.Lock()
 
     def listener(event_ids):
@@ -1719,43 +1732,29 @@ def test_each_request_of_a_batch_notifies_its_own_events_after_the_commit(db_pat
         held.gates[number].set()
 
     def order():
-        response = api.post_json("/api/v1/orders", {
-            "customerId": customer, "items": [{"productId": rice["id"], "quantity": 1}]},
-            headers=tenant.headers)
+        response = order_rice(api, tenant, rice, customer)
+        assert response.status_int == 201
         return threading.get_ident(), response.json["data"]["id"]
 
     commits_before = tenant.db.commits
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        first = pool.submit(order)
-        held.wait_started(1)
-        batch = [pool.submit(order) for _ in range(4)]
-        held.wait_queued(4)
-        held.gates[1].set()
-        placed = [future.result(timeout=30) for future in [first, *batch]]
+        futures = held.queue_behind_first_commit(pool, order, [order] * 4)
+        placed = [future.result(timeout=30) for future in futures]
     assert tenant.db.commits - commits_before == 2
     # Each caller is told of its own order's event, and only once that event is committed.
     assert sorted(notified) == sorted((thread, [order_id]) for thread, order_id in placed)
     app.service.close(grace=0)
 
 
-def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path, caplog):
-    app = build_app(db_path, deliver=False)
-    api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
-    rice = tenant.product(name="Rice", stock=100)
-    customer = tenant.customer()["id"]
+def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path):
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=100)
     held = HeldCommits(tenant.db, fail={2})
 
     def order():
-        return api.post_json("/api/v1/orders", {
-            "customerId": customer, "items": [{"productId": rice["id"], "quantity": 1}]},
-            headers=tenant.headers, expect_errors=True)
+        return order_rice(api, tenant, rice, customer)
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        first = pool.submit(order)
-        held.wait_started(1)
-        batch = [pool.submit(order) for _ in range(3)]
-        held.wait_queued(3)
-        held.gates[1].set()
+        first, *batch = held.queue_behind_first_commit(pool, order, [order] * 3)
         held.wait_started(2)
         held.gates[2].set()
         assert first.result(timeout=30).status_int == 201
