@@ -5,8 +5,9 @@ module you can run (``python ordering.py``), vendor, or embed (``create_app()`` 
 app). The sections follow the way a request travels:
 
   1. Settings      every tunable, read once from flags and environment
-  2. Storage       connections, schema and migrations, the write transaction, claimers
-                   (which process holds a claim, and whether it lives), rate counters
+  2. Storage       connections, schema and migrations, the write transaction (group
+                   commit), claimers (which process holds a claim, and whether it lives),
+                   rate counters
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing
   4. Errors        ApiError and the validators that raise it with the spec's messages
   5. Records       rows to the JSON the API shows, one function per record type
@@ -99,8 +100,9 @@ class Settings:
     threads: int = 4
     #: Server processes sharing the port (serve --workers); a parent starts and stops them.
     workers: int = 1
-    #: SQLite PRAGMA synchronous. NORMAL in WAL mode survives any process crash; see README.
-    synchronous: str = "NORMAL"
+    #: SQLite PRAGMA synchronous: FULL puts every commit on disk before it is acknowledged;
+    #: NORMAL survives a process crash but not an OS crash or power cut (see README).
+    synchronous: str = "FULL"
     #: Milliseconds a writer waits for the database lock before giving up.
     busy_timeout_ms: int = 10000
     #: Largest request body accepted, in bytes (413 beyond).
@@ -169,6 +171,19 @@ class Settings:
         settings.tracking_url_templates = templates
         return settings
 
+    def __post_init__(self):
+        # Checked at start: in the PRAGMA, SQLite takes any unknown word for NORMAL without a
+        # word, which would quietly drop the durability that FULL promises.
+        level = str(self.synchronous).strip().upper()
+        if level not in SYNCHRONOUS_LEVELS:
+            raise ValueError(f"synchronous (ORDERING_SYNCHRONOUS) must be one of "
+                             f"{', '.join(SYNCHRONOUS_LEVELS)}, not {self.synchronous!r}")
+        self.synchronous = level
+
+
+#: The PRAGMA synchronous levels accepted; see README, Storage and durability.
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
 
 def _flag(text):
     return text.strip().lower() in ("1", "true", "yes", "on")
@@ -197,11 +212,20 @@ def proxy_address(text):
 # ---------------------------------------------------------------------------------------------
 
 class Database:
-    """One SQLite file: a connection per thread, and write() for every transaction that writes.
+    """One SQLite file: a read connection per thread, and write() for every transaction that
+    writes, on one write connection shared by the process's writers.
+
+    Group commit. With synchronous = FULL every commit waits for the disk, so writers that
+    arrive while the write connection is busy queue up and then share one transaction and one
+    commit: each write() body runs, one at a time and in the caller's own thread, in a
+    SAVEPOINT of its own; the last body to finish with nobody queued behind it commits the
+    batch. A body that raises rolls back only its savepoint, and no write() returns before
+    the commit that holds its work has completed (so no response is sent before its data is
+    on disk). If that commit fails, every body of the batch fails with it.
 
     Connections run in autocommit mode so that write() alone decides where a transaction
     begins (BEGIN IMMEDIATE, which takes the write lock up front: a read-then-write such as a
-    stock check can then never be overtaken by another writer) and where it ends.
+    stock check can then never be overtaken by another writer or process) and where it ends.
     """
 
     def __init__(self, path, settings=None):
@@ -209,9 +233,15 @@ class Database:
         self.settings = settings or Settings(db_path=path)
         self._local = threading.local()
         self._listeners = []
-        # Writers of this process queue here rather than in SQLite's busy handler, which
-        # sleeps in growing steps and turns lock contention into long tail latency.
-        self._write_lock = threading.Lock()
+        #: Commits made on the write connection; each holds one or more write() bodies.
+        self.commits = 0
+        self._writer = None
+        # Writers of this process queue on this condition rather than in SQLite's busy
+        # handler, which sleeps in growing steps and turns lock contention into long tails.
+        self._turn = threading.Condition()
+        self._busy = False    # a body or a commit is using the write connection
+        self._queued = 0      # writers waiting for the write connection
+        self._batch = None    # the batch whose transaction is open, if any
         with self.write() as conn:
             apply_schema(conn)
 
@@ -235,6 +265,8 @@ class Database:
         return conn
 
     def write(self):
+        """A transaction for the body of a with statement, which gets the connection:
+        ``with db.write() as conn: ...``. Raising in the body rolls back only its work."""
         return _WriteTransaction(self)
 
     def on_commit(self, listener):
@@ -242,46 +274,125 @@ class Database:
         self._listeners.append(listener)
 
     def close(self):
+        """Close this thread's read connection, and the write connection when no write is in
+        progress (it opens again on the next write)."""
         conn = getattr(self._local, "conn", None)
         if conn is not None:
             conn.close()
             self._local.conn = None
+        with self._turn:
+            if self._writer is not None and not self._busy and self._batch is None:
+                self._writer.close()
+                self._writer = None
+
+    def _commit(self, conn):
+        conn.execute("COMMIT")
+        self.commits += 1
+
+
+class _Batch:
+    """The write() bodies sharing one transaction."""
+
+    def __init__(self):
+        self.bodies = 0       # bodies run in it, kept or rolled back
+        self.kept = 0         # bodies whose work it holds
+        self.done = False
+        self.error = None     # why its commit failed
+
+
+#: Bodies one batch takes at most, so that a stream of writers cannot postpone its commit.
+GROUP_COMMIT_LIMIT = 64
 
 
 class _WriteTransaction:
     def __init__(self, db):
         self.db = db
+        self.batch = None
 
     def __enter__(self):
-        conn = self.db.conn
-        self.db._write_lock.acquire()
+        db = self.db
+        with db._turn:
+            db._queued += 1
+            while db._busy:
+                db._turn.wait()
+            db._queued -= 1
+            db._busy = True
+            if db._batch is None:
+                db._batch = _Batch()
+            self.batch = db._batch
         try:
-            conn.execute("BEGIN IMMEDIATE")
+            if db._writer is None:
+                db._writer = db.connect()
+            if not db._writer.in_transaction:
+                db._writer.execute("BEGIN IMMEDIATE")
+            db._writer.execute("SAVEPOINT write_body")
         except BaseException:
-            self.db._write_lock.release()
+            self._finish(kept=False)
             raise
         _emitted.event_ids = []
-        return conn
+        return db._writer
 
     def __exit__(self, kind, error, tb):
-        conn = self.db.conn
+        conn, batch = self.db._writer, self.batch
         emitted, _emitted.event_ids = _emitted.event_ids, None
+        kept = kind is None
         try:
-            if kind is None:
-                try:
-                    conn.execute("COMMIT")
-                except sqlite3.Error:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
+            if kept:
+                conn.execute("RELEASE write_body")
             elif conn.in_transaction:  # some errors (a full disk) end the transaction already
-                conn.execute("ROLLBACK")
-        finally:
-            self.db._write_lock.release()
-        if kind is None and emitted:
+                conn.execute("ROLLBACK TO write_body")
+                conn.execute("RELEASE write_body")
+        except BaseException:
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            finally:
+                self._finish(kept=False)
+            raise
+        self._finish(kept)
+        if not kept:
+            return False
+        with self.db._turn:
+            while not batch.done:
+                self.db._turn.wait()
+        if batch.error is not None:
+            raise type(batch.error)(*batch.error.args) from batch.error
+        if emitted:
             for listener in self.db._listeners:
                 listener(emitted)
         return False
+
+    def _finish(self, kept):
+        """Hand the write connection to the next queued writer, or commit the batch when
+        nobody is queued (or the batch is full, or its transaction has ended early)."""
+        db, batch = self.db, self.batch
+        alive = db._writer is not None and db._writer.in_transaction
+        with db._turn:
+            batch.bodies += 1
+            batch.kept += kept
+            if alive and db._queued and batch.bodies < GROUP_COMMIT_LIMIT:
+                db._busy = False
+                db._turn.notify_all()
+                return
+        error = None
+        try:
+            if not alive:
+                error = sqlite3.OperationalError(
+                    "the transaction was rolled back before its commit")
+            elif batch.kept:
+                db._commit(db._writer)
+            else:
+                db._writer.execute("ROLLBACK")
+        except sqlite3.Error as failure:
+            error = failure
+            if db._writer.in_transaction:
+                db._writer.execute("ROLLBACK")
+        finally:
+            with db._turn:
+                batch.error, batch.done = error, True
+                db._batch = None
+                db._busy = False
+                db._turn.notify_all()
 
 
 #: Event IDs emitted by the transaction open on this thread (see emit()).
@@ -1893,8 +2004,8 @@ class Sender:
             args = {"limit": limit, "events": json_text(list(event_ids))}
         # A send is bounded by the timeout (DNS included); the slack covers writing its result.
         lease = iso(int((time.time() + 2 * self.settings.webhook_timeout + 5) * 1000))
-        with self.db.write() as conn:
-            ids = [row[0] for row in conn.execute(
+        with self.db.write() as writing:
+            ids = [row[0] for row in writing.execute(
                 f"UPDATE deliveries SET state = 'sending', lease_until = :lease, "
                 f"claimed_by = :claimer WHERE id IN ({waiting}) RETURNING id",
                 dict(args, lease=lease, claimer=process_identity()))]
@@ -4417,15 +4528,53 @@ APP_EXTENSIONS.append(install_dashboard)
 # 11. Command line
 # ---------------------------------------------------------------------------------------------
 
+class OverloadLog:
+    """Takes the place of waitress's queue logger, which warns once per request that has to
+    wait for a free thread: under load that is a line per request, drowning every other line
+    and costing the request path. Here waiting requests are only counted, and reported at
+    most once per interval as one line with their number and the peak queue depth."""
+
+    def __init__(self, interval=10.0, clock=time.monotonic):
+        self.interval = interval
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.waited = 0
+        self.peak = 0
+        self.since = None
+        self.next_report = -math.inf
+
+    def warning(self, message, depth, *args):
+        """Called by waitress for each request queued behind busy threads."""
+        with self.lock:
+            if self.waited == 0:
+                self.since = self.clock()
+            self.waited += 1
+            self.peak = max(self.peak, depth)
+        self.tick()
+
+    def tick(self):
+        """Report what waited, if anything did and the interval since the last report is over."""
+        with self.lock:
+            now = self.clock()
+            if self.waited == 0 or now < self.next_report:
+                return
+            waited, peak, since = self.waited, self.peak, self.since
+            self.waited = self.peak = 0
+            self.next_report = now + self.interval
+        log.warning("overloaded: %d requests waited for a free thread over %.1fs "
+                    "(peak queue depth %d)", waited, max(now - since, 0.0), peak)
+
+
 class AccessLog:
     """One line per request on stderr. Lines are queued and written in batches by a thread of
     their own, so a request never waits on the terminal or a full pipe, and pays no logging
-    framework overhead."""
+    framework overhead. The same thread reports overload (see OverloadLog)."""
 
     def __init__(self, app, stream=None):
         self.app = app
         self.stream = stream or sys.stderr
         self.lines = collections.deque()
+        self.overload = OverloadLog()
         self.wake = threading.Event()
         self.writer = threading.Thread(target=self._write, name="ordering-access-log",
                                        daemon=True)
@@ -4448,6 +4597,7 @@ class AccessLog:
     def _write(self):
         while not self.wake.wait(0.2):
             self.flush()
+            self.overload.tick()
         self.flush()
 
     def flush(self):
@@ -4484,6 +4634,7 @@ def serve(settings, sockets=None):
     server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
                                     max_request_body_size=8 * settings.max_body_bytes,
                                     **where, **proxy)
+    server.task_dispatcher.queue_logger = access_log.overload
 
     def stop(signum, frame):
         # Once: a second signal (a terminal's SIGINT reaches workers and their parent, which

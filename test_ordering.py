@@ -1830,6 +1830,242 @@ def test_webhook_url_must_be_ascii(api, tenant):
 
 
 # ---------------------------------------------------------------------------------------------
+# Durability and group commit
+# ---------------------------------------------------------------------------------------------
+
+def test_connections_run_with_synchronous_full_by_default(app, db_path):
+    db = app.service.db
+    assert db.settings.synchronous == "FULL"
+    assert db.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    with db.write() as conn:
+        assert conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    opted_out = build_app(db_path, synchronous="normal", deliver=False)
+    assert opted_out.service.db.conn.execute("PRAGMA synchronous").fetchone()[0] == 1
+
+
+SYNCHRONOUS_REFUSED = ("synchronous (ORDERING_SYNCHRONOUS) must be one of OFF, NORMAL, FULL, "
+                       "EXTRA, not 'fast'")
+
+
+def test_unknown_synchronous_level_is_refused_at_start(db_path):
+    with pytest.raises(ValueError) as refused:
+        ordering.create_app(str(db_path), synchronous="fast")
+    assert str(refused.value) == SYNCHRONOUS_REFUSED
+    with pytest.raises(ValueError):
+        ordering.Settings.from_environment({"ORDERING_SYNCHRONOUS": "FULL; PRAGMA x"})
+    stderr = cli_refuses(db_path, "company-create", "--name", "Acme",
+                         env={"ORDERING_SYNCHRONOUS": "fast"}, message=SYNCHRONOUS_REFUSED)
+    assert "Traceback" not in stderr
+    assert not db_path.exists()
+
+
+class HeldCommits:
+    """Replaces a database's commit with one that waits until the test opens its gate, so
+    that writers pile up behind a commit in progress. fail holds the commits (by number,
+    from 1) that raise instead of committing."""
+
+    def __init__(self, db, fail=()):
+        self.db, self.fail, self.original = db, set(fail), db._commit
+        self.started, self.gates = 0, collections.defaultdict(threading.Event)
+        self.changed = threading.Condition()
+        db._commit = self.commit
+
+    def commit(self, conn):
+        with self.changed:
+            self.started += 1
+            number = self.started
+            self.changed.notify_all()
+        assert self.gates[number].wait(30)
+        if number in self.fail:
+            raise sqlite3.OperationalError("disk I/O error")
+        self.original(conn)
+
+    def wait_started(self, number):
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.started >= number, 30)
+
+    def wait_queued(self, writers):
+        deadline = time.monotonic() + 30
+        while self.db._queued < writers:
+            assert time.monotonic() < deadline, self.db._queued
+            time.sleep(0.005)
+
+    def queue_behind_first_commit(self, pool, first, others):
+        """Run first until its commit starts, then others until all of them wait behind it,
+        then let the first commit go on. Returns the futures, first's first."""
+        futures = [pool.submit(first)]
+        self.wait_started(1)
+        futures += [pool.submit(call) for call in others]
+        self.wait_queued(len(others))
+        self.gates[1].set()
+        return futures
+
+
+def rice_shop(db_path, stock):
+    """An app without delivery, its tenant, one product (Rice) and one customer."""
+    app = build_app(db_path, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    return (app, webtest.TestApp(app), tenant, tenant.product(name="Rice", stock=stock),
+            tenant.customer()["id"])
+
+
+def order_rice(api, tenant, rice, customer, quantity=1):
+    return api.post_json("/api/v1/orders", {
+        "customerId": customer, "items": [{"productId": rice["id"], "quantity": quantity}]},
+        headers=tenant.headers, expect_errors=True)
+
+
+def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_path):
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=10)
+    products_before = tenant.db.conn.execute("SELECT COUNT(*) FROM products").fetchone()[0]
+    held = HeldCommits(tenant.db)
+    commits_before = tenant.db.commits
+
+    def order(quantity):
+        response = order_rice(api, tenant, rice, customer, quantity)
+        seen = None
+        if response.status_int == 201:
+            check = sqlite3.connect(db_path)
+            seen = check.execute("SELECT COUNT(*) FROM orders WHERE id = ?",
+                                 (response.json["data"]["id"],)).fetchone()[0]
+            check.close()
+        return response, seen
+
+    def failing_body():
+        with tenant.db.write() as conn:
+            ordering.create_product(conn, tenant.id, name="Never", price_cents=100, stock=1)
+            raise RuntimeError("refused by the caller")
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        first, *batch, refused, failing = held.queue_behind_first_commit(
+            pool, functools.partial(order, 1),
+            [functools.partial(order, 2)] * 3 + [functools.partial(order, 50), failing_body])
+        held.wait_started(2)
+        # The second commit holds every body that queued behind the first one, and none of
+        # their requests has been answered while it is in progress.
+        assert not any(future.done() for future in batch)
+        held.gates[2].set()
+        results = [future.result(timeout=30) for future in [first, *batch]]
+        with pytest.raises(RuntimeError, match="refused by the caller"):
+            failing.result(timeout=30)
+        refusal, _ = refused.result(timeout=30)
+    assert tenant.db.commits - commits_before == 2
+    for response, seen in results:
+        assert response.status_int == 201 and seen == 1
+    # Bodies of one batch run in the order they get the connection; each sees the ones before.
+    assert refusal.status_int == 400 and refusal.json["error"] in [
+        f'Insufficient stock for product "Rice". Available: {left}, requested: 50.'
+        for left in (9, 7, 5, 3)]
+    conn = tenant.db.conn
+    assert conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 4
+    assert tenant.stock(rice["id"]) == 10 - 1 - 3 * 2
+    assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == products_before
+    app.service.close(grace=0)
+
+
+def test_each_request_of_a_batch_notifies_its_own_events_after_the_commit(db_path):
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=100)
+    subscribe(api, tenant, "https://hooks.example/a", ["order.created"])
+    notified, lock = [], threading.Lock()
+
+    def listener(event_ids):
+        check = sqlite3.connect(db_path)
+        bodies = [json.loads(check.execute("SELECT body FROM events WHERE id = ?",
+                                           (event_id,)).fetchone()[0]) for event_id in event_ids]
+        check.close()
+        with lock:
+            notified.append((threading.get_ident(), [b["data"]["id"] for b in bodies]))
+    tenant.db.on_commit(listener)
+    held = HeldCommits(tenant.db)
+    for number in range(2, 10):
+        held.gates[number].set()
+
+    def order():
+        response = order_rice(api, tenant, rice, customer)
+        assert response.status_int == 201
+        return threading.get_ident(), response.json["data"]["id"]
+
+    commits_before = tenant.db.commits
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = held.queue_behind_first_commit(pool, order, [order] * 4)
+        placed = [future.result(timeout=30) for future in futures]
+    assert tenant.db.commits - commits_before == 2
+    # Each caller is told of its own order's event, and only once that event is committed.
+    assert sorted(notified) == sorted((thread, [order_id]) for thread, order_id in placed)
+    app.service.close(grace=0)
+
+
+def test_a_failed_commit_fails_every_request_of_its_batch_and_no_other(db_path):
+    app, api, tenant, rice, customer = rice_shop(db_path, stock=100)
+    held = HeldCommits(tenant.db, fail={2})
+
+    def order():
+        return order_rice(api, tenant, rice, customer)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first, *batch = held.queue_behind_first_commit(pool, order, [order] * 3)
+        held.wait_started(2)
+        held.gates[2].set()
+        assert first.result(timeout=30).status_int == 201
+        assert [f.result(timeout=30).status_int for f in batch] == [500, 500, 500]
+    held.gates[3].set()
+    assert order().status_int == 201
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 2
+    assert tenant.stock(rice["id"]) == 98
+    app.service.close(grace=0)
+
+
+def test_overload_is_reported_once_per_interval_with_count_and_peak(caplog):
+    now = [100.0]
+    overload = ordering.OverloadLog(interval=10.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="ordering")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if "overloaded" in r.getMessage()]
+    overload.tick()
+    assert lines() == []
+    overload.warning("Task queue depth is %d", 3)
+    assert lines() == ["overloaded: 1 requests waited for a free thread over 0.0s "
+                       "(peak queue depth 3)"]
+    for depth in (5, 12, 7):
+        now[0] += 2.0
+        overload.warning("Task queue depth is %d", depth)
+    now[0] = 109.9
+    overload.tick()
+    assert len(lines()) == 1
+    now[0] = 110.0
+    overload.tick()
+    assert lines()[1:] == ["overloaded: 3 requests waited for a free thread over 8.0s "
+                           "(peak queue depth 12)"]
+    now[0] = 200.0
+    overload.tick()
+    assert len(lines()) == 2
+
+
+def test_a_server_under_more_requests_than_threads_logs_no_line_per_queued_request(db_path):
+    ordering.Database(str(db_path)).close()
+    process, port = start_server(db_path, "--threads", "1", "--ip-rate-limit", "0")
+    try:
+        def client(number):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            for _ in range(10):
+                connection.request("GET", "/healthz")
+                assert connection.getresponse().read() == b'{"status":"ok"}'
+            connection.close()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(client, range(16)))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    text = server_log(db_path)
+    assert text.count('"GET /healthz" 200') == 160
+    assert "Task queue depth" not in text
+    overloaded = re.findall(r"overloaded: (\d+) requests waited for a free thread over "
+                            r"[\d.]+s \(peak queue depth (\d+)\)", text)
+    assert len(overloaded) == 1 and int(overloaded[0][0]) >= 1, text[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
 # Hostile conditions through the real server (bench/hostile.py runs the heavier variants)
 # ---------------------------------------------------------------------------------------------
 
