@@ -1315,14 +1315,16 @@ def cli_json(db_path, *args, env=None):
     return value
 
 
-def cli_refuses(db_path, *args, message=None, env=None):
-    """An operator command that must fail: non-zero exit, nothing on stdout, a message on
-    stderr (containing message, when given)."""
+def cli_refuses(db_path, *args, message, env=None):
+    """An operator command that must refuse: nothing on stdout, no traceback, and stderr ending
+    in exactly `ordering COMMAND: message` (exit 1) or, for a bad argument that the parser
+    refuses, `ordering COMMAND: error: message` (exit 2)."""
     result = run_cli(db_path, *args, env=env)
-    assert result.returncode != 0 and result.stdout == ""
-    assert result.stderr.strip()
-    if message is not None:
-        assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode in (1, 2) and result.stdout == "", (result.returncode, result.stdout)
+    prefix = "error: " if result.returncode == 2 else ""
+    expected = f"\nordering {args[0]}: {prefix}{message}\n"
+    assert ("\n" + result.stderr).endswith(expected), result.stderr
     return result.stderr
 
 
@@ -1372,20 +1374,35 @@ def test_expired_key_from_the_command_line(db_path):
 
 def test_operator_commands_refuse_bad_input_and_write_nothing(db_path):
     company = cli_json(db_path, "company-create", "--name", "Acme")
-    assert "already exists" in cli_refuses(db_path, "company-create", "--name", "Acme")
-    cli_refuses(db_path, "key-create", "--company", "co_nope", "--scopes", "orders:read")
-    assert "scopes" in cli_refuses(db_path, "key-create", "--company", company["id"],
-                                   "--scopes", "orders:read,root:write")
+    cli_refuses(db_path, "company-create", "--name", "Acme",
+                message='A company with slug "acme" already exists.')
+    cli_refuses(db_path, "key-create", "--company", "co_nope", "--scopes", "orders:read",
+                message="Company not found.")
+    cli_refuses(db_path, "key-create", "--company", company["id"], "--scopes",
+                "orders:read,root:write", message="Validation failed.\n  scopes: must be some "
+                "of " + ", ".join(ALL_SCOPES))
     cli_refuses(db_path, "key-create", "--company", company["id"], "--scopes", "orders:read",
-                "--rate-limit", "0")
+                "--rate-limit", "0", message="argument --rate-limit: must be 1 or more")
     cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
-                "--price", "-1")
+                "--price", "-1", message="argument --price: must be an amount such as 12.50")
     cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
-                "--price", "1.234")
+                "--price", "1.234", message="argument --price: must be an amount such as 12.50")
     cli_refuses(db_path, "product-create", "--company", "co_nope", "--name", "X",
-                "--price", "1")
-    cli_refuses(db_path, "product-update", "prod_nope", "--price", "1")
-    cli_refuses(db_path, "key-revoke", "key_nope")
+                "--price", "1", message="Company not found.")
+    cli_refuses(db_path, "product-update", "prod_nope", "--price", "1",
+                message="Product not found.")
+    cli_refuses(db_path, "key-revoke", "key_nope", message="API key not found.")
+    # Numbers beyond SQLite's 64-bit integers once crashed the commands with a traceback.
+    huge = "9" * 30
+    cli_refuses(db_path, "key-create", "--company", company["id"], "--scopes", "orders:read",
+                "--rate-limit", huge, message="argument --rate-limit: must be 1000000000 or less")
+    cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
+                "--price", "1", "--low-stock-threshold", huge,
+                message="argument --low-stock-threshold: must be 1000000000 or less")
+    cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "X",
+                "--price", huge, message="argument --price: must be an amount from 0 to "
+                                         "10000000000")
+    cli_refuses(db_path, "backup", "", message="argument DEST: must not be empty")
     conn = sqlite3.connect(db_path)
     assert conn.execute("SELECT COUNT(*) FROM api_keys").fetchone()[0] == 0
     assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == 0
@@ -1540,7 +1557,8 @@ def test_backup_is_a_consistent_copy(api, tenant, db_path, tmp_path):
     assert result["integrity"] == "ok" and result["backup"] == str(destination)
     copy = sqlite3.connect(destination)
     assert copy.execute("SELECT name FROM products").fetchall() == [("Kept",)]
-    assert "already exists" in cli_refuses(db_path, "backup", str(destination))
+    cli_refuses(db_path, "backup", str(destination),
+                message=f"{destination} already exists; choose a new file.")
 
 
 def test_health_needs_no_key(api, app, monkeypatch):
@@ -2811,10 +2829,26 @@ def test_cli_storefront_order_prints_order_and_delivers(quiet_api, quiet_tenant,
 def test_cli_storefront_order_bad_input_fails(quiet_tenant, db_path):
     customer = quiet_tenant.customer()
     ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
-                 "--customer", customer["id"], "--item", "no-quantity")
+                 "--customer", customer["id"], "--item", "no-quantity",
+                 message="Validation failed.\n  item: must be PRODUCT_ID:QUANTITY")
     ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
                  "--customer", customer["id"], "--item", "prod_missing:1",
                  message='Product "prod_missing" not found or is inactive.')
+
+
+def test_blocked_customer_cannot_order_on_the_storefront(quiet_api, quiet_tenant, db_path):
+    # The spec: blocked customers cannot log in, so the storefront takes no order from them.
+    product = quiet_tenant.product(stock=5)
+    customer = quiet_tenant.customer(status="BLOCKED")
+    ev_cli_fails(db_path, "storefront-order", "--store", quiet_tenant.company["slug"],
+                 "--customer", customer["id"], "--item", f"{product['id']}:1",
+                 message="Customer is blocked.")
+    with pytest.raises(ordering.ApiError) as refused, quiet_tenant.db.write() as conn:
+        ordering.storefront_place_order(conn, quiet_tenant.company["slug"], customer["id"],
+                                        [{"productId": product["id"], "quantity": 1}])
+    assert (refused.value.status, refused.value.message) == (403, "Customer is blocked.")
+    assert quiet_tenant.stock(product["id"]) == 5
+    assert quiet_tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
 
 
 def _quiet_order(quiet_api, quiet_tenant, lines=1):
@@ -2868,7 +2902,8 @@ def test_cli_return_open_short_reason_fails_validation(quiet_api, quiet_tenant, 
 def test_cli_return_open_unknown_order_fails(quiet_tenant, db_path):
     ev_cli_fails(db_path, "return-open", "--order", "ord_missing", "--reason", "Whatever",
                  message="Order not found.")
-    ev_cli_fails(db_path, "return-open", "--reason", "Whatever")  # --order is required
+    ev_cli_fails(db_path, "return-open", "--reason", "Whatever",
+                 message="the following arguments are required: --order")
 
 
 def test_cli_return_approve_prints_and_delivers(quiet_api, quiet_tenant, receiver, db_path):
@@ -2924,9 +2959,15 @@ def test_cli_return_commands_bad_input_fail(quiet_api, quiet_tenant, db_path):
                  "1", "--damaged-units", "0", "--subtotal", "10.00",
                  message="Return is REQUESTED; only a RECEIVED return can become REFUNDED.")
     ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CASH", "--good-units",
-                 "1", "--damaged-units", "0", "--subtotal", "10.00")
+                 "1", "--damaged-units", "0", "--subtotal", "10.00",
+                 message="argument --method: invalid choice: 'CASH' (choose from 'CREDIT', "
+                         "'MANUAL')")
     ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--good-units",
-                 "-1", "--damaged-units", "0", "--subtotal", "10.00")
+                 "-1", "--damaged-units", "0", "--subtotal", "10.00",
+                 message="argument --good-units: must be 0 or more")
+    ev_cli_fails(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--good-units",
+                 "1", "--damaged-units", "9" * 30, "--subtotal", "10.00",
+                 message="argument --damaged-units: must be 1000000000 or less")
     conn = read_db(db_path)
     try:
         assert conn.execute("SELECT status FROM returns WHERE id = ?",
@@ -2956,10 +2997,14 @@ def test_cli_invoice_paid_bad_input_fails(quiet_tenant, db_path):
     common = ["--amount-paid", "1.00", "--hosted-invoice-url", "https://billing.example/x",
               "--number", "N1", "--period-start", "2026-03-01", "--period-end", "2026-04-01"]
     ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
-                 "--currency", "USD", *common)
+                 "--currency", "USD", *common,
+                 message="Validation failed.\n  currency: must be a three-letter lower-case code")
     ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
                  "--currency", "usd", "--amount-paid", "lots",
-                 *common[2:])
+                 *common[2:], message="argument --amount-paid: must be an amount such as 12.50")
+    ev_cli_fails(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_bad",
+                 "--currency", "usd", "--amount-paid", "9" * 30, *common[2:],
+                 message="argument --amount-paid: must be an amount from 0 to 10000000000")
 
 
 def test_cli_webhook_rotate_secret_prints_new_secret(quiet_api, quiet_tenant, receiver,
@@ -2974,7 +3019,8 @@ def test_cli_webhook_rotate_secret_prints_new_secret(quiet_api, quiet_tenant, re
                             headers=quiet_tenant.headers).json["data"]
     assert fetched["secretRotationGraceExpiresAt"] == printed["secretRotationGraceExpiresAt"]
     ev_cli_fails(db_path, "webhook-rotate-secret", "wh_missing", message="Webhook not found.")
-    ev_cli_fails(db_path, "webhook-rotate-secret", hook["id"], "--grace-hours", "-1")
+    ev_cli_fails(db_path, "webhook-rotate-secret", hook["id"], "--grace-hours", "-1",
+                 message="Validation failed.\n  graceHours: must be 0 to 720")
 
 
 def test_cli_deliveries_prints_recent_log(quiet_api, quiet_tenant, receiver, db_path):
