@@ -461,6 +461,41 @@ def test_cursor_walk_returns_every_record_once_newest_first(api, tenant):
     assert seen == list(reversed(made))
 
 
+def make_records(api, tenant, resource, count):
+    """count records of a list endpoint's resource, oldest first, and their IDs."""
+    if resource == "orders":
+        product, customer = tenant.product(stock=1000), tenant.customer()
+        return [place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                      customer_id=customer["id"]).json["data"]["id"] for _ in range(count)]
+    if resource == "customers":
+        return [tenant.customer()["id"] for _ in range(count)]
+    return [tenant.product(name=f"P{i}")["id"] for i in range(count)]
+
+
+@pytest.mark.parametrize("resource", ["products", "orders", "customers"])
+def test_a_page_holding_exactly_the_remaining_records_is_the_last(api, tenant, resource,
+                                                                   monkeypatch):
+    paginated = []
+    real = ordering.paginate
+    monkeypatch.setattr(ordering, "paginate",
+                        lambda conn, table, *args, **kw: paginated.append(table) or real(
+                            conn, table, *args, **kw))
+    made = list(reversed(make_records(api, tenant, resource, 3)))
+    only = api.get(f"/api/v1/{resource}", {"limit": "3"}, headers=tenant.headers).json
+    assert [r["id"] for r in only["data"]] == made
+    assert only["pagination"] == {"hasMore": False, "nextCursor": None}
+    made = list(reversed(make_records(api, tenant, resource, 3))) + made
+    first = api.get(f"/api/v1/{resource}", {"limit": "3"}, headers=tenant.headers).json
+    assert [r["id"] for r in first["data"]] == made[:3]
+    assert first["pagination"] == {"hasMore": True, "nextCursor": made[2]}
+    last = api.get(f"/api/v1/{resource}", {"limit": "3", "cursor": made[2]},
+                   headers=tenant.headers).json
+    assert [r["id"] for r in last["data"]] == made[3:]
+    assert last["pagination"] == {"hasMore": False, "nextCursor": None}
+    # Every list endpoint pages through the one paginator.
+    assert paginated == [resource] * 3
+
+
 def test_equal_timestamps_never_skip_or_repeat(api, tenant):
     with tenant.db.write() as conn:
         for i in range(9):
@@ -1230,27 +1265,83 @@ def test_same_key_from_eight_threads_places_one_order(app, tenant):
 # Rate limits
 # ---------------------------------------------------------------------------------------------
 
-def test_key_rate_limit_429_and_headers(api, tenant, other):
+class Clock:
+    """The service's rate-limit clock, held still (45.5 s into a minute) until moved."""
+
+    def __init__(self, app, now=1_000_000 * 60 + 45.5):
+        self.now = now
+        app.service.clock = lambda: self.now
+
+
+def test_key_rate_limit_429_and_headers(app, api, tenant, other):
+    Clock(app)
     key = tenant.new_key(ALL_SCOPES, rate_limit=3)
     for remaining in (2, 1, 0):
         response = api.get("/api/v1/products", headers=auth(key))
         assert response.headers["X-RateLimit-Limit"] == "3"
         assert response.headers["X-RateLimit-Remaining"] == str(remaining)
-        assert 1 <= int(response.headers["X-RateLimit-Reset"]) <= 60
+        assert response.headers["X-RateLimit-Reset"] == "15"
     refused = api.get("/api/v1/products", headers=auth(key), status=429)
-    assert set(refused.json) == {"error", "retryAfter"}
-    assert refused.json["error"] == "Rate limit exceeded. Try again shortly."
-    assert 1 <= refused.json["retryAfter"] <= 60
-    assert refused.headers["Retry-After"] == str(refused.json["retryAfter"])
-    assert refused.headers["X-RateLimit-Remaining"] == "0"
+    assert refused.json == {"error": "Rate limit exceeded. Try again shortly.", "retryAfter": 15}
+    assert refused.headers["Retry-After"] == "15"
+    assert (refused.headers["X-RateLimit-Limit"], refused.headers["X-RateLimit-Remaining"],
+            refused.headers["X-RateLimit-Reset"]) == ("3", "0", "15")
     api.get("/api/v1/products", headers=tenant.headers, status=200)
     api.get("/api/v1/products", headers=other.headers, status=200)
 
 
-def test_default_budget_is_sixty_per_minute(api, tenant):
+def test_key_rate_limit_is_counted_per_key_not_per_company(app, api, tenant):
+    Clock(app)
+    first, second = (tenant.new_key(ALL_SCOPES, rate_limit=2) for _ in range(2))
+    for remaining in ("1", "0"):
+        assert api.get("/api/v1/products", headers=auth(first)).headers[
+            "X-RateLimit-Remaining"] == remaining
+    assert_error(api.get("/api/v1/products", headers=auth(first), status=429), 429,
+                 "Rate limit exceeded. Try again shortly.")
+    for remaining in ("1", "0"):
+        assert api.get("/api/v1/products", headers=auth(second)).headers[
+            "X-RateLimit-Remaining"] == remaining
+    assert_error(api.get("/api/v1/products", headers=auth(second), status=429), 429,
+                 "Rate limit exceeded. Try again shortly.")
+
+
+def test_key_rate_limit_comes_before_the_scope_and_heads_every_answer(app, api, tenant):
+    # README: per-key rate limit (429) before scope (403); refusals are counted and carry the
+    # X-RateLimit-* headers like any other answer to an authenticated request.
+    Clock(app)
+    key = tenant.new_key(["orders:read"], rate_limit=3)
+    answers = [api.get("/api/v1/products", headers=auth(key), status=403),
+               api.get("/api/v1/orders/ord_nope", headers=auth(key), status=404),
+               api.get("/api/v1/orders?since=never", headers=auth(key), status=400)]
+    assert [(r.headers["X-RateLimit-Limit"], r.headers["X-RateLimit-Remaining"],
+             r.headers["X-RateLimit-Reset"]) for r in answers] == [
+        ("3", "2", "15"), ("3", "1", "15"), ("3", "0", "15")]
+    assert_error(api.get("/api/v1/products", headers=auth(key), status=429), 429,
+                 "Rate limit exceeded. Try again shortly.")
+
+
+def test_key_budget_returns_when_the_minute_turns(app, api, tenant):
+    clock = Clock(app)
+    key = tenant.new_key(ALL_SCOPES, rate_limit=1)
+    api.get("/api/v1/products", headers=auth(key), status=200)
+    clock.now += 14
+    refused = api.get("/api/v1/products", headers=auth(key), status=429)
+    assert refused.json["retryAfter"] == 1
+    clock.now += 0.5
+    response = api.get("/api/v1/products", headers=auth(key), status=200)
+    assert (response.headers["X-RateLimit-Remaining"],
+            response.headers["X-RateLimit-Reset"]) == ("0", "60")
+
+
+def test_default_budget_is_sixty_per_minute(app, api, tenant):
+    Clock(app)
     assert tenant.key["rateLimit"] == 60
-    response = api.get("/api/v1/products", headers=tenant.headers)
-    assert response.headers["X-RateLimit-Limit"] == "60"
+    for remaining in range(59, -1, -1):
+        response = api.get("/api/v1/products", headers=tenant.headers)
+        assert (response.headers["X-RateLimit-Limit"],
+                response.headers["X-RateLimit-Remaining"]) == ("60", str(remaining))
+    assert_error(api.get("/api/v1/products", headers=tenant.headers, status=429), 429,
+                 "Rate limit exceeded. Try again shortly.")
 
 
 def test_window_counter_resets_each_minute():
@@ -1265,13 +1356,15 @@ def test_window_counter_resets_each_minute():
 
 def test_ip_rate_limit_comes_before_authentication(db_path):
     app = build_app(db_path, ip_rate_limit=2)
+    Clock(app)
     try:
         api = webtest.TestApp(app)
         api.get("/api/v1/products", status=401)
         api.get("/api/v1/products", status=401)
         refused = api.get("/api/v1/products", status=429)
-        assert refused.json["error"] == "Rate limit exceeded. Try again shortly."
-        assert refused.json["retryAfter"] >= 1
+        assert refused.json == {"error": "Rate limit exceeded. Try again shortly.",
+                                "retryAfter": 15}
+        assert refused.headers["Retry-After"] == "15"
         other_client = api.get("/api/v1/products", extra_environ={"REMOTE_ADDR": "10.1.1.1"},
                                status=401)
         assert other_client.json["error"] == MISSING
@@ -2771,6 +2864,27 @@ def test_secret_rotation_without_grace_drops_old_signature(api, tenant, receiver
     assert header(request, "X-Webhook-Signature-Old") is None
     fetched = api.get(f"/api/v1/webhooks/{hook['id']}", headers=tenant.headers).json["data"]
     assert fetched["secretRotationGraceExpiresAt"] is None
+
+
+def test_after_the_grace_window_only_the_new_secret_signs(api, tenant, receiver, db_path):
+    hook = subscribe(api, tenant, receiver.url, ["customer.created"])
+    with tenant.db.write() as conn:
+        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=1)
+        # The window has ended: the old secret is still stored, its expiry is past.
+        conn.execute("UPDATE webhooks SET grace_expires_at = ? WHERE id = ?",
+                     (ordering.iso(int(time.time() * 1000) - 1), hook["id"]))
+    api.post_json("/api/v1/customers", {"email": "ended@example.com"}, headers=tenant.headers,
+                  status=201)
+    request = one(receiver, "customer.created")
+    assert_signed(request, rotated["secret"], "customer.created", db_path)
+    assert header(request, "X-Webhook-Signature-Old") is None
+    fetched = api.get(f"/api/v1/webhooks/{hook['id']}", headers=tenant.headers).json["data"]
+    assert fetched["secretRotationGraceExpiresAt"] is None
+    listed = api.get("/api/v1/webhooks", headers=tenant.headers).json["data"]
+    assert [w["secretRotationGraceExpiresAt"] for w in listed] == [None]
+    patched = api.patch_json(f"/api/v1/webhooks/{hook['id']}", {"isActive": True},
+                             headers=tenant.headers).json["data"]
+    assert patched["secretRotationGraceExpiresAt"] is None
 
 
 def test_delivery_without_rotation_has_no_old_signature(api, tenant, receiver):
