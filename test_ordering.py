@@ -2808,12 +2808,65 @@ def deliver_to_loopback(db_path, receiver, allow_private):
 
 
 def test_loopback_destination_is_refused_by_default(db_path, receiver):
-    rows = deliver_to_loopback(db_path, receiver, allow_private=False)
-    assert len(rows) == 1
-    assert rows[0]["success"] == 0 and rows[0]["status_code"] is None
-    assert "Refused" in rows[0]["response_body"]
-    time.sleep(0.2)
+    rows = deliver_to_loopback(db_path, receiver, allow_private=None)  # the module's default
+    assert [(r["success"], r["status_code"], r["response_body"]) for r in rows] == [
+        (0, None, "Refused: 127.0.0.1 resolves to 127.0.0.1, a loopback, private, link-local "
+                  "or reserved address.")]
+    # The attempt is over (logged): a refused destination is never connected to.
     assert receiver.requests == []
+
+
+def test_a_host_is_refused_when_any_of_its_addresses_is_private(db_path, receiver, monkeypatch):
+    # hooks.example answers with a public address, the receiver's loopback one, and another
+    # public one: the sender must look at every answer, not only the first or the last.
+    answers = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", receiver.port)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", receiver.port)),
+               (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("198.51.100.7", receiver.port))]
+    asked = []
+    monkeypatch.setattr(ordering, "resolve",
+                        lambda host, port, timeout: asked.append((host, port)) or answers)
+    app = build_app(db_path, allow_private_webhooks=False)
+    try:
+        api = webtest.TestApp(app)
+        tenant = Tenant(app, "Split Horizon Ltd")
+        hook = subscribe(api, tenant, f"http://hooks.example:{receiver.port}/h",
+                         ["customer.created"])
+        api.post_json("/api/v1/customers", {"email": "split@example.com"},
+                      headers=tenant.headers, status=201)
+        rows = done_rows(db_path, hook["id"], 1)
+    finally:
+        app.service.close(grace=0)
+    assert asked == [("hooks.example", receiver.port)]
+    assert [(r["success"], r["status_code"], r["response_body"]) for r in rows] == [
+        (0, None, "Refused: hooks.example resolves to 127.0.0.1, a loopback, private, "
+                  "link-local or reserved address.")]
+    assert receiver.requests == []
+
+
+def test_delivery_connects_to_the_address_it_checked(api, tenant, receiver, db_path,
+                                                     monkeypatch):
+    # No second lookup between the check and the connection (DNS rebinding): the name below
+    # resolves nowhere but through the sender's resolver.
+    monkeypatch.setattr(ordering, "resolve", lambda host, port, timeout: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", receiver.port))])
+    hook = subscribe(api, tenant, f"http://rebind.invalid:{receiver.port}/h",
+                     ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "rebind@example.com"}, headers=tenant.headers,
+                  status=201)
+    request = one(receiver, "customer.created")
+    assert header(request, "Host") == f"rebind.invalid:{receiver.port}"
+    assert [(r["success"], r["status_code"]) for r in done_rows(db_path, hook["id"], 1)] == [
+        (1, 200)]
+
+
+@pytest.mark.parametrize("address,allowed", [
+    ("127.0.0.1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
+    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False),
+    ("224.0.0.1", False), ("255.255.255.255", False), ("::1", False), ("fe80::1%eth0", False),
+    ("fc00::1", False), ("::ffff:127.0.0.1", False), ("::ffff:10.0.0.1", False),
+    ("93.184.216.34", True), ("2606:4700::1111", True), ("::ffff:93.184.216.34", True)])
+def test_delivery_address_check(address, allowed):
+    assert ordering.address_allowed(address) is allowed
 
 
 def test_loopback_destination_is_allowed_with_the_flag(db_path, receiver):
