@@ -360,36 +360,63 @@ def test_keys_are_stored_only_as_sha256(app, tenant):
             assert secret_part not in content and secret_part[:16] not in content
 
 
+# Each endpoint: method, path, the scope it needs, a valid body, the success status and the
+# fields of the record it answers with (a list when the answer is a list).
 ENDPOINT_SCOPES = [
-    ("GET", "/api/v1/products", "products:read"),
-    ("GET", "/api/v1/products/x", "products:read"),
-    ("GET", "/api/v1/orders", "orders:read"),
-    ("GET", "/api/v1/orders/x", "orders:read"),
-    ("POST", "/api/v1/orders", "orders:write"),
-    ("PATCH", "/api/v1/orders/x", "orders:write"),
-    ("GET", "/api/v1/customers", "customers:read"),
-    ("GET", "/api/v1/customers/x", "customers:read"),
-    ("POST", "/api/v1/customers", "customers:write"),
-    ("PATCH", "/api/v1/customers/x", "customers:write"),
-    ("GET", "/api/v1/webhooks", "webhooks:read"),
-    ("GET", "/api/v1/webhooks/x", "webhooks:read"),
-    ("POST", "/api/v1/webhooks", "webhooks:write"),
-    ("PATCH", "/api/v1/webhooks/x", "webhooks:write"),
-    ("DELETE", "/api/v1/webhooks/x", "webhooks:write"),
+    ("GET", "/api/v1/products", "products:read", None, 200, [PRODUCT_FIELDS]),
+    ("GET", "/api/v1/products/{product}", "products:read", None, 200, PRODUCT_FIELDS),
+    ("GET", "/api/v1/orders", "orders:read", None, 200, [ORDER_FIELDS]),
+    ("GET", "/api/v1/orders/{order}", "orders:read", None, 200, ORDER_FIELDS),
+    ("POST", "/api/v1/orders", "orders:write", {
+        "customerId": "{customer}", "items": [{"productId": "{product}", "quantity": 1}]},
+     201, ORDER_FIELDS),
+    ("PATCH", "/api/v1/orders/{order}", "orders:write", {"status": "CONFIRMED"}, 200,
+     ORDER_FIELDS),
+    ("GET", "/api/v1/customers", "customers:read", None, 200, [CUSTOMER_FIELDS]),
+    ("GET", "/api/v1/customers/{customer}", "customers:read", None, 200, CUSTOMER_FIELDS),
+    ("POST", "/api/v1/customers", "customers:write", {"email": "scoped@example.com"}, 201,
+     CUSTOMER_FIELDS),
+    ("PATCH", "/api/v1/customers/{customer}", "customers:write", {"name": "Scoped"}, 200,
+     CUSTOMER_FIELDS),
+    ("GET", "/api/v1/webhooks", "webhooks:read", None, 200, [WEBHOOK_FIELDS]),
+    ("GET", "/api/v1/webhooks/{webhook}", "webhooks:read", None, 200, WEBHOOK_FIELDS),
+    ("POST", "/api/v1/webhooks", "webhooks:write", {
+        "url": "https://hooks.example/scoped", "events": ["order.created"]}, 201,
+     WEBHOOK_FIELDS | {"secret"}),
+    ("PATCH", "/api/v1/webhooks/{webhook}", "webhooks:write", {"isActive": False}, 200,
+     WEBHOOK_FIELDS),
+    ("DELETE", "/api/v1/webhooks/{webhook}", "webhooks:write", None, 200, {"id", "deleted"}),
 ]
 
 
-@pytest.mark.parametrize("method,path,scope", ENDPOINT_SCOPES)
-def test_every_endpoint_checks_its_scope(api, tenant, method, path, scope):
+@pytest.mark.parametrize("method,path,scope,body,status,fields", ENDPOINT_SCOPES,
+                         ids=[f"{e[0]} {e[1]}" for e in ENDPOINT_SCOPES])
+def test_every_endpoint_checks_its_scope(api, tenant, method, path, scope, body, status,
+                                         fields):
+    product = tenant.product()
+    ids = {"product": product["id"], "customer": tenant.customer()["id"],
+           "webhook": subscribe(api, tenant, "https://hooks.example/a", ["order.created"])["id"]}
+    ids["order"] = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                         customer_id=ids["customer"]).json["data"]["id"]
+    url = path.format(**ids)
+    raw = "" if body is None else json.dumps(body)
+    for name, value in ids.items():
+        raw = raw.replace("{" + name + "}", value)
     others = [s for s in ALL_SCOPES if s != scope]
-    key = tenant.new_key(others)
-    response = api.request(path, method=method, headers=dict(
-        auth(key), **{"Content-Type": "application/json"}), body=b"{}", expect_errors=True)
+    response = api.request(url, method=method, headers=dict(
+        auth(tenant.new_key(others)), **{"Content-Type": "application/json"}),
+        body=raw.encode(), expect_errors=True)
     assert_error(response, 403, f'Insufficient permissions. This key lacks the "{scope}" scope.')
-    allowed = tenant.new_key([scope])
-    response = api.request(path, method=method, headers=dict(
-        auth(allowed), **{"Content-Type": "application/json"}), body=b"{}", expect_errors=True)
-    assert response.status_int != 403
+    response = api.request(url, method=method, headers=dict(
+        auth(tenant.new_key([scope])), **{"Content-Type": "application/json"}),
+        body=raw.encode(), expect_errors=True)
+    assert response.status_int == status, response.body
+    if isinstance(fields, list):
+        assert set(response.json) == ({"data", "pagination"} if scope != "webhooks:read"
+                                      else {"data"})
+        assert response.json["data"] and all(set(r) == fields[0] for r in response.json["data"])
+    else:
+        assert set(response.json) == {"data"} and set(response.json["data"]) == fields
 
 
 def test_read_scope_is_needed_even_with_the_write_scope(api, tenant):
@@ -534,20 +561,46 @@ def test_tables_lead_with_the_columns_the_serializers_read(app):
         assert names[:len(columns)] == columns, table
 
 
-def test_lists_are_served_by_an_index(app):
-    conn = app.service.db.conn
-    plans = {
-        "products": "SELECT * FROM products WHERE company_id = ? AND (created_at, id) < (?, ?) "
-                    "ORDER BY created_at DESC, id DESC LIMIT 51",
-        "orders": "SELECT * FROM orders WHERE company_id = ? AND status = ? "
-                  "AND (created_at, id) < (?, ?) ORDER BY created_at DESC, id DESC LIMIT 51",
-        "customers": "SELECT * FROM customers WHERE company_id = ? "
-                     "ORDER BY created_at DESC, id DESC LIMIT 51",
-    }
-    for table, sql in plans.items():
-        args = [None] * sql.count("?")
-        detail = " ".join(row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, args))
-        assert "USING INDEX" in detail and "TEMP B-TREE" not in detail, (table, detail)
+LIST_QUERIES = [
+    "/api/v1/products?limit=2", "/api/v1/products?limit=2&category=Grains",
+    "/api/v1/products?limit=2&active=true", "/api/v1/products?limit=2&search=rice",
+    "/api/v1/orders?limit=2", "/api/v1/orders?limit=2&status=SUBMITTED",
+    "/api/v1/orders?limit=2&customerId={customer}",
+    "/api/v1/orders?limit=2&since=2020-01-01&until=2100-01-01",
+    "/api/v1/customers?limit=2", "/api/v1/customers?limit=2&status=ACTIVE",
+    "/api/v1/customers?limit=2&search=example",
+]
+
+
+@pytest.mark.parametrize("query", LIST_QUERIES)
+def test_lists_are_served_by_an_index(api, tenant, query):
+    product = tenant.product(category="Grains", stock=1000)
+    customer = tenant.customer()
+    for _ in range(5):
+        place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+              customer_id=customer["id"])
+        tenant.product(name="Rice", category="Grains")
+        tenant.customer()
+    url = query.format(customer=customer["id"])
+    # The statements the list code really runs, first page and a page after a cursor, with
+    # their bound values (the trace callback sees the expanded SQL).
+    conn, statements = tenant.db.conn, []
+    conn.set_trace_callback(statements.append)
+    try:
+        cursor = api.get(url, headers=tenant.headers).json["pagination"]["nextCursor"]
+        assert cursor is not None
+        api.get(url + "&cursor=" + cursor, headers=tenant.headers)
+    finally:
+        conn.set_trace_callback(None)
+    selects = [sql for sql in statements if sql.lstrip().upper().startswith("SELECT")]
+    table = url.split("/")[3].split("?")[0]
+    assert any(f"FROM {table} WHERE" in sql for sql in selects), selects
+    for sql in selects:
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+        assert not any("TEMP B-TREE" in step for step in plan), (sql, plan)
+        assert not any(re.fullmatch(r"SCAN \w+", step) for step in plan), (sql, plan)
+        if f"FROM {table} WHERE company_id" in sql and "ORDER BY" in sql:
+            assert any(f"USING INDEX {table}_by_company" in step for step in plan), (sql, plan)
 
 
 # ---------------------------------------------------------------------------------------------
