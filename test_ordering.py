@@ -1303,6 +1303,8 @@ def test_client_errors_are_replayed_too(api, tenant):
     customer = tenant.customer()
     body = {"customerId": customer["id"], "items": [{"productId": product["id"], "quantity": 2}]}
     first = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "e"), status=400)
+    assert_error(first, 400, 'Insufficient stock for product "Rice 25kg". Available: 1, '
+                             'requested: 2.')
     with tenant.db.write() as conn:
         conn.execute("UPDATE products SET stock = 5")
     again = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "e"), status=400)
@@ -1334,10 +1336,11 @@ def test_malformed_idempotency_key_is_400(api, tenant, value):
 
 def test_refused_requests_never_touch_the_store(api, tenant):
     key = tenant.new_key(["customers:read"])
-    api.post_json("/api/v1/customers", {"email": "r@example.com"},
-                  headers=dict(auth(key), **{"Idempotency-Key": "r"}), status=403)
-    api.post_json("/api/v1/customers", {"email": "r@example.com"},
-                  headers={"Authorization": "Bearer wrong", "Idempotency-Key": "r"}, status=401)
+    assert_error(api.post_json("/api/v1/customers", {"email": "r@example.com"},
+                               headers=dict(auth(key), **{"Idempotency-Key": "r"}), status=403),
+                 403, 'Insufficient permissions. This key lacks the "customers:write" scope.')
+    assert_error(api.post_json("/api/v1/customers", {"email": "r@example.com"}, headers={
+        "Authorization": "Bearer wrong", "Idempotency-Key": "r"}, status=401), 401, INVALID)
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM idempotency_keys").fetchone()[0] == 0
     api.post_json("/api/v1/customers", {"email": "r@example.com"},
                   headers=with_key(tenant, "r"), status=201)
@@ -1494,8 +1497,8 @@ def test_ip_rate_limit_comes_before_authentication(db_path):
     Clock(app)
     try:
         api = webtest.TestApp(app)
-        api.get("/api/v1/products", status=401)
-        api.get("/api/v1/products", status=401)
+        for _ in range(2):
+            assert_error(api.get("/api/v1/products", status=401), 401, MISSING)
         refused = api.get("/api/v1/products", status=429)
         assert refused.json == {"error": "Rate limit exceeded. Try again shortly.",
                                 "retryAfter": 15}
@@ -1595,7 +1598,8 @@ def test_expired_key_from_the_command_line(db_path):
     assert key["expiresAt"] == "2020-01-01T00:00:00.000Z"
     app = build_app(db_path)
     try:
-        webtest.TestApp(app).get("/api/v1/products", headers=auth(key), status=401)
+        assert_error(webtest.TestApp(app).get("/api/v1/products", headers=auth(key), status=401),
+                     401, INVALID)
     finally:
         app.service.close(grace=0)
 
@@ -3877,12 +3881,18 @@ def test_odd_content_length_headers(seeded, caplog, method, path, length):
 
 # Bugs found -----------------------------------------------------------------------------------
 
+QUANTITY_TOO_LOW = {"error": "quantity must be at least 1"}
+QUANTITY_TOO_HIGH = {"error": "Validation failed.", "details": [
+    {"field": "items[0].quantity", "rule": "must be at most 1000000000"}]}
+
+
 @pytest.mark.parametrize("quantity", [b"1" + b"0" * 309, b"-1" + b"0" * 309, b"9" * 3999],
                          ids=["1e309", "-1e309", "3999 nines"])
 def test_huge_integer_quantity_is_400_not_500(seeded, caplog, quantity):
     raw = b'{"customerId":"c","items":[{"productId":"p","quantity":' + quantity + b"}]}"
     response = check(seeded, caplog, "POST", "/api/v1/orders", raw,
                      dict(seeded.headers, **{"Content-Type": "application/json"}))
+    assert response.json == (QUANTITY_TOO_LOW if quantity.startswith(b"-") else QUANTITY_TOO_HIGH)
     assert response.status_int == 400
 
 
@@ -3896,6 +3906,7 @@ def test_any_integer_quantity_beyond_doubles_is_400(seeded, caplog, quantity):
     response = check(seeded, caplog, "POST", "/api/v1/orders", json_body(body),
                      dict(seeded.headers, **{"Content-Type": "application/json"}))
     assert response.status_int == 400
+    assert response.json == (QUANTITY_TOO_LOW if quantity < 0 else QUANTITY_TOO_HIGH)
 
 
 @pytest.mark.parametrize("method,path", BODY_ROUTES, ids=[f"{m} {p}" for m, p in BODY_ROUTES])
@@ -3905,7 +3916,10 @@ def test_deep_nesting_with_unicode_escape_is_400_not_500(seeded, caplog, method,
         raw = b"[" * depth + b'"\\u0041"' + b"]" * depth
         response = check(seeded, caplog, method, url, raw,
                          dict(seeded.headers, **{"Content-Type": "application/json"}))
-        assert response.status_int == 400  # Invalid JSON body. / Validation failed.
+        assert response.status_int == 400
+        assert response.json in ({"error": "Invalid JSON body."}, {
+            "error": "Validation failed.",
+            "details": [{"field": "body", "rule": "must be a JSON object"}]}), response.json
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4271,8 +4285,10 @@ def test_idempotency_key_of_other_company_is_not_replayed(companies, resource, s
         mine = a_first.json["data"]
         assert mine["id"] != b_first.json["data"]["id"]
         assert as_a(c, "GET", f"/api/v1/{resource}/{mine['id']}")[0] == 200
-        assert c.api.get(f"/api/v1/{resource}/{mine['id']}", headers=c.b.headers,
-                         expect_errors=True).status_int == 404
+        assert_error(c.api.get(f"/api/v1/{resource}/{mine['id']}", headers=c.b.headers,
+                               expect_errors=True), 404,
+                     {"orders": "Order not found.", "customers": "Customer not found.",
+                      "webhooks": "Webhook not found."}[resource])
         if resource == "webhooks":
             assert mine["secret"] != b_first.json["data"]["secret"]
     # B's stored response is untouched: B still gets its own bytes back, A its own.
