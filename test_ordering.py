@@ -2531,6 +2531,32 @@ def test_event_order_status_changed_from_patch(api, tenant, receiver, db_path):
     assert data["customerId"] == order["customerId"] and len(data["items"]) == 1
 
 
+def recorded_events(db_path):
+    """(name, data) of every event in the outbox, in the order they were emitted."""
+    conn = read_db(db_path)
+    try:
+        return [(name, json.loads(body)["data"]) for name, body in conn.execute(
+            "SELECT name, body FROM events ORDER BY rowid")]
+    finally:
+        conn.close()
+
+
+def test_every_status_patch_emits_its_events_even_to_the_same_status(quiet_api, quiet_tenant,
+                                                                     db_path):
+    quiet_subscribe(quiet_api, quiet_tenant, HOOK,
+                    ["order.status_changed", "order.shipped", "order.cancelled"])
+    order = new_order(quiet_api, quiet_tenant)
+    for status in ("SUBMITTED", "SHIPPED", "SHIPPED", "CANCELLED"):
+        quiet_api.patch_json(f"/api/v1/orders/{order['id']}", {"status": status},
+                             headers=quiet_tenant.headers, status=200)
+    assert [(name, data.get("status"), data["previousStatus"])
+            for name, data in recorded_events(db_path)] == [
+        ("order.status_changed", "SUBMITTED", "SUBMITTED"),
+        ("order.status_changed", "SHIPPED", "SUBMITTED"), ("order.shipped", None, "SUBMITTED"),
+        ("order.status_changed", "SHIPPED", "SHIPPED"), ("order.shipped", None, "SHIPPED"),
+        ("order.status_changed", "CANCELLED", "SHIPPED"), ("order.cancelled", None, "SHIPPED")]
+
+
 def test_event_order_shipped_with_tracking(api, tenant, receiver, db_path):
     hook = subscribe(api, tenant, receiver.url, ["order.shipped", "order.status_changed"])
     product = tenant.product(stock=50)
