@@ -1356,6 +1356,37 @@ def test_keys_are_scoped_to_the_company(api, tenant, other):
     assert mine.json["data"]["id"] != theirs.json["data"]["id"]
 
 
+def test_a_key_in_progress_holds_back_only_its_own_company(app, api, tenant, other,
+                                                          monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    real = ordering.create_customer
+
+    def held(conn, company_id, body, *args, **kwargs):
+        if body.get("email") == "held@example.com":
+            entered.set()
+            release.wait(30)
+        return real(conn, company_id, body, *args, **kwargs)
+    monkeypatch.setattr(ordering, "create_customer", held)
+    post = functools.partial(api.post_json, "/api/v1/customers", expect_errors=True)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(post, {"email": "held@example.com"},
+                                headers=with_key(other, "shared"))
+            assert entered.wait(30)
+            assert_error(post({"email": "held@example.com"}, headers=with_key(other, "shared")),
+                         409, "A request with this Idempotency-Key is still in progress.")
+            mine = pool.submit(post, {"email": "mine@example.com"},
+                               headers=with_key(tenant, "shared"))
+            # Past the in-progress check (or refused by it) before the first one is let go.
+            assert wait_until(lambda: (tenant.id, "shared") in app.service.idempotency_running
+                              or mine.done())
+        finally:
+            release.set()
+        assert first.result().status_int == 201
+        assert mine.result().status_int == 201, mine.result().body
+        assert mine.result().json["data"]["email"] == "mine@example.com"
+
+
 def test_expired_keys_are_forgotten_and_purged(app, api, tenant):
     body = {"email": "x@example.com"}
     api.post_json("/api/v1/customers", body, headers=with_key(tenant, "old"), status=201)
