@@ -159,6 +159,7 @@ class Receiver:
         self.requests = []
         self.arrivals = []
         self.behaviour = {}
+        self.bodies = {}  # path to the response body (b"ok" when not given)
         self.arrived = threading.Condition()
         receiver = self
 
@@ -177,9 +178,10 @@ class Receiver:
                     self.send_response(status)
                     for name, value in headers.items():
                         self.send_header(name, value)
-                    self.send_header("Content-Length", "2")
+                    payload = receiver.bodies.get(self.path, b"ok")
+                    self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
-                    self.wfile.write(b"ok")
+                    self.wfile.write(payload)
                 except OSError:
                     pass
                 with receiver.arrived:
@@ -2833,6 +2835,18 @@ def test_delivery_log_records_2xx_as_success(api, tenant, receiver, db_path):
     assert log[0]["responseBody"] == "ok"
     assert log[0]["payload"] == receiver.requests[0]["json"]
     assert ISO_MS.match(log[0]["createdAt"])
+
+
+def test_delivery_log_keeps_the_first_2000_characters_of_the_response(api, tenant, receiver,
+                                                                      db_path):
+    hook = subscribe(api, tenant, receiver.url + "/long", ["customer.created"])
+    receiver.bodies["/long"] = ("x" * 1999 + "é" * 501).encode("utf-8")
+    api.post_json("/api/v1/customers", {"email": "long@example.com"}, headers=tenant.headers,
+                  status=201)
+    rows = done_rows(db_path, hook["id"], 1)
+    assert [(r["success"], r["response_body"]) for r in rows] == [(1, "x" * 1999 + "é")]
+    log = ordering.recent_deliveries(tenant.db.conn, hook["id"])
+    assert log[0]["responseBody"] == "x" * 1999 + "é"
 
 
 def test_delivery_log_records_500_as_failure(api, tenant, receiver, db_path):
