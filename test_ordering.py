@@ -1336,6 +1336,15 @@ def test_malformed_idempotency_key_is_400(api, tenant, value):
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 0
 
 
+@pytest.mark.parametrize("value", ["k", "~" * 255, " !padded~ "], ids=["1", "255", "padded"])
+def test_idempotency_keys_of_1_to_255_printable_characters_work(api, tenant, value):
+    first = api.post_json("/api/v1/customers", {"email": "k@example.com"},
+                          headers=with_key(tenant, value), status=201)
+    again = api.post_json("/api/v1/customers", {"email": "k@example.com"},
+                          headers=with_key(tenant, value.strip()), status=201)
+    assert again.body == first.body and again.headers["Idempotent-Replayed"] == "true"
+
+
 def test_refused_requests_never_touch_the_store(api, tenant):
     key = tenant.new_key(["customers:read"])
     assert_error(api.post_json("/api/v1/customers", {"email": "r@example.com"},
