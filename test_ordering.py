@@ -362,6 +362,22 @@ def test_revoked_key_is_invalid_at_once_in_this_process(app, api, tenant):
     assert api.get("/api/v1/products", headers=auth(key), status=401).json == {"error": INVALID}
 
 
+def test_a_key_revoked_by_another_process_is_refused_once_the_cache_lapses(db_path):
+    app = build_app(db_path, key_cache_seconds=0)
+    try:
+        api = webtest.TestApp(app)
+        tenant = Tenant(app, "Cache Lapse Ltd")
+        api.get("/api/v1/products", headers=tenant.headers, status=200)
+        other_process = ordering.Database(str(db_path))
+        with other_process.write() as conn:
+            ordering.revoke_api_key(conn, tenant.key["id"])
+        other_process.close()
+        assert_error(api.get("/api/v1/products", headers=tenant.headers, status=401), 401,
+                     INVALID)
+    finally:
+        app.service.close(grace=0)
+
+
 def test_keys_are_stored_only_as_sha256(app, tenant):
     rows = app.service.db.conn.execute("SELECT * FROM api_keys").fetchall()
     assert [row["key_hash"] for row in rows] == [
@@ -536,6 +552,15 @@ def test_a_page_holding_exactly_the_remaining_records_is_the_last(api, tenant, r
     assert last["pagination"] == {"hasMore": False, "nextCursor": None}
     # Every list endpoint pages through the one paginator.
     assert paginated == [resource] * 3
+
+
+def test_a_repeated_query_parameter_counts_once_with_its_first_value(api, tenant):
+    made = make_records(api, tenant, "products", 3)
+    page = api.get("/api/v1/products?limit=1&limit=3&active=false&active=true",
+                   headers=tenant.headers).json
+    assert page == {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
+    page = api.get("/api/v1/products?limit=1&limit=3", headers=tenant.headers).json
+    assert [p["id"] for p in page["data"]] == [made[-1]]
 
 
 def test_equal_timestamps_never_skip_or_repeat(api, tenant):
