@@ -2625,6 +2625,19 @@ def test_every_status_patch_emits_its_events_even_to_the_same_status(quiet_api, 
         ("order.status_changed", "CANCELLED", "SHIPPED"), ("order.cancelled", None, "SHIPPED")]
 
 
+def test_a_patch_that_changes_nothing_emits_nothing(quiet_api, quiet_tenant, db_path):
+    quiet_subscribe(quiet_api, quiet_tenant, HOOK, ["customer.updated"])
+    customer = quiet_tenant.customer(name="Same", status="ACTIVE")
+    again = quiet_api.patch_json(f"/api/v1/customers/{customer['id']}",
+                                 {"name": "Same", "status": "ACTIVE"},
+                                 headers=quiet_tenant.headers, status=200).json["data"]
+    assert again == customer
+    assert recorded_events(db_path) == []
+    quiet_api.patch_json(f"/api/v1/customers/{customer['id']}", {"name": "Other"},
+                         headers=quiet_tenant.headers, status=200)
+    assert [name for name, _ in recorded_events(db_path)] == ["customer.updated"]
+
+
 def test_event_order_shipped_with_tracking(api, tenant, receiver, db_path):
     hook = subscribe(api, tenant, receiver.url, ["order.shipped", "order.status_changed"])
     product = tenant.product(stock=50)
