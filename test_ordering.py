@@ -715,6 +715,32 @@ def test_create_customer_with_every_field(api, tenant):
     assert {k: data[k] for k in body} == body
 
 
+@pytest.mark.parametrize("method", ["POST", "PATCH"])
+def test_customer_limits_are_inclusive_and_name_is_trimmed(api, tenant, method):
+    body = {"name": "  " + "N" * 200 + " ", "notes": "n" * 2000, "creditLimit": 100000000,
+            "taxRateOverride": 0.3}
+    if method == "POST":
+        data = api.post_json("/api/v1/customers", dict(body, email="edge@example.com"),
+                             headers=tenant.headers, status=201).json["data"]
+    else:
+        data = api.patch_json(f"/api/v1/customers/{tenant.customer()['id']}", body,
+                              headers=tenant.headers, status=200).json["data"]
+    assert (data["name"], data["notes"], data["creditLimit"], data["taxRateOverride"]) == (
+        "N" * 200, "n" * 2000, 100000000, 0.3)
+    lows = {"name": " N ", "notes": "", "creditLimit": 0, "taxRateOverride": 0}
+    data = api.patch_json(f"/api/v1/customers/{data['id']}", lows, headers=tenant.headers,
+                          status=200).json["data"]
+    assert (data["name"], data["notes"], data["creditLimit"], data["taxRateOverride"]) == (
+        "N", "", 0, 0)
+    for field, value, rule in (("name", "   ", "must be 1 to 200 characters"),
+                               ("name", "N" * 201, "must be 1 to 200 characters"),
+                               ("notes", "n" * 2001, "must be 0 to 2000 characters")):
+        refused = api.patch_json(f"/api/v1/customers/{data['id']}", {field: value},
+                                 headers=tenant.headers, status=400)
+        assert refused.json == {"error": "Validation failed.",
+                                "details": [{"field": field, "rule": rule}]}
+
+
 @pytest.mark.parametrize("body,message", [
     ({}, "Email is required."),
     ({"email": None}, "Email is required."),
