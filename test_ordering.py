@@ -2923,6 +2923,15 @@ def test_delivery_log_keeps_the_first_2000_characters_of_the_response(api, tenan
     assert log[0]["responseBody"] == "x" * 1999 + "é"
 
 
+def test_delivery_posts_to_the_whole_url_query_included(api, tenant, receiver):
+    subscribe(api, tenant, receiver.url + "/hooks/in?token=a%20b&x=1", ["customer.created"])
+    api.post_json("/api/v1/customers", {"email": "query@example.com"}, headers=tenant.headers,
+                  status=201)
+    request = one(receiver, "customer.created")
+    assert request["path"] == "/hooks/in?token=a%20b&x=1"
+    assert header(request, "Host") == f"127.0.0.1:{receiver.port}"
+
+
 def test_delivery_log_records_500_as_failure(api, tenant, receiver, db_path):
     hook = subscribe(api, tenant, receiver.url + "/broken", ["customer.created"])
     receiver.behaviour["/broken"] = (500, 0, {})
