@@ -2795,6 +2795,20 @@ def _order_for_return(api, tenant):
                                {"productId": second["id"], "quantity": 1}]).json["data"]
 
 
+def test_return_reason_is_3_to_2000_characters_after_trimming(api, tenant):
+    order = _order_for_return(api, tenant)
+    for reason in ("abc", " " + "r" * 2000 + " "):
+        with tenant.db.write() as conn:
+            opened = ordering.open_return(conn, tenant.id, order["id"], reason)
+        assert opened["reason"] == reason.strip()
+    for reason in ("ab", "  ab  ", "r" * 2001):
+        with pytest.raises(ordering.ApiError) as refused, tenant.db.write() as conn:
+            ordering.open_return(conn, tenant.id, order["id"], reason)
+        assert (refused.value.status, refused.value.body()) == (400, {
+            "error": "Validation failed.",
+            "details": [{"field": "reason", "rule": "must be 3 to 2000 characters"}]})
+
+
 def test_event_return_created_by_staff_and_by_customer(api, tenant, receiver, db_path):
     secret = subscribe(api, tenant, receiver.url, ["return.created"])["secret"]
     order = _order_for_return(api, tenant)
