@@ -815,8 +815,9 @@ def _check_product_fields(fields):
         raise invalid("name", "is required")
     if "unit" in fields and not (fields["unit"] or "").strip():
         raise invalid("unit", "must not be empty")
+    price = fields.get("price_cents")
     if "price_cents" in fields and not (
-            isinstance(fields["price_cents"], int) and 0 <= fields["price_cents"] <= MAX_AMOUNT_CENTS):
+            isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS):
         raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
     if "stock" in fields and not (
             isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY):
