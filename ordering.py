@@ -1105,6 +1105,7 @@ MAX_PO_NUMBER = 100
 MAX_ORDER_NOTES = 2000
 MAX_WEBHOOKS = 10
 MAX_CENTS = 2 ** 63 - 1
+MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
 
 
 def insert_row(conn, table, row):
@@ -1195,9 +1196,10 @@ def _check_product_fields(fields):
         raise invalid("name", "is required")
     if "unit" in fields and not (fields["unit"] or "").strip():
         raise invalid("unit", "must not be empty")
+    price = fields.get("price_cents")
     if "price_cents" in fields and not (
-            isinstance(fields["price_cents"], int) and 0 <= fields["price_cents"] <= 10 ** 12):
-        raise invalid("price", "must be an amount from 0 to 10000000000")
+            isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS):
+        raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
     if "stock" in fields and not (
             isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY):
         raise invalid("stock", f"must be a whole number from 0 to {MAX_QUANTITY}")
@@ -3060,7 +3062,9 @@ class Service:
         self.db.on_commit(self.sender.notify)
         self.windows = rate_counter(settings)
         self.key_cache = {}
-        self.clock = time.monotonic
+        # The rate-limit windows and the key cache read time from here, so a test can hold it
+        # still.
+        self.clock = time.time
         if deliver:
             self.sender.start()
 
@@ -3094,7 +3098,8 @@ class Service:
         limit = self.settings.ip_rate_limit
         if limit <= 0:
             return
-        allowed, _, reset = self.windows.hit("ip " + self.client_address(environ), limit)
+        allowed, _, reset = self.windows.hit("ip " + self.client_address(environ), limit,
+                                             self.clock())
         if not allowed:
             raise rate_limited(reset, {})
 
@@ -3131,7 +3136,8 @@ class Service:
         return result
 
     def check_key_rate(self, key):
-        allowed, remaining, reset = self.windows.hit("key " + key.id, key.rate_limit)
+        allowed, remaining, reset = self.windows.hit("key " + key.id, key.rate_limit,
+                                                     self.clock())
         headers = {"X-RateLimit-Limit": str(key.rate_limit),
                    "X-RateLimit-Remaining": str(remaining),
                    "X-RateLimit-Reset": str(max(1, math.ceil(reset)))}
@@ -4739,6 +4745,9 @@ def _amount(text):
     cents = cents_from_text(text)
     if cents is None:
         raise argparse.ArgumentTypeError("must be an amount such as 12.50")
+    # Bounded here so that no amount reaches SQLite beyond its 64-bit integers.
+    if cents > MAX_AMOUNT_CENTS:
+        raise argparse.ArgumentTypeError(f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
     return cents
 
 
@@ -4763,7 +4772,15 @@ def _non_negative(text):
         raise argparse.ArgumentTypeError("must be a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
+    if value > MAX_QUANTITY:
+        raise argparse.ArgumentTypeError(f"must be {MAX_QUANTITY} or less")
     return value
+
+
+def _non_empty(text):
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _positive(text):
@@ -5095,7 +5112,7 @@ def build_parser():
     command("demo", None, "create a demo company, catalog and customers (once) and print a "
                           "new key with all seven scopes and curl commands to try")
     sub = command("backup", None, "copy the database to DEST while the server may be running")
-    sub.add_argument("destination", metavar="DEST")
+    sub.add_argument("destination", metavar="DEST", type=_non_empty)
 
     sub = command("deliveries", cmd_deliveries, "the 5 most recent delivery attempts of a webhook")
     sub.add_argument("id", metavar="WEBHOOK_ID")
