@@ -3885,12 +3885,13 @@ def form_amount(form, field, required=True):
 
 
 def form_number(form, field):
-    """A form's number as the API's JSON would carry it: empty is null, and what is not a
-    number stays text, for the operation to refuse in its own words."""
+    """A form's number as the API's JSON would carry it (a fraction keeps its text, so money
+    is read exactly, as from a body): empty is null, and what is not a number stays text, for
+    the operation to refuse in its own words."""
     text = (form.get(field) or "").strip()
     if not text:
         return None
-    for kind in (int, float):
+    for kind in (int, JsonFloat):
         try:
             value = kind(text)
         except ValueError:

@@ -6493,6 +6493,17 @@ def test_customer_form_errors_are_the_apis_messages(app, tenant, browser):
     assert snapshot(app.service.db) == before
 
 
+@pytest.mark.parametrize("text", ["10.005", "20000.005", "0.1000000000000000000001",
+                                  "100000000.000000000000001"])
+def test_customer_form_reads_money_as_exactly_as_the_api(app, tenant, browser, text):
+    before = snapshot(app.service.db)
+    page = browser.get("/dashboard/customers/new")
+    main_form(page)["email"], main_form(page)["creditLimit"] = "exact@cafe.example", text
+    assert field_error(main_form(page).submit(status=400), "creditLimit") == (
+        "must have at most two decimal places")
+    assert snapshot(app.service.db) == before
+
+
 def test_block_unblock_and_edit_emit_customer_updated(app, tenant, browser, receiver):
     subscribe(webtest.TestApp(app), tenant, receiver.url, ["customer.updated"])
     customer = tenant.customer(name="Cafe")
