@@ -1747,6 +1747,7 @@ def test_ip_rate_limit_zero_is_off(db_path):
 def test_forwarded_for_is_trusted_only_when_told(db_path):
     for trust, expected in ((False, 429), (True, 401)):
         app = build_app(db_path, ip_rate_limit=1, trust_proxy=trust)
+        Clock(app)
         try:
             api = webtest.TestApp(app)
             api.get("/api/v1/products", headers={"X-Forwarded-For": "1.1.1.1"}, status=401)
@@ -1757,6 +1758,7 @@ def test_forwarded_for_is_trusted_only_when_told(db_path):
 
 def test_forwarded_for_uses_the_last_hop_the_proxy_appended(db_path):
     app = build_app(db_path, ip_rate_limit=2, trust_proxy=True)
+    Clock(app)
     try:
         api = webtest.TestApp(app)
         for spoofed in ("1.1.1.1", "2.2.2.2"):
