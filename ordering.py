@@ -4622,6 +4622,10 @@ class AccessLog:
         self.writer.join(5)
 
 
+#: The signals that stop a server gracefully.
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 def serve(settings, sockets=None):
     """Serve until SIGTERM or SIGINT; on the host and port of settings, or on sockets already
     listening (a worker of serve_workers)."""
@@ -4654,6 +4658,9 @@ def serve(settings, sockets=None):
     log.info("ordering %s serving %s on http://%s:%s", __version__, settings.db_path,
              settings.host, server.effective_port)
     try:
+        # A worker starts with the stop signals blocked (see serve_workers): one sent while it
+        # was starting is held until here, where it stops this server as it should.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         server.run()
     finally:
         server.close()
@@ -4676,7 +4683,12 @@ def serve_workers(settings):
     stopping = []
 
     def start_worker():
+        # Until serve() has its own handlers, the child would run the parent's stop() (a copy
+        # that signals its siblings and then serves on): the signals wait, blocked, instead.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         pid = os.fork()
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         if pid == 0:
             code = 1
             try:

@@ -893,18 +893,17 @@ def test_product_price_from_the_command_line_is_exact(db_path, price, shown):
 
 
 @pytest.mark.parametrize("price,message", [
-    ("10.005", "must be an amount such as 12.50"),
-    ("20000.005", "must be an amount such as 12.50"),
-    ("99999999.999", "must be an amount such as 12.50"),
-    ("45600615.03819431", "must be an amount such as 12.50"),
-    ("1e2", "must be an amount such as 12.50"),
-    ("10000000000.01", "price: must be an amount from 0 to 10000000000")])
+    ("10.005", "argument --price: must be an amount such as 12.50"),
+    ("20000.005", "argument --price: must be an amount such as 12.50"),
+    ("99999999.999", "argument --price: must be an amount such as 12.50"),
+    ("45600615.03819431", "argument --price: must be an amount such as 12.50"),
+    ("1e2", "argument --price: must be an amount such as 12.50"),
+    ("10000000000.01", "argument --price: must be an amount from 0 to 10000000000")])
 def test_product_price_from_the_command_line_refuses_what_is_not_whole_cents(db_path, price,
                                                                              message):
     company = cli_json(db_path, "company-create", "--name", "Prices")
-    stderr = cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "P",
-                         "--price", price, message=message)
-    assert "Traceback" not in stderr
+    cli_refuses(db_path, "product-create", "--company", company["id"], "--name", "P",
+                "--price", price, message=message)
     assert sqlite3.connect(db_path).execute("SELECT COUNT(*) FROM products").fetchone()[0] == 0
 
 
@@ -1821,12 +1820,12 @@ def test_forwarded_for_is_ignored_from_peers_that_are_not_the_proxy(db_path, ext
 
 
 def test_proxy_address_must_be_an_ip_address_or_star(db_path):
-    stderr = cli_refuses(db_path, "serve", "--trust-proxy", "--proxy-address", "proxy.local")
-    assert "proxy address must be an IP address or *, not 'proxy.local'" in stderr
-    assert "Traceback" not in stderr
-    stderr = cli_refuses(db_path, "serve", env={"ORDERING_PROXY_ADDRESS": "10.0.0.300"})
-    assert "proxy address must be an IP address or *, not '10.0.0.300'" in stderr
-    assert "Traceback" not in stderr
+    cli_refuses(db_path, "serve", "--trust-proxy", "--proxy-address", "proxy.local",
+                message="argument --proxy-address: proxy address must be an IP address or *, "
+                        "not 'proxy.local'")
+    cli_refuses(db_path, "serve", env={"ORDERING_PROXY_ADDRESS": "10.0.0.300"}, prog="ordering",
+                message="bad setting in the environment: proxy address must be an IP address "
+                        "or *, not '10.0.0.300'")
     assert not os.path.exists(db_path)
     assert ordering.Settings.from_environment({"ORDERING_PROXY_ADDRESS": " ::1 "}).proxy_address \
         == "::1"
@@ -1847,15 +1846,16 @@ def cli_json(db_path, *args, env=None):
     return value
 
 
-def cli_refuses(db_path, *args, message, env=None):
+def cli_refuses(db_path, *args, message, env=None, prog=None):
     """An operator command that must refuse: nothing on stdout, no traceback, and stderr ending
     in exactly `ordering COMMAND: message` (exit 1) or, for a bad argument that the parser
-    refuses, `ordering COMMAND: error: message` (exit 2)."""
+    refuses, `ordering COMMAND: error: message` (exit 2); prog="ordering" for a bad setting
+    in the environment, which no one command owns."""
     result = run_cli(db_path, *args, env=env)
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode in (1, 2) and result.stdout == "", (result.returncode, result.stdout)
     prefix = "error: " if result.returncode == 2 else ""
-    expected = f"\nordering {args[0]}: {prefix}{message}\n"
+    expected = f"\n{prog or 'ordering ' + args[0]}: {prefix}{message}\n"
     assert ("\n" + result.stderr).endswith(expected), result.stderr
     return result.stderr
 
@@ -2204,9 +2204,8 @@ def test_unknown_synchronous_level_is_refused_at_start(db_path):
     assert str(refused.value) == SYNCHRONOUS_REFUSED
     with pytest.raises(ValueError):
         ordering.Settings.from_environment({"ORDERING_SYNCHRONOUS": "FULL; PRAGMA x"})
-    stderr = cli_refuses(db_path, "company-create", "--name", "Acme",
-                         env={"ORDERING_SYNCHRONOUS": "fast"}, message=SYNCHRONOUS_REFUSED)
-    assert "Traceback" not in stderr
+    cli_refuses(db_path, "company-create", "--name", "Acme", env={"ORDERING_SYNCHRONOUS": "fast"},
+                prog="ordering", message="bad setting in the environment: " + SYNCHRONOUS_REFUSED)
     assert not db_path.exists()
 
 
@@ -5811,6 +5810,22 @@ def test_key_revocation_reaches_another_process_within_the_key_cache_time(db_pat
     finally:
         first.service.close(grace=0)
         second.service.close(grace=0)
+
+
+def test_sigterm_while_workers_are_starting_stops_them_all(db_path):
+    seed_company(db_path, 1, 1, 0)
+    process, _ = start_server(db_path, "--workers", "2")
+    # The parent listens before its workers have built their apps: stop it at once.
+    assert wait_until(lambda: len(re.findall(r"worker \d+ started", server_log(db_path))) == 2)
+    workers = [int(pid) for pid in re.findall(r"worker (\d+) started", server_log(db_path))]
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=60) == 0, server_log(db_path)
+    finally:
+        for pid in workers:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert all(gone(pid) for pid in workers)
 
 
 def test_workers_stop_when_their_parent_is_killed(db_path):
