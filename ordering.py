@@ -25,6 +25,7 @@ app). The sections follow the way a request travels:
 import argparse
 import base64
 import collections
+import copy
 import ctypes
 import dataclasses
 import datetime
@@ -3714,10 +3715,20 @@ class Visit:
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
         self.notice = None
+        self.id_suffix = ""
 
     @property
     def conn(self):
         return self.service.db.conn
+
+    def for_form(self, action, key):
+        """This visit for one of several like forms on a page: its fields get IDs of their
+        own, and only the form that was sent (to action) shows what was sent and refused."""
+        view = copy.copy(self)
+        view.id_suffix = "-" + key
+        if bottle.request.path != action:
+            view.errors, view.form = {}, {}
+        return view
 
     def csrf_matches(self):
         sent = str(self.form.get("csrf", "")).encode("utf-8", "replace")
@@ -3743,18 +3754,21 @@ class Visit:
         extra = join(render(' {name}="{value}"', name=key.replace("_", "-"), value=value)
                      for key, value in attributes.items())
         control = render('<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>',
-                         id=name, name=name, kind=kind, value=self.value(name, default),
-                         extra=extra)
+                         id=name + self.id_suffix, name=name, kind=kind,
+                         value=self.value(name, default), extra=extra)
         if kind == "textarea":
             control = render('<textarea id="{id}" name="{name}"{extra}>{value}</textarea>',
-                             id=name, name=name, value=self.value(name, default), extra=extra)
+                             id=name + self.id_suffix, name=name,
+                             value=self.value(name, default), extra=extra)
         return render('<div><label for="{id}">{label}</label>{control}{error}</div>',
-                      id=name, label=label, control=control, error=self.error(name))
+                      id=name + self.id_suffix, label=label, control=control,
+                      error=self.error(name))
 
     def select(self, name, label, options, default=""):
         chosen = self.value(name, default)
-        return render('<div><label for="{id}">{label}</label><select id="{id}" name="{id}">'
-                      '{options}</select>{error}</div>', id=name, label=label,
+        return render('<div><label for="{id}">{label}</label><select id="{id}" name="{name}">'
+                      '{options}</select>{error}</div>', id=name + self.id_suffix, name=name,
+                      label=label,
                       error=self.error(name), options=join(
                           render('<option value="{v}"{s}>{t}</option>', v=value, t=text,
                                  s=Markup(" selected") if str(value) == str(chosen) else "")
@@ -4225,13 +4239,14 @@ def returns_page(visit):
             step, text = RETURN_STEPS[row["status"]]
             next_step = visit.button(f"{action}/{step}", text)
         elif row["status"] == "RECEIVED":
-            next_step = visit.form_tag(f"{action}/refund", join([
-                visit.select("method", "Method", [("CREDIT", "CREDIT (credit note)"),
-                                                  ("MANUAL", "MANUAL (out of band)")]),
-                visit.field("goodUnits", "Good units", "0", kind="number", min="0"),
-                visit.field("damagedUnits", "Damaged units", "0", kind="number", min="0"),
-                visit.field("subtotal", "Subtotal", inputmode="decimal"),
-                visit.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
+            form = visit.for_form(f"{action}/refund", row["id"])
+            next_step = form.form_tag(f"{action}/refund", join([
+                form.select("method", "Method", [("CREDIT", "CREDIT (credit note)"),
+                                                 ("MANUAL", "MANUAL (out of band)")]),
+                form.field("goodUnits", "Good units", "0", kind="number", min="0"),
+                form.field("damagedUnits", "Damaged units", "0", kind="number", min="0"),
+                form.field("subtotal", "Subtotal", inputmode="decimal"),
+                form.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
                 render('<button type="submit">Refund</button>')]), css="refund")
         else:
             next_step = ""

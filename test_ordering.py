@@ -6591,6 +6591,34 @@ def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver)
     assert "REFUNDED" in browser.get("/dashboard/returns").text
 
 
+def test_each_refund_form_has_its_own_fields_and_errors(app, tenant, browser):
+    received = []
+    for reason in ("First torn bag", "Second torn bag"):
+        order = dashboard_order(tenant, "DELIVERED")
+        with tenant.db.write() as conn:
+            opened = ordering.open_return(conn, tenant.id, order["id"], reason, actor="staff")
+            ordering.approve_return(conn, tenant.id, opened["id"])
+            ordering.receive_return(conn, tenant.id, opened["id"])
+        received.append(opened["id"])
+    page = browser.get("/dashboard/returns")
+    ids = [tag["id"] for tag in page.html.find_all(id=True)]
+    assert len(ids) == len(set(ids))
+    for return_id in received:
+        form = page.html.find("form", action=f"/dashboard/returns/{return_id}/refund")
+        assert form.find("label", string="Subtotal")["for"] == form.find(
+            attrs={"name": "subtotal"})["id"]
+    refund = form_to(page, f"/{received[1]}/refund")
+    refund["goodUnits"], refund["subtotal"] = "1", "12.345"
+    refused = refund.submit(status=400)
+    errors = refused.html.find_all(class_="error")
+    assert [error.get_text() for error in errors] == ["must be an amount such as 12.50"]
+    assert errors[0].find_parent("form")["action"] == f"/dashboard/returns/{received[1]}/refund"
+    values = {form["action"]: form.find(attrs={"name": "subtotal"})["value"]
+              for form in refused.html.find_all("form", class_="refund")}
+    assert values == {f"/dashboard/returns/{received[0]}/refund": "",
+                      f"/dashboard/returns/{received[1]}/refund": "12.345"}
+
+
 def test_a_return_step_from_the_wrong_state_changes_nothing(app, tenant, browser):
     order = dashboard_order(tenant, "DELIVERED")
     with tenant.db.write() as conn:
