@@ -764,6 +764,16 @@ def js_parse_date(text):
     return min(max(ms, _FIRST_MS), _LAST_MS)
 
 
+def client_ip(text):
+    """A client's address as an IP address in text, or "-" when it is not one: a forwarded
+    header that a proxy let through unchecked must not become a log line or a rate-limit
+    client of the sender's choosing."""
+    try:
+        return str(ipaddress.ip_address((text or "").strip()))
+    except ValueError:
+        return "-"
+
+
 def hash_key(key):
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -3092,8 +3102,8 @@ class Service:
         # The last hop is the one the proxy appended; earlier ones are whatever the client
         # sent. (Under serve, waitress has already done the same and checked the peer.)
         if self.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_FOR"):
-            return environ["HTTP_X_FORWARDED_FOR"].split(",")[-1].strip()
-        return environ.get("REMOTE_ADDR", "")
+            return client_ip(environ["HTTP_X_FORWARDED_FOR"].split(",")[-1])
+        return client_ip(environ.get("REMOTE_ADDR"))
 
     def check_ip_rate(self, environ):
         limit = self.settings.ip_rate_limit
@@ -4612,7 +4622,7 @@ class AccessLog:
         try:
             return self.app(environ, start)
         finally:
-            self.lines.append((started, environ.get("REMOTE_ADDR", "-"),
+            self.lines.append((started, client_ip(environ.get("REMOTE_ADDR")),
                                environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"),
                                status[0], (time.time() - started) * 1000))
 
@@ -4637,6 +4647,13 @@ class AccessLog:
         self.writer.join(5)
 
 
+def cannot_listen(settings, error):
+    """The refusal of serve when its address is taken or not this machine's: a message, not a
+    traceback (running the quick start twice is the usual way to meet it)."""
+    return SystemExit(f"ordering serve: cannot listen on {settings.host}:{settings.port}: "
+                      f"{os.strerror(error.errno) if error.errno else error}")
+
+
 #: The signals that stop a server gracefully.
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
@@ -4657,9 +4674,13 @@ def serve(settings, sockets=None):
                      trusted_proxy_headers={"x-forwarded-for", "x-forwarded-proto"})
     # waitress buffers a body before the app sees it: bound that, well above the app's own
     # limit, which answers with the JSON 413.
-    server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
-                                    max_request_body_size=8 * settings.max_body_bytes,
-                                    **where, **proxy)
+    try:
+        server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
+                                        max_request_body_size=8 * settings.max_body_bytes,
+                                        **where, **proxy)
+    except OSError as error:
+        app.service.close(grace=0)
+        raise cannot_listen(settings, error) from None
     server.task_dispatcher.queue_logger = access_log.overload
 
     def stop(signum, frame):
@@ -4692,7 +4713,11 @@ def serve_workers(settings):
     replaced; SIGTERM or SIGINT is passed on to every worker, and the parent returns when all
     have stopped. The parent opens no database and starts no thread, so forking is safe."""
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
-    listener = socket.create_server((settings.host, settings.port), family=family, backlog=1024)
+    try:
+        listener = socket.create_server((settings.host, settings.port), family=family,
+                                        backlog=1024)
+    except OSError as error:
+        raise cannot_listen(settings, error) from None
     parent = os.getpid()
     workers = {}
     stopping = []
@@ -4802,6 +4827,13 @@ def _non_negative(text):
         raise argparse.ArgumentTypeError("must be 0 or more")
     if value > MAX_QUANTITY:
         raise argparse.ArgumentTypeError(f"must be {MAX_QUANTITY} or less")
+    return value
+
+
+def _port(text):
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be a port from 0 to 65535")
     return value
 
 
@@ -5041,7 +5073,7 @@ def build_parser():
 
     serve_cmd = command("serve", None, "serve the API with waitress (the default command)")
     serve_cmd.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
-    serve_cmd.add_argument("--port", type=int, default=None, help="port (8080)")
+    serve_cmd.add_argument("--port", type=_port, default=None, help="port (8080)")
     serve_cmd.add_argument("--threads", type=_positive, default=None, help="request threads (4)")
     serve_cmd.add_argument("--workers", type=_positive, default=None,
                            help="server processes sharing the port (1)")

@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import http.client
 import http.server
+import io
 import json
 import logging
 import os
@@ -1768,6 +1769,29 @@ def test_forwarded_for_uses_the_last_hop_the_proxy_appended(db_path):
         api.get("/api/v1/products", headers={"X-Forwarded-For": "10.0.0.7, 10.0.0.8"},
                 status=401)
     finally:
+        app.service.close(grace=0)
+
+
+def test_a_forwarded_address_that_is_not_an_ip_address_is_no_client_of_its_own(db_path):
+    app = build_app(db_path, ip_rate_limit=2, trust_proxy=True)
+    Clock(app)
+    stream = io.StringIO()
+    logged = ordering.AccessLog(app, stream=stream)
+    try:
+        api = webtest.TestApp(logged)
+        forged = '1.1.1.1, 9.9.9.9 "GET /api/v1/admin" 200 0.1ms'
+        for garbage in ("garbage", forged):
+            api.get("/api/v1/products", headers={"X-Forwarded-For": garbage}, status=401,
+                    extra_environ={"REMOTE_ADDR": garbage.split(",")[-1]})
+        # Both counted as one client, "-", whose budget of 2 is now spent.
+        api.get("/api/v1/products", headers={"X-Forwarded-For": "also garbage"}, status=429,
+                extra_environ={"REMOTE_ADDR": "also garbage"})
+        logged.flush()
+        lines = stream.getvalue().splitlines()
+        assert [line.split(" ")[1:4] for line in lines] == [
+            ["-", '"GET', '/api/v1/products"']] * 3
+    finally:
+        logged.close()
         app.service.close(grace=0)
 
 
@@ -5810,6 +5834,18 @@ def test_key_revocation_reaches_another_process_within_the_key_cache_time(db_pat
     finally:
         first.service.close(grace=0)
         second.service.close(grace=0)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_serve_refuses_a_port_in_use_or_out_of_range(db_path, workers):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cli_refuses(db_path, "serve", "--host", "127.0.0.1", "--port", str(port), "--workers",
+                    workers, message=f"cannot listen on 127.0.0.1:{port}: Address already in use")
+    cli_refuses(db_path, "serve", "--port", "65536", "--workers", workers,
+                message="argument --port: must be a port from 0 to 65535")
 
 
 def test_sigterm_while_workers_are_starting_stops_them_all(db_path):
