@@ -1637,6 +1637,14 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     if not isinstance(amount_cents, int) or amount_cents < 0:
         raise invalid("amount", "must be an amount >= 0")
     row = _move_return(conn, company_id, return_id, "RECEIVED", "REFUNDED")
+    # An order is never refunded more than it cost, over all of its returns together.
+    left = conn.execute(
+        "SELECT o.total_cents - COALESCE((SELECT SUM(f.amount_cents) FROM refunds f JOIN "
+        "returns r ON r.id = f.return_id WHERE r.order_id = o.id), 0) FROM orders o "
+        "WHERE o.id = ?", (row["order_id"],)).fetchone()[0]
+    if amount_cents > left:
+        raise invalid("amount", f"must be at most {money(max(left, 0))}, what the order has "
+                                f"left to refund")
     refund_id, at = new_id_at("ref")
     conn.execute(
         "INSERT INTO refunds (id, company_id, return_id, amount_cents, method, good_units, "

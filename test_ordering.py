@@ -4066,15 +4066,15 @@ def test_cli_return_receive_then_refund_prints_and_delivers(quiet_api, quiet_ten
     received = ev_cli_json(db_path, "return-receive", opened["id"])
     assert received["status"] == "RECEIVED"
     refund = ev_cli_json(db_path, "return-refund", opened["id"], "--method", "MANUAL",
-                         "--good-units", "3", "--damaged-units", "1", "--subtotal", "40.00",
-                         "--amount", "35.50")
+                         "--good-units", "3", "--damaged-units", "1", "--subtotal", "18.00",
+                         "--amount", "15.50")
     data = assert_signed(one(receiver, "refund.processed", timeout=2), secret,
                          "refund.processed", db_path)
     assert data == refund
     assert set(data) == {"id", "returnId", "orderId", "customerId", "amount", "method",
                          "breakdown"}
-    assert data["amount"] == 35.5 and data["method"] == "MANUAL"
-    assert data["breakdown"] == {"goodUnits": 3, "damagedUnits": 1, "subtotal": 40.0}
+    assert data["amount"] == 15.5 and data["method"] == "MANUAL"
+    assert data["breakdown"] == {"goodUnits": 3, "damagedUnits": 1, "subtotal": 18.0}
     assert data["returnId"] == opened["id"] and data["orderId"] == order["id"]
 
 
@@ -6600,7 +6600,7 @@ def test_block_unblock_and_edit_emit_customer_updated(app, tenant, browser, rece
 def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver):
     subscribe(webtest.TestApp(app), tenant, receiver.url,
               ["return.created", "return.approved", "refund.processed"])
-    order = dashboard_order(tenant, "DELIVERED")
+    order = dashboard_order(tenant, "DELIVERED", quantity=2)  # 25.00
     page = browser.get(f"/dashboard/orders/{order['id']}")
     opened = form_to(page, "/returns")
     opened["reason"] = "ok"
@@ -6625,6 +6625,30 @@ def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver)
     assert (processed["amount"], processed["method"], processed["breakdown"]) == (
         25, "CREDIT", {"goodUnits": 1, "damagedUnits": 1, "subtotal": 25})
     assert "REFUNDED" in browser.get("/dashboard/returns").text
+
+
+def test_an_order_is_never_refunded_more_than_it_cost(app, tenant, browser):
+    order = dashboard_order(tenant, "DELIVERED", quantity=2)  # 25.00
+    received = []
+    for reason in ("First torn bag", "Second torn bag"):
+        with tenant.db.write() as conn:
+            opened = ordering.open_return(conn, tenant.id, order["id"], reason, actor="staff")
+            ordering.approve_return(conn, tenant.id, opened["id"])
+            ordering.receive_return(conn, tenant.id, opened["id"])
+        received.append(opened["id"])
+    with tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, received[0], "CREDIT", 1, 0, 1000, 2000)
+    before = snapshot(app.service.db)
+    refund = form_to(browser.get("/dashboard/returns"), f"/{received[1]}/refund")
+    refund["goodUnits"], refund["subtotal"], refund["amount"] = "1", "12.50", "5.01"
+    assert field_error(refund.submit(status=400), "amount") == (
+        "must be at most 5, what the order has left to refund")
+    assert snapshot(app.service.db) == before
+    refund = form_to(browser.get("/dashboard/returns"), f"/{received[1]}/refund")
+    refund["goodUnits"], refund["subtotal"], refund["amount"] = "1", "12.50", "5.00"
+    refund.submit(status=303)
+    assert [status for (status,) in tenant.db.conn.execute(
+        "SELECT status FROM returns ORDER BY id")] == ["REFUNDED", "REFUNDED"]
 
 
 def test_each_refund_form_has_its_own_fields_and_errors(app, tenant, browser):
