@@ -5575,10 +5575,12 @@ def worker_pid(port):
     return int(raw_request(port, "GET", "/healthz")[1]["X-Worker-Pid"])
 
 
-def answering_pids(port, wanted, tries=500):
-    """Pids seen answering /healthz until `wanted(pids)` holds (or tries run out)."""
+def answering_pids(port, wanted, timeout=30):
+    """Pids seen answering /healthz until `wanted(pids)` holds (or timeout seconds pass: a
+    worker still starting on a busy machine answers nothing yet)."""
     pids = set()
-    for _ in range(tries):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         pids.add(worker_pid(port))
         if wanted(pids):
             break
@@ -6856,11 +6858,20 @@ class Served:
 
     def submit(self, button):
         """Click a submit button and wait for the page it leads to."""
-        from selenium.webdriver.support import expected_conditions
+        from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.support.ui import WebDriverWait
         page = self.driver.find_element("tag name", "html")
         button.click()
-        WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
+
+        def replaced(driver):
+            # The old page's element is gone once the next page has loaded; Chromium reports
+            # that either as a stale element or as a node that is no longer in the document.
+            try:
+                page.is_enabled()
+            except WebDriverException:
+                return True
+            return False
+        WebDriverWait(self.driver, 10).until(replaced)
 
     def form(self, action_end):
         forms = [f for f in self.driver.find_elements("tag name", "form")
