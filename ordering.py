@@ -1021,6 +1021,16 @@ _ITEMS_OF_ORDERS = """
     ORDER BY i.order_id, i.position"""
 
 
+def return_json(row):
+    return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
+            "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
+            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
+
+
+def staff_json(row):
+    return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
+
+
 def orders_json(conn, order_rows):
     """Orders with their items in two queries, however many orders there are."""
     if not order_rows:
@@ -3400,10 +3410,6 @@ def _stand_in_hash():
     return hash_staff_password(secrets.token_urlsafe(16))
 
 
-def staff_json(row):
-    return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
-
-
 def create_staff(conn, company_id, email, password):
     load_company(conn, company_id)
     email = (email or "").strip()
@@ -4923,12 +4929,6 @@ def _company_of(conn, table, resource, row_id):
     if row is None:
         raise not_found(resource)
     return row["company_id"]
-
-
-def return_json(row):
-    return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
-            "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
-            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
 
 
 def cmd_return_open(conn, args):
