@@ -774,6 +774,12 @@ def client_ip(text):
         return "-"
 
 
+def moment_text(text):
+    """A date or date-time as the operator or staff wrote it, as stored ISO text, or None."""
+    ms = js_parse_date(text)
+    return None if ms is None else iso(ms)
+
+
 def hash_key(key):
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
@@ -1176,6 +1182,11 @@ def create_company(conn, name, slug=None):
     conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
                  (company_id, name, slug, at))
     return {"id": company_id, "name": name, "slug": slug}
+
+
+def key_expired(expires_at, now):
+    """A key with an expiry is refused from that moment on (now: ISO text)."""
+    return bool(expires_at) and expires_at <= now
 
 
 def create_api_key(conn, company_id, scopes, rate_limit=60, expires_at=None):
@@ -3153,7 +3164,7 @@ class Service:
             self.key_cache[digest] = (self.clock() + self.settings.key_cache_seconds, key)
         else:
             key = cached[1]
-        if key.revoked or (key.expires_at and key.expires_at <= now_iso()):
+        if key.revoked or key_expired(key.expires_at, now_iso()):
             raise ApiError(401, INVALID_KEY)
         return key
 
@@ -4381,7 +4392,7 @@ def keys_page(visit):
     rows = [(key["id"], key["scopes"].replace(" ", ", "), key["rate_limit"],
              key["expires_at"] or "never", key["created_at"][:10],
              status_tag("revoked") if key["revoked"] else
-             status_tag("expired") if key["expires_at"] and key["expires_at"] <= now else
+             status_tag("expired") if key_expired(key["expires_at"], now) else
              visit.button(f"/dashboard/keys/{key['id']}/revoke", "Revoke", "danger"))
             for key in company_api_keys(visit.conn, visit.company_id)]
     create = visit.form_tag("/dashboard/keys", join([
@@ -4398,10 +4409,9 @@ def keys_page(visit):
 def create_key_action(visit):
     expires = form_text(visit.form, "expiresAt")
     if expires is not None:
-        ms = js_parse_date(expires)
-        if ms is None:
+        expires = moment_text(expires)
+        if expires is None:
             raise invalid("expiresAt", "must be a date (2026-11-22) or an ISO 8601 datetime")
-        expires = iso(ms)
     with visit.write() as conn:
         key = create_api_key(conn, visit.company_id, visit.form.getall("scopes"),
                              form_int(visit.form, "rateLimit"), expires)
@@ -4826,10 +4836,10 @@ def _proxy_address(text):
 
 
 def _moment(text):
-    ms = js_parse_date(text)
-    if ms is None:
+    moment = moment_text(text)
+    if moment is None:
         raise argparse.ArgumentTypeError("must be an ISO 8601 date or datetime")
-    return iso(ms)
+    return moment
 
 
 def _non_negative(text):
