@@ -213,10 +213,11 @@ def proxy_address(text):
 # ---------------------------------------------------------------------------------------------
 
 class Database:
-    """One SQLite file: a read connection per thread, and write() for every transaction that
-    writes, on one write connection shared by the process's writers.
+    """One database, SQLite or PostgreSQL (see Engines below): a read connection per thread,
+    and write() for every transaction that writes, on one write connection shared by the
+    process's writers.
 
-    Group commit. With synchronous = FULL every commit waits for the disk, so writers that
+    Group commit. With durable commits every commit waits for the disk, so writers that
     arrive while the write connection is busy queue up and then share one transaction and one
     commit: each write() body runs, one at a time and in the caller's own thread, in a
     SAVEPOINT of its own; the last body to finish with nobody queued behind it commits the
@@ -225,20 +226,24 @@ class Database:
     on disk). If that commit fails, every body of the batch fails with it.
 
     Connections run in autocommit mode so that write() alone decides where a transaction
-    begins (BEGIN IMMEDIATE, which takes the write lock up front: a read-then-write such as a
-    stock check can then never be overtaken by another writer or process) and where it ends.
+    begins (the engine's begin() takes the database's write lock up front: a read-then-write
+    such as a stock check can then never be overtaken by another writer or process) and
+    where it ends.
     """
 
     def __init__(self, path, settings=None):
         self.path = path
         self.settings = settings or Settings(db_path=path)
+        self.engine = engine_for(path)
         self._local = threading.local()
         self._listeners = []
         #: Commits made on the write connection; each holds one or more write() bodies.
         self.commits = 0
         self._writer = None
-        # Writers of this process queue on this condition rather than in SQLite's busy
-        # handler, which sleeps in growing steps and turns lock contention into long tails.
+        self._opened = []
+        # Writers of this process queue on this condition rather than in the engine's lock
+        # wait (SQLite's busy handler sleeps in growing steps and turns lock contention into
+        # long tails).
         self._turn = threading.Condition()
         self._busy = False    # a body or a commit is using the write connection
         self._queued = 0      # writers waiting for the write connection
@@ -247,21 +252,16 @@ class Database:
             apply_schema(conn)
 
     def connect(self):
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                               timeout=self.settings.busy_timeout_ms / 1000)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute(f"PRAGMA busy_timeout = {int(self.settings.busy_timeout_ms)}")
-        conn.execute(f"PRAGMA synchronous = {self.settings.synchronous}")
-        conn.create_function("contains_folded", 2, contains_folded, deterministic=True)
+        conn = self.engine.connect(self.path, self.settings)
+        with self._turn:
+            self._opened.append(conn)
         return conn
 
     @property
     def conn(self):
         """This thread's connection, for reads outside a transaction."""
         conn = getattr(self._local, "conn", None)
-        if conn is None:
+        if conn is None or conn.broken:
             conn = self._local.conn = self.connect()
         return conn
 
@@ -285,6 +285,13 @@ class Database:
             if self._writer is not None and not self._busy and self._batch is None:
                 self._writer.close()
                 self._writer = None
+
+    def close_all(self):
+        """Close every connection this object opened, in any thread (it is not used after)."""
+        with self._turn:
+            opened, self._opened, self._writer = self._opened, [], None
+        for conn in opened:
+            conn.close()
 
     def _commit(self, conn):
         conn.execute("COMMIT")
@@ -322,10 +329,10 @@ class _WriteTransaction:
                 db._batch = _Batch()
             self.batch = db._batch
         try:
-            if db._writer is None:
+            if db._writer is None or db._writer.broken:
                 db._writer = db.connect()
             if not db._writer.in_transaction:
-                db._writer.execute("BEGIN IMMEDIATE")
+                db.engine.begin(db._writer)
             db._writer.execute("SAVEPOINT write_body")
         except BaseException:
             self._finish(kept=False)
@@ -401,22 +408,24 @@ _emitted = threading.local()
 
 
 def apply_schema(conn):
-    """Create what is missing, then migrate by PRAGMA user_version."""
-    fresh = conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'companies'").fetchone() is None
-    for statement in schema_statements():
+    """Create what is missing, then migrate by the schema version the engine keeps."""
+    engine = conn.engine
+    fresh = not engine.has_tables(conn)
+    for statement in engine.schema_statements():
         conn.execute(statement)
-    # schema.sql makes a new file current: only older files take the migrations.
-    version = SCHEMA_VERSION if fresh else conn.execute("PRAGMA user_version").fetchone()[0]
+    # schema.sql makes a new database current: only older files take the migrations.
+    version = SCHEMA_VERSION if fresh else engine.schema_version(conn)
     if version > SCHEMA_VERSION:
         raise RuntimeError(f"database schema version {version} is newer than this program "
                            f"({SCHEMA_VERSION}); upgrade ordering")
     for target in range(version + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS.get(target, ()):
             conn.execute(statement)
-    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    engine.set_schema_version(conn, SCHEMA_VERSION)
 
 
 def schema_statements():
+    """schema.sql, one statement at a time, as SQLite reads it."""
     statements, pending = [], ""
     with open(SCHEMA_PATH, encoding="utf-8") as handle:
         for line in handle:
@@ -435,8 +444,10 @@ MIGRATIONS = {
 }
 
 
-def contains_folded(haystack, needle):
-    return haystack is not None and needle in haystack.casefold()
+def tables_in_order():
+    """The tables of schema.sql in the order it creates them (each after those it refers to)."""
+    return [re.search(r"CREATE TABLE IF NOT EXISTS (\w+)", statement).group(1)
+            for statement in schema_statements() if "CREATE TABLE" in statement]
 
 
 # Claimers -----------------------------------------------------------------------------------
@@ -597,11 +608,349 @@ class SharedWindowCounter:
                 os.close(self.fd)
 
 
-def rate_counter(settings, clock=time.time):
-    """The counter the rate limits of this database use (see Settings.shared_rate_limits)."""
-    if settings.shared_rate_limits and settings.db_path not in ("", ":memory:"):
-        return SharedWindowCounter(settings.db_path + "-rates", clock)
-    return WindowCounter(clock)
+class TableWindowCounter:
+    """Requests per fixed one-minute window, counted in the rate_windows table of a database
+    with a server of its own (PostgreSQL), which every process and machine serving it shares.
+    Each hit is one upsert on a connection of the counter's own that does not wait for the
+    disk at commit: a count lost to a crash costs at most one minute's accuracy."""
+
+    def __init__(self, db, clock=time.time):
+        self.db = db
+        self.clock = clock
+        self._local = threading.local()
+        self.lock = threading.Lock()
+        self.opened = []
+        self.pruned = None
+
+    def connection(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.broken:
+            conn = self._local.conn = self.db.engine.connect(self.db.path, self.db.settings)
+            conn.execute("SET synchronous_commit = off")
+            with self.lock:
+                self.opened.append(conn)
+        return conn
+
+    def hit(self, client, limit, now=None):
+        now = self.clock() if now is None else now
+        minute = int(now // 60)
+        conn = self.connection()
+        count = conn.execute(
+            "INSERT INTO rate_windows (subject, minute, hits) VALUES (?, ?, 1) "
+            "ON CONFLICT (subject, minute) DO UPDATE SET hits = rate_windows.hits + 1 "
+            "RETURNING hits", (client, minute)).fetchone()[0]
+        if self.pruned != minute:  # once a minute per process, the windows before the last
+            self.pruned = minute
+            conn.execute("DELETE FROM rate_windows WHERE minute < ?", (minute - 1,))
+        return count <= limit, max(0, limit - count), (minute + 1) * 60 - now
+
+    def close(self):
+        with self.lock:
+            opened, self.opened = self.opened, []
+        for conn in opened:
+            conn.close()
+
+
+# Engines ------------------------------------------------------------------------------------
+# ordering's SQL is written once, in the dialect SQLite and PostgreSQL share, with SQLite's
+# ? and :name parameters. The few places where they differ are the methods of these two
+# classes and nothing else: connecting, the write lock, the schema version, the schema's
+# types, two expressions (a JSON field and a prefix range that ignores ASCII case), the
+# rate counter, and housekeeping. A connection names its engine (conn.engine), so code
+# that builds one of those expressions asks the connection it holds.
+#
+# Errors: what a PostgreSQL connection raises reaches callers as sqlite3.DatabaseError, the
+# DB-API's name for a database's failure, so that one except clause serves both engines.
+
+def engine_for(path):
+    return POSTGRES if str(path).startswith(("postgresql://", "postgres://")) else SQLITE
+
+
+def contains_folded(haystack, needle):
+    return haystack is not None and needle in haystack.casefold()
+
+
+class SqliteConnection(sqlite3.Connection):
+    engine = None  # set below, once the engine exists
+    broken = False
+
+
+class SqliteEngine:
+    name = "sqlite"
+    #: WAL size in bytes beyond which housekeeping truncates it.
+    WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
+
+    def connect(self, path, settings):
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False,
+                               timeout=settings.busy_timeout_ms / 1000,
+                               factory=SqliteConnection)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA busy_timeout = {int(settings.busy_timeout_ms)}")
+        conn.execute(f"PRAGMA synchronous = {settings.synchronous}")
+        conn.create_function("contains_folded", 2, contains_folded, deterministic=True)
+        return conn
+
+    def begin(self, conn):
+        # IMMEDIATE takes the write lock now, not at the first write.
+        conn.execute("BEGIN IMMEDIATE")
+
+    def has_tables(self, conn):
+        return conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE name = 'companies'").fetchone() is not None
+
+    def schema_statements(self):
+        return schema_statements()
+
+    def schema_version(self, conn):
+        return conn.execute("PRAGMA user_version").fetchone()[0]
+
+    def set_schema_version(self, conn, version):
+        conn.execute(f"PRAGMA user_version = {version}")
+
+    def json_field(self, column, path):
+        return f"json_extract({column}, '$.{path}')"
+
+    def prefix_ignoring_ascii_case(self, column):
+        return f"{column} >= ? COLLATE NOCASE AND {column} < ? COLLATE NOCASE"
+
+    def rate_counter(self, db, settings, clock):
+        if settings.shared_rate_limits and settings.db_path not in ("", ":memory:"):
+            return SharedWindowCounter(settings.db_path + "-rates", clock)
+        return WindowCounter(clock)
+
+    def housekeeping(self, db):
+        """Keep the WAL file bounded: under constant reads SQLite's automatic checkpoints
+        never get to restart it, so it would grow without end; TRUNCATE waits for a gap
+        between readers."""
+        wal = db.path + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > self.WAL_TRUNCATE_BYTES:
+            db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def describe(self, path):
+        return path
+
+
+class PostgresConnection:
+    """A psycopg 3 connection in autocommit mode that ordering's code uses as it uses a
+    sqlite3 one: execute() with ? or :name parameters returns the cursor, rows are read by
+    position or by column name, in_transaction tells whether a transaction is open."""
+
+    engine = None  # set below
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def execute(self, sql, params=()):
+        try:
+            return self.raw.execute(_postgres_sql(sql), _postgres_params(params))
+        except self.raw_errors as error:
+            raise sqlite3.DatabaseError(str(error).strip()) from error
+
+    def executemany(self, sql, rows):
+        cursor = self.raw.cursor()
+        try:
+            cursor.executemany(_postgres_sql(sql), [_postgres_params(row) for row in rows])
+        except self.raw_errors as error:
+            raise sqlite3.DatabaseError(str(error).strip()) from error
+        return cursor
+
+    @property
+    def in_transaction(self):
+        return self.raw.info.transaction_status != self.idle
+
+    @property
+    def broken(self):
+        """The server closed the connection (a restart, a failover): open another."""
+        return self.raw.closed or self.raw.broken
+
+    def close(self):
+        self.raw.close()
+
+
+_POSTGRES_TOKENS = re.compile(r"'(?:[^']|'')*'|\?|(?<!:):([A-Za-z_]\w*)|%")
+
+
+@functools.lru_cache(maxsize=2048)
+def _postgres_sql(sql):
+    """SQLite's ? and :name parameters as psycopg's %s and %(name)s (string literals kept)."""
+    def token(match):
+        text = match.group(0)
+        if text == "?":
+            return "%s"
+        if text == "%":
+            return "%%"
+        return f"%({match.group(1)})s" if match.group(1) else text
+    return _POSTGRES_TOKENS.sub(token, sql)
+
+
+def _postgres_params(params):
+    """PostgreSQL text cannot hold U+0000, which SQLite keeps: it becomes U+FFFD, so that a
+    lookup by such a value finds nothing (no ID holds either) and stored text keeps its
+    place (see README, PostgreSQL)."""
+    if isinstance(params, dict):
+        if any(isinstance(value, str) and "\x00" in value for value in params.values()):
+            return {name: _without_nul(value) for name, value in params.items()}
+    elif any(isinstance(value, str) and "\x00" in value for value in params):
+        return [_without_nul(value) for value in params]
+    return params
+
+
+def _without_nul(value):
+    return value.replace("\x00", "\ufffd") if isinstance(value, str) else value
+
+
+class _PostgresRow(tuple):
+    """A row as sqlite3.Row gives it: by position or by column name."""
+    __slots__ = ()
+    names = {}
+
+    def __getitem__(self, key):
+        if key.__class__ is str:
+            key = self.names[key]
+        return tuple.__getitem__(self, key)
+
+    def keys(self):
+        return list(self.names)
+
+
+@functools.lru_cache(maxsize=1024)
+def _postgres_row_class(names):
+    return type("Row", (_PostgresRow,),
+                {"__slots__": (), "names": {name: i for i, name in enumerate(names)}})
+
+
+def _postgres_rows(cursor):
+    if cursor.description is None:
+        return tuple
+    return _postgres_row_class(tuple(column.name for column in cursor.description))
+
+
+class PostgresEngine:
+    """PostgreSQL 14 or newer through psycopg 3 (pip install 'ordering[postgres]').
+
+    Writers take one transaction-scoped advisory lock, so that writes are serialized across
+    every process and machine as SQLite serializes them within a file: each rule that reads
+    and then writes (stock, status moves, refund caps, idempotency claims, the outbox's
+    claims) holds exactly as it does on SQLite, and no two writers can deadlock. Reads take
+    no lock and run in parallel; group commit batches each process's writes under one lock
+    and one commit. IDs and timestamps sort as on SQLite because every text column uses the
+    "C" collation (bytes), whatever the database's locale."""
+
+    name = "postgresql"
+    #: pg_advisory_xact_lock key of the write lock ("orde" in ASCII).
+    WRITE_LOCK = 0x6F726465
+
+    def connect(self, path, settings):
+        psycopg = self._psycopg()
+        try:
+            raw = psycopg.connect(path, autocommit=True, row_factory=_postgres_rows)
+        except psycopg.Error as error:
+            raise sqlite3.DatabaseError(str(error).strip()) from error
+        raw.adapters.register_dumper(bool, self._bool_dumper)
+        raw.adapters.register_loader("numeric", self._numeric_loader)
+        return PostgresConnection(raw)
+
+    @functools.cached_property
+    def _bool_dumper(self):
+        # The schema keeps flags as integers 0 and 1, as SQLite does.
+        psycopg = self._psycopg()
+
+        class BoolAsInteger(psycopg.adapt.Dumper):
+            oid = psycopg.postgres.types["int8"].oid
+
+            def dump(self, value):
+                return b"1" if value else b"0"
+        return BoolAsInteger
+
+    @functools.cached_property
+    def _numeric_loader(self):
+        # SUM() of integers is numeric in PostgreSQL; ordering sums only whole cents.
+        psycopg = self._psycopg()
+
+        class NumericAsInteger(psycopg.adapt.Loader):
+            def load(self, data):
+                number = decimal.Decimal(bytes(data).decode())
+                return int(number) if number == number.to_integral_value() else number
+        return NumericAsInteger
+
+    def _psycopg(self):
+        try:
+            import psycopg
+        except ImportError:
+            raise SystemExit("ordering: a postgresql:// database needs psycopg 3: "
+                             "pip install 'ordering[postgres]'") from None
+        PostgresConnection.raw_errors = psycopg.Error
+        PostgresConnection.idle = psycopg.pq.TransactionStatus.IDLE
+        return psycopg
+
+    def begin(self, conn):
+        conn.execute("BEGIN")
+        conn.execute(f"SELECT pg_advisory_xact_lock({self.WRITE_LOCK})")
+
+    def has_tables(self, conn):
+        return conn.execute("SELECT to_regclass('companies')").fetchone()[0] is not None
+
+    @functools.lru_cache(maxsize=1)
+    def schema_statements(self):
+        translated = []
+        for statement in schema_statements():
+            for pattern, replacement in self.SCHEMA_TYPES:
+                statement = re.sub(pattern, replacement, statement)
+            translated.append(statement)
+        return translated + [
+            "CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)",
+            # Folded with the database's own locale (Unicode in a UTF-8 database).
+            "CREATE OR REPLACE FUNCTION contains_folded(haystack TEXT, needle TEXT) "
+            "RETURNS BOOLEAN LANGUAGE sql IMMUTABLE AS "
+            "$$ SELECT strpos(lower(haystack COLLATE \"default\"), needle) > 0 $$"]
+
+    #: schema.sql's SQLite types as PostgreSQL's: 64-bit integers (cents, milliseconds),
+    #: text compared as bytes, and the ASCII-case-folded index of the PO number search.
+    SCHEMA_TYPES = (
+        (r"\bINTEGER\b", "BIGINT"),
+        (r"\bREAL\b", "DOUBLE PRECISION"),
+        (r"\bBLOB\b", "BYTEA"),
+        (r"\bTEXT\b", 'TEXT COLLATE "C"'),
+        (r"\)\s*WITHOUT ROWID", ")"),
+        (r"(\w+) COLLATE NOCASE", r"lower(\1)"),
+    )
+
+    def schema_version(self, conn):
+        row = conn.execute("SELECT version FROM schema_version").fetchone()
+        return row[0] if row else 0
+
+    def set_schema_version(self, conn, version):
+        conn.execute("DELETE FROM schema_version")
+        conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+
+    def json_field(self, column, path):
+        return f"(CAST({column} AS jsonb) #>> '{{{','.join(path.split('.'))}}}')"
+
+    def prefix_ignoring_ascii_case(self, column):
+        # lower() of a "C" collated column folds ASCII only, as SQLite's NOCASE does.
+        return f"lower({column}) >= lower(?) AND lower({column}) < lower(?)"
+
+    def rate_counter(self, db, settings, clock):
+        if settings.shared_rate_limits:
+            return TableWindowCounter(db, clock)
+        return WindowCounter(clock)
+
+    def housekeeping(self, db):
+        """Nothing: the server keeps its own write-ahead log in check."""
+
+    def describe(self, path):
+        """The URL without its password, for logs."""
+        parts = urllib.parse.urlsplit(path)
+        if parts.password is None:
+            return path
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+SQLITE = SqliteConnection.engine = SqliteEngine()
+POSTGRES = PostgresConnection.engine = PostgresEngine()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1454,19 +1803,21 @@ def parse_order_request(body):
 
 
 def place_order(conn, company_id, body, source="api"):
-    """POST /api/v1/orders in the spec's processing order. The caller's BEGIN IMMEDIATE makes
-    the stock check and the decrement one step: stock never goes below zero."""
+    """POST /api/v1/orders in the spec's processing order. The write lock the caller's
+    transaction holds makes the stock check and the decrement one step: stock never goes
+    below zero."""
     customer_id, lines, po_number, notes = parse_order_request(body)
     load_customer(conn, company_id, customer_id)
     wanted = {}
     for product_id, quantity in lines:
         wanted[product_id] = wanted.get(product_id, 0) + quantity
     ids = list(wanted)
-    # The unary + keeps SQLite on the primary key: without table statistics it would rather
-    # scan the company's active products.
+    # By primary key alone, then tenancy and activity in Python: with company_id or
+    # is_active in the WHERE, SQLite (without table statistics) would rather scan the
+    # company's active products than look the few IDs up.
     products = {row["id"]: row for row in conn.execute(
-        f"SELECT * FROM products WHERE id IN ({','.join('?' * len(ids))}) "
-        f"AND +company_id = ? AND +is_active = 1", [*ids, company_id])}
+        f"SELECT * FROM products WHERE id IN ({','.join('?' * len(ids))})", ids)
+        if row["company_id"] == company_id and row["is_active"]}
     for product_id in ids:
         if product_id not in products:
             raise ApiError(400, f'Product "{product_id}" not found or is inactive.')
@@ -1936,9 +2287,6 @@ def describe_failure(error, timeout):
     return f"{type(error).__name__}: {error}"[:MAX_LOGGED_BODY]
 
 
-#: WAL size in bytes beyond which the sender's housekeeping truncates it.
-WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
-
 #: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
 KEEP_DELIVERIES = 5
 
@@ -1986,6 +2334,7 @@ class Sender:
         self.busy = 0
         self.busy_changed = threading.Condition()
         self.threads = []
+        self.dispatcher = None
         self.next_housekeeping = 0.0
 
     # Life cycle
@@ -1998,6 +2347,7 @@ class Sender:
                                       daemon=True)
         dispatcher.start()
         self.threads.append(dispatcher)
+        self.dispatcher = dispatcher
 
     def start_workers(self):
         for number in range(self.settings.delivery_workers):
@@ -2014,6 +2364,8 @@ class Sender:
         timeout). Whatever is not sent stays in the outbox for the next start."""
         self.stopping.set()
         self.wake.set()
+        if self.dispatcher is not None:  # done with the database once it has seen stopping
+            self.dispatcher.join(self.settings.webhook_timeout)
         grace = self.settings.webhook_timeout if grace is None else grace
         self.wait_idle(grace)
         for _ in self.threads:
@@ -2041,9 +2393,10 @@ class Sender:
             if conn.execute(waiting, args).fetchone() is None:
                 return []
         else:
+            events = {f"event{number}": event_id for number, event_id in enumerate(event_ids)}
             waiting = ("SELECT id FROM deliveries WHERE state = 'pending' AND event_id IN "
-                       "(SELECT value FROM json_each(:events)) LIMIT :limit")
-            args = {"limit": limit, "events": json_text(list(event_ids))}
+                       f"({', '.join(':' + name for name in events)}) LIMIT :limit")
+            args = dict(events, limit=limit)
         # A send is bounded by the timeout (DNS included); the slack covers writing its result.
         lease = iso(int((time.time() + 2 * self.settings.webhook_timeout + 5) * 1000))
         with self.db.write() as writing:
@@ -2103,13 +2456,9 @@ class Sender:
                 log.exception("webhook dispatcher failed; will try again")
 
     def _housekeeping(self):
-        """Off the request path: keep the WAL file bounded, and once a minute forget expired
-        idempotency keys and prune old events and delivery-log entries."""
-        wal = self.db.path + "-wal"
-        if os.path.exists(wal) and os.path.getsize(wal) > WAL_TRUNCATE_BYTES:
-            # Under constant reads SQLite's automatic checkpoints never get to restart the
-            # WAL, so it would grow without end; TRUNCATE waits for a gap between readers.
-            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        """Off the request path: the engine's own (SQLite's WAL file), and once a minute
+        forget expired idempotency keys and prune old events and delivery-log entries."""
+        self.db.engine.housekeeping(self.db)
         if time.monotonic() < self.next_housekeeping:
             return
         self.next_housekeeping = time.monotonic() + 60
@@ -3100,7 +3449,7 @@ class Service:
         self.db = Database(settings.db_path, settings)
         self.sender = Sender(self.db, settings)
         self.db.on_commit(self.sender.notify)
-        self.windows = rate_counter(settings)
+        self.windows = self.db.engine.rate_counter(self.db, settings, time.time)
         self.key_cache = {}
         # The rate-limit windows and the key cache read time from here, so a test can hold it
         # still.
@@ -3111,6 +3460,7 @@ class Service:
     def close(self, grace=None):
         self.sender.stop(grace)
         self.windows.close()
+        self.db.close_all()
 
     def health(self):
         """GET /healthz, for load balancers and supervisors: 200 while the database answers.
@@ -3255,9 +3605,12 @@ class Service:
                 raise ApiError(409, "A request with this Idempotency-Key is still in progress.")
             expires = iso(int((time.time() + self.settings.idempotency_ttl) * 1000))
             conn.execute(
-                "INSERT OR REPLACE INTO idempotency_keys (company_id, key, fingerprint, status, "
-                "body, expires_at, claimed_by) VALUES (?, ?, ?, 0, x'', ?, ?)",
-                (*slot, fingerprint, expires, claimer))
+                "INSERT INTO idempotency_keys (company_id, key, fingerprint, status, body, "
+                "expires_at, claimed_by) VALUES (?, ?, ?, 0, ?, ?, ?) "
+                "ON CONFLICT (company_id, key) DO UPDATE SET fingerprint = excluded.fingerprint, "
+                "status = 0, body = excluded.body, expires_at = excluded.expires_at, "
+                "claimed_by = excluded.claimed_by",
+                (*slot, fingerprint, b"", expires, claimer))
         try:
             with self.db.write() as conn:
                 conn.execute("SAVEPOINT operation")
@@ -3310,6 +3663,9 @@ def _error_page(status, message):
 
 
 def _internal_error_page(error):
+    """A page's unexpected failure (the API's are logged where they are caught)."""
+    log.error("%s %s failed\n%s", bottle.request.method, bottle.request.path,
+              error.traceback or error.exception)
     bottle.response.content_type = "text/plain; charset=utf-8"
     return "Internal Server Error"
 
@@ -3484,7 +3840,8 @@ def record_sign_in_failure(conn, subjects, now_ms):
         conn.execute(
             "INSERT INTO sign_in_failures (subject, failures, last_failure_at) VALUES (?, 1, ?) "
             "ON CONFLICT (subject) DO UPDATE SET last_failure_at = excluded.last_failure_at, "
-            "failures = CASE WHEN last_failure_at < ? THEN 1 ELSE failures + 1 END",
+            "failures = CASE WHEN sign_in_failures.last_failure_at < ? THEN 1 "
+            "ELSE sign_in_failures.failures + 1 END",
             (subject, at, forgotten))
 
 
@@ -3530,7 +3887,7 @@ def end_session(conn, token_hash):
 
 # What the pages read beyond the API's lists
 
-def company_choices(conn, table, company_id, label, where="1", limit=500):
+def company_choices(conn, table, company_id, label, where="1 = 1", limit=500):
     """(id, label) of a company's records for a form's select, newest first."""
     return [tuple(row) for row in conn.execute(
         f"SELECT id, {label} FROM {table} WHERE company_id = ? AND {where} "
@@ -3539,6 +3896,8 @@ def company_choices(conn, table, company_id, label, where="1", limit=500):
 
 def names_of(conn, table, label, ids):
     ids = list(set(filter(None, ids)))
+    if not ids:  # PostgreSQL has no empty IN ()
+        return {}
     return dict(tuple(row) for row in conn.execute(
         f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
 
@@ -3551,7 +3910,7 @@ def order_search(conn, company_id, text):
     if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
                     (text, company_id)).fetchone():
         return "id = ?", [text]
-    return ("po_number >= ? COLLATE NOCASE AND po_number < ? COLLATE NOCASE",
+    return (conn.engine.prefix_ignoring_ascii_case("po_number"),
             [text, text + chr(0x10FFFF)])
 
 
@@ -3560,7 +3919,8 @@ def order_history(conn, company_id, order_id):
     them (events are kept when a webhook subscribes to them)."""
     return [json.loads(row[0])["data"] | {"at": row[1]} for row in conn.execute(
         "SELECT body, created_at FROM events WHERE company_id = ? AND name = "
-        "'order.status_changed' AND json_extract(body, '$.data.id') = ? ORDER BY created_at, id",
+        f"'order.status_changed' AND {conn.engine.json_field('body', 'data.id')} = ? "
+        "ORDER BY created_at, id",
         (company_id, order_id))]
 
 
@@ -4735,7 +5095,10 @@ def serve_workers(settings):
     """serve --workers N: the parent makes the listening socket and forks N workers that each
     serve() on it (the kernel hands each connection to one of them). A worker that dies is
     replaced; SIGTERM or SIGINT is passed on to every worker, and the parent returns when all
-    have stopped. The parent opens no database and starts no thread, so forking is safe."""
+    have stopped. The parent starts no thread and keeps no connection open, so forking is
+    safe: it opens the database once, before the first fork, to create or migrate it and turn
+    on its journal mode (workers doing that at the same moment would find the file locked)."""
+    Database(settings.db_path, settings).close()
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     try:
         listener = socket.create_server((settings.host, settings.port), family=family,

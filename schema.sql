@@ -232,3 +232,13 @@ CREATE TABLE IF NOT EXISTS sign_in_failures (
     failures         INTEGER NOT NULL,
     last_failure_at  TEXT NOT NULL
 ) WITHOUT ROWID;
+
+-- Rate-limit counts per client and minute, on PostgreSQL, where every process and machine
+-- serving the database shares them. (On SQLite the processes of one machine count in a
+-- memory-mapped file beside the database instead, so that a read costs no write.)
+CREATE TABLE IF NOT EXISTS rate_windows (
+    subject  TEXT NOT NULL,                 -- "key <id>" or "ip <address>"
+    minute   INTEGER NOT NULL,              -- Unix time // 60
+    hits     INTEGER NOT NULL,
+    PRIMARY KEY (subject, minute)
+) WITHOUT ROWID;

