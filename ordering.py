@@ -1,4 +1,4 @@
-"""ordering: a multi-tenant wholesale ordering service on SQLite.
+"""ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
 Products, orders, customers and signed webhooks behind a small REST API (/api/v1), in one
 module you can run (``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI
@@ -7,7 +7,8 @@ app). The sections follow the way a request travels:
   1. Settings      every tunable, read once from flags and environment
   2. Storage       connections, schema and migrations, the write transaction (group
                    commit), claimers (which process holds a claim, and whether it lives),
-                   rate counters
+                   rate counters, the two engines (SQLite, PostgreSQL) and all that
+                   differs between them
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing
   4. Errors        ApiError and the validators that raise it with the spec's messages
   5. Records       rows to the JSON the API shows, one function per record type
@@ -46,6 +47,7 @@ import os
 import queue
 import re
 import secrets
+import shlex
 import signal
 import socket
 import sqlite3
@@ -92,7 +94,8 @@ DEFAULT_TRACKING_URL_TEMPLATES = {
 
 @dataclasses.dataclass
 class Settings:
-    #: Path of the SQLite database file (created if missing).
+    #: Path of the SQLite database file (created if missing), or a postgresql:// URL of an
+    #: existing PostgreSQL database (see README, PostgreSQL).
     db_path: str = "ordering.db"
     #: Address and port the server listens on.
     host: str = "127.0.0.1"
@@ -240,7 +243,6 @@ class Database:
         #: Commits made on the write connection; each holds one or more write() bodies.
         self.commits = 0
         self._writer = None
-        self._opened = []
         # Writers of this process queue on this condition rather than in the engine's lock
         # wait (SQLite's busy handler sleeps in growing steps and turns lock contention into
         # long tails).
@@ -252,10 +254,7 @@ class Database:
             apply_schema(conn)
 
     def connect(self):
-        conn = self.engine.connect(self.path, self.settings)
-        with self._turn:
-            self._opened.append(conn)
-        return conn
+        return self.engine.connect(self.path, self.settings)
 
     @property
     def conn(self):
@@ -285,13 +284,6 @@ class Database:
             if self._writer is not None and not self._busy and self._batch is None:
                 self._writer.close()
                 self._writer = None
-
-    def close_all(self):
-        """Close every connection this object opened, in any thread (it is not used after)."""
-        with self._turn:
-            opened, self._opened, self._writer = self._opened, [], None
-        for conn in opened:
-            conn.close()
 
     def _commit(self, conn):
         conn.execute("COMMIT")
@@ -611,15 +603,14 @@ class SharedWindowCounter:
 class TableWindowCounter:
     """Requests per fixed one-minute window, counted in the rate_windows table of a database
     with a server of its own (PostgreSQL), which every process and machine serving it shares.
-    Each hit is one upsert on a connection of the counter's own that does not wait for the
-    disk at commit: a count lost to a crash costs at most one minute's accuracy."""
+    Each hit is one upsert on a connection of the counter's own (one per thread) that does
+    not wait for the disk at commit: a count lost to a crash costs at most one minute's
+    accuracy."""
 
     def __init__(self, db, clock=time.time):
         self.db = db
         self.clock = clock
         self._local = threading.local()
-        self.lock = threading.Lock()
-        self.opened = []
         self.pruned = None
 
     def connection(self):
@@ -627,8 +618,6 @@ class TableWindowCounter:
         if conn is None or conn.broken:
             conn = self._local.conn = self.db.engine.connect(self.db.path, self.db.settings)
             conn.execute("SET synchronous_commit = off")
-            with self.lock:
-                self.opened.append(conn)
         return conn
 
     def hit(self, client, limit, now=None):
@@ -645,10 +634,11 @@ class TableWindowCounter:
         return count <= limit, max(0, limit - count), (minute + 1) * 60 - now
 
     def close(self):
-        with self.lock:
-            opened, self.opened = self.opened, []
-        for conn in opened:
+        """Close this thread's connection; another thread's closes when that thread ends."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
             conn.close()
+            self._local.conn = None
 
 
 # Engines ------------------------------------------------------------------------------------
@@ -664,6 +654,11 @@ class TableWindowCounter:
 
 def engine_for(path):
     return POSTGRES if str(path).startswith(("postgresql://", "postgres://")) else SQLITE
+
+
+def describe_db(settings):
+    """The database as logs may show it (a URL without its password)."""
+    return engine_for(settings.db_path).describe(settings.db_path)
 
 
 def contains_folded(haystack, needle):
@@ -3460,7 +3455,7 @@ class Service:
     def close(self, grace=None):
         self.sender.stop(grace)
         self.windows.close()
-        self.db.close_all()
+        self.db.close()
 
     def health(self):
         """GET /healthz, for load balancers and supervisors: 200 while the database answers.
@@ -5075,7 +5070,7 @@ def serve(settings, sockets=None):
         raise SystemExit(0)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    log.info("ordering %s serving %s on http://%s:%s", __version__, settings.db_path,
+    log.info("ordering %s serving %s on http://%s:%s", __version__, describe_db(settings),
              settings.host, server.effective_port)
     try:
         # A worker starts with the stop signals blocked (see serve_workers): one sent while it
@@ -5138,7 +5133,7 @@ def serve_workers(settings):
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("ordering %s serving %s on http://%s:%s with %d workers", __version__,
-             settings.db_path, settings.host, listener.getsockname()[1], settings.workers)
+             describe_db(settings), settings.host, listener.getsockname()[1], settings.workers)
     for _ in range(settings.workers):
         start_worker()
     while workers:
@@ -5399,15 +5394,17 @@ def demo(settings):
         product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
                                "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
     base = f"http://{settings.host}:{settings.port}/api/v1"
+    start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
+                                    else f" --db {shlex.quote(settings.db_path)}")
     header = f'-H "Authorization: Bearer {key["key"]}"'
     order = json_text({"customerId": customer["id"],
                        "items": [{"productId": product["id"], "quantity": 2}]})
     return "\n".join([
-        f"Demo company Demo Wholesale ({company_id}) in {settings.db_path}: "
+        f"Demo company Demo Wholesale ({company_id}) in {describe_db(settings)}: "
         f"{len(DEMO_CATALOG)} products, 2 customers.",
         "API key with all seven scopes (shown once):",
         key["key"],
-        "Start the server (python ordering.py), then try:",
+        f"Start the server ({start}), then try:",
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
@@ -5420,6 +5417,9 @@ def demo(settings):
 def backup(settings, destination):
     """An online, consistent copy of the database (SQLite's backup API), safe while the
     server runs."""
+    if engine_for(settings.db_path) is not SQLITE:
+        raise ApiError(400, "backup copies a SQLite file; back up a PostgreSQL database with "
+                            "pg_dump.")
     if os.path.exists(destination):
         raise ApiError(409, f"{destination} already exists; choose a new file.")
     if not os.path.isfile(settings.db_path):
@@ -5442,8 +5442,10 @@ def backup(settings, destination):
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="ordering", description="A multi-tenant wholesale ordering service on SQLite.")
-    parser.add_argument("--db", help="database file (default: $ORDERING_DB or ordering.db)")
+        prog="ordering",
+        description="A multi-tenant wholesale ordering service on SQLite or PostgreSQL.")
+    parser.add_argument("--db", help="SQLite database file or postgresql:// URL "
+                                     "(default: $ORDERING_DB or ordering.db)")
     parser.add_argument("--version", action="version", version=f"ordering {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 

