@@ -2313,7 +2313,6 @@ def prune_history(conn, before, batch=PRUNE_BATCH):
         (before, batch)).rowcount
     return deleted
 
-_CLAIMABLE = ("state = 'pending' OR (state = 'sending' AND lease_until < :now)")
 
 
 class Sender:
@@ -2380,11 +2379,21 @@ class Sender:
 
     def claim(self, limit, event_ids=None):
         """Atomically take up to limit deliveries (only of event_ids, if given) under a lease."""
-        now = now_iso()
         conn = self.db.conn
         if event_ids is None:
-            waiting = f"SELECT id FROM deliveries WHERE {_CLAIMABLE} ORDER BY id LIMIT :limit"
-            args = {"now": now, "limit": limit}
+            # A lease that has run out frees a delivery only from a claimer that may be gone:
+            # one on this host that still lives is still sending it (it is stalled, not dead).
+            args = {"now": now_iso(), "limit": limit}
+            living = {f"living{number}": claimer for number, claimer in enumerate(
+                row[0] for row in conn.execute(
+                    "SELECT DISTINCT claimed_by FROM deliveries WHERE state = 'sending' AND "
+                    "lease_until < :now", args)
+                if row[0] and row[0].startswith(_HOST + "/") and claimer_alive(row[0]))}
+            stalled = (f" AND COALESCE(claimed_by, '') NOT IN ({', '.join(':' + n for n in living)})"
+                       if living else "")
+            waiting = ("SELECT id FROM deliveries WHERE state = 'pending' OR (state = 'sending' "
+                       f"AND lease_until < :now{stalled}) ORDER BY id LIMIT :limit")
+            args.update(living)
             if conn.execute(waiting, args).fetchone() is None:
                 return []
         else:

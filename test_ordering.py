@@ -5805,6 +5805,29 @@ def test_claimer_is_dead_when_its_pid_is_free_a_zombie_or_reused():
     assert not ordering.claimer_alive(identity)
 
 
+def test_an_ended_lease_frees_a_delivery_only_from_a_claimer_that_may_be_gone(app, tenant):
+    """A claimer on this host that lives is still sending (stalled past its lease): its
+    deliveries stay with it. One on another host, which cannot be looked at, loses them when
+    the lease ends."""
+    with tenant.db.write() as conn:
+        webhook = ordering.create_webhook(conn, tenant.id, {"url": "http://127.0.0.1:9/hook",
+                                                            "events": ["customer.created"]})
+        ordering.emit(conn, tenant.id, "customer.created", {"id": "cus_x"})
+        conn.execute("UPDATE deliveries SET state = 'sending', lease_until = ?, claimed_by = ?",
+                     ("2000-01-01T00:00:00.000Z", ordering.process_identity()))
+    sender = app.service.sender
+    sender.stop(grace=0)  # claims below are made by hand, and nothing is sent
+    assert sender.claim(10) == []
+    sender.release_the_dead()
+    assert tenant.db.conn.execute("SELECT state FROM deliveries").fetchone()[0] == "sending"
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE deliveries SET claimed_by = ?",
+                     ("elsewhere/" + ordering.process_identity().split("/", 1)[1],))
+    assert [row["url"] for row in sender.claim(10)] == [webhook["url"]]
+    assert tenant.db.conn.execute("SELECT claimed_by FROM deliveries").fetchone()[0] \
+        == ordering.process_identity()
+
+
 def test_idempotency_claim_of_a_live_process_is_409_and_of_a_dead_one_is_taken_over(
         api, tenant):
     body = {"email": "claimed@example.com"}
