@@ -5513,14 +5513,14 @@ def _primary_key(table):
 
 
 def _table_digest(db, table, columns):
-    """{"rows", "sha256"} of a table's rows in primary key order; values are compared as
-    Python reads them, bytes whether the engine returns bytes or a memoryview."""
+    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
+    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
+    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
     digest, count = hashlib.sha256(), 0
     rows = db.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {_primary_key(table)}")
     while batch := rows.fetchmany(COPY_BATCH):
         for row in batch:
-            values = tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)
-            digest.update(repr(values).encode() + b"\n")
+            digest.update(repr(tuple(row)).encode() + b"\n")
         count += len(batch)
     return {"rows": count, "sha256": digest.hexdigest()}
 
