@@ -5465,9 +5465,9 @@ def copy_to(settings, target):
             return {"copiedTo": described,
                     "tables": _copy_tables(source_db, target_db, described)}
         finally:
-            target_db.close_all()
+            target_db.close()
     finally:
-        source_db.close_all()
+        source_db.close()
 
 
 def _copy_tables(source_db, target_db, described):

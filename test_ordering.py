@@ -2237,7 +2237,7 @@ def table_counts(database):
         return {table: db.conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
                 for table in ordering.tables_in_order()}
     finally:
-        db.close_all()
+        db.close()
 
 
 def with_password(url):
@@ -2327,7 +2327,7 @@ def test_copy_to_matches_columns_by_name(db_path, postgres_server):
             for db in databases)
     finally:
         for db in databases:
-            db.close_all()
+            db.close()
     assert copied_row == source_row and source_row[1] == "Hostile Co"
 
 
@@ -2338,7 +2338,7 @@ def test_copy_to_refuses_a_target_that_holds_rows(db_path, postgres_server):
     with target.write() as conn:
         conn.execute("INSERT INTO sign_in_failures (subject, failures, last_failure_at) "
                      "VALUES ('email:someone@example.com', 1, '2026-01-01T00:00:00.000Z')")
-    target.close_all()
+    target.close()
     before = table_counts(db_path)
 
     cli_refuses(db_path, "copy-to", url,
@@ -2395,7 +2395,7 @@ def test_a_copy_that_differs_from_its_source_is_reported(db_path, postgres_serve
     database = ordering.Database(str(db_path))
     with database.write() as conn:
         ordering.create_customer(conn, company, {"email": "nul@example.com", "name": "A\x00B"})
-    database.close_all()
+    database.close()
     url = postgres_database(postgres_server, "copy_target")
 
     cli_refuses(db_path, "copy-to", url,
