@@ -5449,6 +5449,91 @@ def backup(settings, destination):
             "integrity": check}
 
 
+#: Rows copy-to reads and inserts at a time: memory stays bounded whatever a table holds.
+COPY_BATCH = 1000
+
+
+def copy_to(settings, target):
+    """Copy every table of the database into target, an empty database of either engine, in
+    one transaction on the target, then read both back and compare them table by table."""
+    source_path = settings.db_path
+    if engine_for(source_path) is engine_for(target) is SQLITE:
+        same = os.path.realpath(source_path) == os.path.realpath(target)
+    else:
+        same = source_path == target
+    if same:
+        raise ApiError(409, f"{target} is the database being copied; name another target.")
+    # Checked before Database opens it, which would create a missing file.
+    if engine_for(source_path) is SQLITE and not os.path.isfile(source_path):
+        raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
+    source_db = Database(source_path, settings)
+    try:
+        target_db = Database(target, dataclasses.replace(settings, db_path=target))
+        try:
+            described = target_db.engine.describe(target)
+            return {"copiedTo": described,
+                    "tables": _copy_tables(source_db, target_db, described)}
+        finally:
+            target_db.close()
+    finally:
+        source_db.close()
+
+
+def _copy_tables(source_db, target_db, described):
+    columns = {}
+    # One transaction: a copy that fails at any row leaves the target as empty as it was, and
+    # nothing can write to the target between the check that it is empty and the copy.
+    with target_db.write() as conn:
+        for table in tables_in_order():
+            if conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone() is not None:
+                raise ApiError(409, f"{described} already holds rows in {table}; copy-to "
+                                    "needs an empty database.")
+        for table in tables_in_order():
+            rows = source_db.conn.execute(
+                f"SELECT * FROM {table} ORDER BY {_primary_key(table)}")
+            # By name, not by position: the two databases need not order their columns alike.
+            columns[table] = ", ".join(column[0] for column in rows.description)
+            insert = (f"INSERT INTO {table} ({columns[table]}) "
+                      f"VALUES ({', '.join(['?'] * len(rows.description))})")
+            while batch := rows.fetchmany(COPY_BATCH):
+                conn.executemany(insert, [tuple(row) for row in batch])
+    # Both sides are read again after the commit, which also catches a server that was still
+    # writing to the source.
+    tables = {}
+    for table in tables_in_order():
+        copied = _table_digest(source_db, table, columns[table])
+        found = _table_digest(target_db, table, columns[table])
+        if found != copied:
+            raise ApiError(500, f"{table} in {described} does not match the source after the "
+                                f"copy (rows: {copied['rows']} in the source, {found['rows']} "
+                                "in the copy): a server still writing to the source, or a value "
+                                "the target cannot hold? Empty the target before copying again.")
+        tables[table] = copied
+    return tables
+
+
+def _primary_key(table):
+    """The primary key columns of a table of schema.sql, as an ORDER BY list."""
+    statement = next(statement for statement in schema_statements()
+                     if f"CREATE TABLE IF NOT EXISTS {table} (" in statement)
+    match = (re.search(r"PRIMARY KEY \(([^)]*)\)", statement)
+             or re.search(r"(\w+) +\w+ +PRIMARY KEY", statement))
+    return match.group(1)
+
+
+def _table_digest(db, table, columns):
+    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
+    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
+    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
+    digest, count = hashlib.sha256(), 0
+    rows = db.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {_primary_key(table)}")
+    while batch := rows.fetchmany(COPY_BATCH):
+        for row in batch:
+            digest.update(repr(tuple(row)).encode() + b"\n")
+        count += len(batch)
+    return {"rows": count, "sha256": digest.hexdigest()}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="ordering",
@@ -5565,6 +5650,9 @@ def build_parser():
                           "new key with all seven scopes and curl commands to try")
     sub = command("backup", None, "copy the database to DEST while the server may be running")
     sub.add_argument("destination", metavar="DEST", type=_non_empty)
+    sub = command("copy-to", None, "copy every table into TARGET, an empty database (a file or "
+                                   "postgresql://...), and verify the copy; stop the server first")
+    sub.add_argument("target", metavar="TARGET", type=_non_empty)
 
     sub = command("deliveries", cmd_deliveries, "the 5 most recent delivery attempts of a webhook")
     sub.add_argument("id", metavar="WEBHOOK_ID")
@@ -5624,6 +5712,8 @@ def main(argv=None):
             return 0
         if args.command == "backup":
             result = backup(settings, args.destination)
+        elif args.command == "copy-to":
+            result = copy_to(settings, args.target)
         else:
             result = run_command(args.handler, args, settings)
     except ApiError as error:

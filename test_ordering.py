@@ -2284,6 +2284,181 @@ def test_backup_copies_an_old_file_without_migrating_it(tmp_path):
         conn.close()
 
 
+def table_counts(database):
+    """Rows per table of schema.sql, in a database of either engine."""
+    db = ordering.Database(str(database))
+    try:
+        return {table: db.conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+                for table in ordering.tables_in_order()}
+    finally:
+        db.close()
+
+
+def with_password(url):
+    """The throwaway server's URL with a password in it (it trusts every local client)."""
+    assert "postgres:@" in url
+    return url.replace("postgres:@", "postgres:s3cret@")
+
+
+def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_server):
+    app = build_app(db_path, deliver=False)
+    api = webtest.TestApp(app)
+    tenant, other = Tenant(app, "Acme Wholesale"), Tenant(app, "Other Company")
+    rice = tenant.product(name="Rice 25kg", sku="GR-RICE-25", stock=50)
+    tea = tenant.product(name="Black Tea", price_cents=1150, stock=20)
+    other.product(name="Not Acme's")
+    customer = tenant.customer(email="buyer@example.com", name="Corner Cafe")
+    revoked = tenant.new_key(ALL_SCOPES)
+    with tenant.db.write() as conn:
+        ordering.revoke_api_key(conn, revoked["id"])
+        staff = ordering.create_staff(conn, tenant.id, "staff@acme.example",
+                                      "a long staff password")
+        # Session keys are random hashes, so their rows seldom lie in key order.
+        for token_hash in ("f" * 64, "0" * 64):
+            conn.execute("INSERT INTO staff_sessions VALUES (?, ?, ?, ?)",
+                         (token_hash, staff["id"], "2026-01-01T00:00:00.000Z",
+                          "2026-01-01T00:00:00.000Z"))
+        conn.execute("INSERT INTO sign_in_failures VALUES (?, 2, ?)",
+                     ("email:staff@acme.example", "2026-01-01T00:00:00.000Z"))
+    subscribe(api, tenant, "https://hooks.example/orders", ["order.created"])
+    body = {"customerId": customer["id"], "items": [{"productId": rice["id"], "quantity": 2}]}
+    placed = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "order-1"),
+                           status=201)
+    place(api, tenant, [{"productId": tea["id"], "quantity": 1},
+                        {"productId": rice["id"], "quantity": 3}], customer_id=customer["id"])
+    pages = {path: api.get(path, headers=tenant.headers).json
+             for path in ("/api/v1/orders", "/api/v1/products", "/api/v1/customers")}
+    app.service.close(grace=0)
+    url = with_password(postgres_database(postgres_server, "copy_target"))
+
+    result = cli_json(db_path, "copy-to", url)
+
+    expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1, "orders": 2,
+                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0, "webhooks": 1,
+                "events": 2, "deliveries": 2, "idempotency_keys": 1, "staff": 1,
+                "staff_sessions": 2, "sign_in_failures": 1, "rate_windows": 0}
+    assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
+    assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
+    assert list(result["tables"]) == ordering.tables_in_order()
+    assert all(re.fullmatch("[0-9a-f]{64}", copied["sha256"])
+               for copied in result["tables"].values())
+    assert table_counts(db_path) == table_counts(url) == expected
+    # The checksums are the engine's business no more than the counts: a second copy, into a
+    # SQLite file, reports the same.
+    assert cli_json(db_path, "copy-to", str(tmp_path / "again.db"))["tables"] == result["tables"]
+
+    moved = build_app(url, deliver=False)
+    try:
+        moved_api = webtest.TestApp(moved)
+        for path, page in pages.items():
+            assert moved_api.get(path, headers=tenant.headers).json == page
+        again = moved_api.post_json("/api/v1/orders", body, headers=with_key(tenant, "order-1"),
+                                    status=201)
+        assert again.body == placed.body and again.headers["Idempotent-Replayed"] == "true"
+        assert_error(moved_api.get("/api/v1/products", headers=auth(revoked), status=401), 401,
+                     INVALID)
+    finally:
+        moved.service.close(grace=0)
+    assert table_counts(url)["orders"] == 2
+
+
+def test_copy_to_matches_columns_by_name(db_path, postgres_server):
+    # A table made by an older schema keeps its own order of columns.
+    source = sqlite3.connect(db_path)
+    source.execute("CREATE TABLE companies (slug TEXT NOT NULL UNIQUE, created_at TEXT NOT NULL, "
+                   "name TEXT NOT NULL, id TEXT PRIMARY KEY)")
+    source.execute(f"PRAGMA user_version = {ordering.SCHEMA_VERSION}")
+    source.close()
+    seed_company(db_path, 1, 5, 1)
+    url = postgres_database(postgres_server, "copy_target")
+
+    cli_json(db_path, "copy-to", url)
+
+    databases = [ordering.Database(str(path)) for path in (db_path, url)]
+    try:
+        source_row, copied_row = (
+            tuple(db.conn.execute("SELECT id, name, slug, created_at FROM companies").fetchone())
+            for db in databases)
+    finally:
+        for db in databases:
+            db.close()
+    assert copied_row == source_row and source_row[1] == "Hostile Co"
+
+
+def test_copy_to_refuses_a_target_that_holds_rows(db_path, postgres_server):
+    seed_company(db_path, 1, 5, 1)
+    url = with_password(postgres_database(postgres_server, "copy_target"))
+    target = ordering.Database(url)
+    with target.write() as conn:
+        conn.execute("INSERT INTO sign_in_failures (subject, failures, last_failure_at) "
+                     "VALUES ('email:someone@example.com', 1, '2026-01-01T00:00:00.000Z')")
+    target.close()
+    before = table_counts(db_path)
+
+    cli_refuses(db_path, "copy-to", url,
+                message=f"{url.replace(':s3cret@', ':***@')} already holds rows in "
+                        "sign_in_failures; copy-to needs an empty database.")
+
+    assert table_counts(url) == dict.fromkeys(ordering.tables_in_order(), 0) | {
+        "sign_in_failures": 1}
+    assert table_counts(db_path) == before
+
+
+def test_copy_to_refuses_a_missing_source_and_creates_nothing(tmp_path, postgres_server):
+    import psycopg
+    source = tmp_path / "missing.db"
+    url = postgres_database(postgres_server, "copy_target")
+    result = run_cli(source, "copy-to", url)
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == f"ordering copy-to: {source} does not exist; nothing to copy.\n"
+    assert os.listdir(tmp_path) == []
+    with psycopg.connect(url) as conn:  # not even opened: no tables made
+        assert conn.execute("SELECT to_regclass('companies')").fetchone()[0] is None
+
+
+def test_copy_to_refuses_the_database_itself(db_path):
+    seed_company(db_path, 1, 5, 1)
+    before = table_counts(db_path)
+    for spelling in (str(db_path), os.path.join(os.path.dirname(db_path), ".", "ordering.db")):
+        cli_refuses(db_path, "copy-to", spelling,
+                    message=f"{spelling} is the database being copied; name another target.")
+    assert table_counts(db_path) == before
+
+
+def test_a_copy_that_fails_part_way_leaves_the_target_empty(db_path, postgres_server):
+    seed_company(db_path, 2, 5, 2)
+    # SQLite keeps text in an INTEGER column; PostgreSQL refuses it, in the last table copied,
+    # after every other table has been inserted.
+    assert ordering.tables_in_order()[-1] == "rate_windows"
+    source = sqlite3.connect(db_path)
+    source.execute("INSERT INTO rate_windows VALUES ('ip 192.0.2.1', 'soon', 1)")
+    source.commit()
+    source.close()
+    url = postgres_database(postgres_server, "copy_target")
+
+    cli_refuses(db_path, "copy-to", url,
+                message='database error: invalid input syntax for type bigint: "soon"\n'
+                        "CONTEXT:  unnamed portal parameter $2 = '...'")
+
+    assert table_counts(url) == dict.fromkeys(ordering.tables_in_order(), 0)
+
+
+def test_a_copy_that_differs_from_its_source_is_reported(db_path, postgres_server):
+    company, _, _, _ = seed_company(db_path, 1, 5, 0)
+    # PostgreSQL text cannot hold U+0000: the copy keeps the row with U+FFFD in its place.
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        ordering.create_customer(conn, company, {"email": "nul@example.com", "name": "A\x00B"})
+    database.close()
+    url = postgres_database(postgres_server, "copy_target")
+
+    cli_refuses(db_path, "copy-to", url,
+                message=f"customers in {url.replace(':@', ':***@')} does not match the source "
+                        "after the copy (rows: 1 in the source, 1 in the copy): a server "
+                        "still writing to the source, or a value the target cannot hold? Empty "
+                        "the target before copying again.")
+
+
 def test_health_needs_no_key(api, app, monkeypatch):
     assert api.get("/healthz").json == {"status": "ok"}
 
