@@ -34,6 +34,7 @@ TWO_CORES = (os.cpu_count() or 1) >= 2
 # Building the database through the module's own functions --------------------------------
 
 def build_database(path, orders, products=1000, customers=200, seed=7):
+    """path: a SQLite file or a postgresql:// URL (an empty database)."""
     random.seed(seed)
     db = ordering.Database(path)
     with db.write() as conn:
@@ -57,7 +58,12 @@ def build_database(path, orders, products=1000, customers=200, seed=7):
                 made += 1
     order_ids = [row[0] for row in db.conn.execute(
         "SELECT id FROM orders ORDER BY created_at DESC, id DESC")]
-    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    if db.engine is ordering.SQLITE:
+        db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    else:
+        # What autovacuum does to freshly loaded tables within a minute or so, done now so
+        # that it does not happen during a measurement.
+        db.conn.execute("VACUUM ANALYZE")
     db.close()
     return {"key": key, "company": company, "products": product_ids,
             "customers": customer_ids, "orders": order_ids}
@@ -132,6 +138,23 @@ request = function()
   return wrk.format(nil, nil, nil, body)
 end
 """
+
+
+
+def scripts(data):
+    """wrk's Lua scripts for a database from build_database: (GET with its key, POST order)."""
+    def quoted(ids):
+        return ",".join(f'"{i}"' for i in ids)
+    return (GET_SCRIPT.format(key=data["key"]),
+            POST_SCRIPT.format(key=data["key"], products=quoted(data["products"]),
+                               customers=quoted(data["customers"])))
+
+
+def medians(runs):
+    """{label: [wrk results]} as {label: the median of each figure}."""
+    return {label: {field: statistics.median(r[field] for r in results)
+                    for field in ("rps", "p50", "p99")} for label, results in runs.items()}
+
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
 
@@ -215,12 +238,7 @@ def measure(args, workdir):
     large_data = build_database(large, args.orders)
     print(f"built {args.orders:,} orders in {time.monotonic() - started:.1f}s", file=sys.stderr)
 
-    def quoted(ids):
-        return ",".join(f'"{i}"' for i in ids)
-    get_script = GET_SCRIPT.format(key=large_data["key"])
-    post_script = POST_SCRIPT.format(key=large_data["key"],
-                                     products=quoted(large_data["products"]),
-                                     customers=quoted(large_data["customers"]))
+    get_script, post_script = scripts(large_data)
     rounds = {name: [] for name in ("ceiling GET", "ceiling POST", "GET order",
                                     "GET products (50)", "GET orders (50)", "POST order",
                                     "last page @1k", "last page @N", "storage FULL",
@@ -278,9 +296,7 @@ def measure(args, workdir):
                                                      "p99": float("nan")})
         print(f"round {round_number + 1} of {args.rounds} done", file=sys.stderr)
     walk = last_page_in_process(small, small_data, large, large_data)
-    return {name: {field: statistics.median(r[field] for r in results)
-                   for field in ("rps", "p50", "p99")}
-            for name, results in rounds.items()}, rss, wal, walk
+    return medians(rounds), rss, wal, walk
 
 
 def report(results, rss, wal, walk_in_process, args):

@@ -17,7 +17,6 @@ It also times one count in process (µs per hit) for each counter. Needs wrk.
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -54,11 +53,7 @@ def main():
     path = os.path.join(workdir, "bench.db")
     data = bench.build_database(path, 200 if args.smoke else 1000)
 
-    def quoted(ids):
-        return ",".join(f'"{i}"' for i in ids)
-    get_script = bench.GET_SCRIPT.format(key=data["key"])
-    post_script = bench.POST_SCRIPT.format(key=data["key"], products=quoted(data["products"]),
-                                           customers=quoted(data["customers"]))
+    get_script, post_script = bench.scripts(data)
     one_order = f"/api/v1/orders/{data['orders'][0]}"
     runs = {}
 
@@ -89,8 +84,7 @@ def main():
                 stop(server)
         print(f"round {round_number + 1} of {args.rounds} done", file=sys.stderr)
 
-    medians = {label: {field: statistics.median(r[field] for r in results)
-                       for field in ("rps", "p50", "p99")} for label, results in runs.items()}
+    medians = bench.medians(runs)
     print("| measurement | req/s | p50 ms | p99 ms |")
     print("|---|---:|---:|---:|")
     for label, figures in medians.items():
