@@ -2407,7 +2407,7 @@ def test_copy_to_refuses_a_target_that_holds_rows(db_path, postgres_server):
 def test_copy_to_refuses_a_missing_source_and_creates_nothing(tmp_path, postgres_server):
     import psycopg
     source = tmp_path / "missing.db"
-    url = postgres_database(postgres_server, "copy_target")
+    url = postgres_database(postgres_server, "copy_untouched")  # made here, never opened
     result = run_cli(source, "copy-to", url)
     assert (result.returncode, result.stdout) == (1, "")
     assert result.stderr == f"ordering copy-to: {source} does not exist; nothing to copy.\n"
