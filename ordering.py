@@ -671,7 +671,6 @@ class SqliteConnection(sqlite3.Connection):
 
 
 class SqliteEngine:
-    name = "sqlite"
     #: WAL size in bytes beyond which housekeeping truncates it.
     WAL_TRUNCATE_BYTES = 16 * 1024 * 1024
 
@@ -733,6 +732,10 @@ class PostgresConnection:
     position or by column name, in_transaction tells whether a transaction is open."""
 
     engine = None  # set below
+    # psycopg's error class and idle transaction status, set when the engine first imports
+    # psycopg (an optional dependency, imported only for a postgresql:// database)
+    raw_errors = ()
+    idle = None
 
     def __init__(self, raw):
         self.raw = raw
@@ -833,7 +836,6 @@ class PostgresEngine:
     and one commit. IDs and timestamps sort as on SQLite because every text column uses the
     "C" collation (bytes), whatever the database's locale."""
 
-    name = "postgresql"
     #: pg_advisory_xact_lock key of the write lock ("orde" in ASCII).
     WRITE_LOCK = 0x6F726465
 
