@@ -646,7 +646,8 @@ class TableWindowCounter:
 # ? and :name parameters. The few places where they differ are the methods of these two
 # classes and nothing else: connecting, the write lock, the schema version, the schema's
 # types, two expressions (a JSON field and a prefix range that ignores ASCII case), the
-# rate counter, and housekeeping. A connection names its engine (conn.engine), so code
+# rate counter, housekeeping, and for the commands whether a database exists and whether two
+# names are one database. A connection names its engine (conn.engine), so code
 # that builds one of those expressions asks the connection it holds.
 #
 # Errors: what a PostgreSQL connection raises reaches callers as sqlite3.DatabaseError, the
@@ -724,6 +725,13 @@ class SqliteEngine:
 
     def describe(self, path):
         return path
+
+    def exists(self, path):
+        """Opening a file that is missing would create it: commands that only read ask first."""
+        return os.path.isfile(path)
+
+    def same_database(self, path, other):
+        return engine_for(other) is self and os.path.realpath(path) == os.path.realpath(other)
 
 
 class PostgresConnection:
@@ -936,6 +944,13 @@ class PostgresEngine:
 
     def housekeeping(self, db):
         """Nothing: the server keeps its own write-ahead log in check."""
+
+    def exists(self, path):
+        """A server's database cannot be created by opening it: it exists or fails to open."""
+        return True
+
+    def same_database(self, path, other):
+        return path == other
 
     def describe(self, path):
         """The URL without its password, for logs."""
@@ -5433,7 +5448,7 @@ def backup(settings, destination):
                             "pg_dump.")
     if os.path.exists(destination):
         raise ApiError(409, f"{destination} already exists; choose a new file.")
-    if not os.path.isfile(settings.db_path):
+    if not SQLITE.exists(settings.db_path):
         raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
     # Not through Database, which would create a missing file and migrate an old one; mode=rw
     # never creates the file, should it vanish after the check.
@@ -5459,14 +5474,11 @@ def copy_to(settings, target):
     """Copy every table of the database into target, an empty database of either engine, in
     one transaction on the target, then read both back and compare them table by table."""
     source_path = settings.db_path
-    if engine_for(source_path) is engine_for(target) is SQLITE:
-        same = os.path.realpath(source_path) == os.path.realpath(target)
-    else:
-        same = source_path == target
-    if same:
+    source_engine = engine_for(source_path)
+    if source_engine.same_database(source_path, target):
         raise ApiError(409, f"{target} is the database being copied; name another target.")
     # Checked before Database opens it, which would create a missing file.
-    if engine_for(source_path) is SQLITE and not os.path.isfile(source_path):
+    if not source_engine.exists(source_path):
         raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
     source_db = Database(source_path, settings)
     try:
