@@ -1,26 +1,35 @@
 """ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
-Products, orders, customers and signed webhooks behind a small REST API (/api/v1), in one
-module you can run (``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI
-app). The sections follow the way a request travels:
+Products, orders, customers and signed webhooks behind a small REST API (/api/v1), with a
+staff dashboard, in one module you can run (``python ordering.py``), vendor, or embed
+(``create_app()`` returns a WSGI app). The sections run in dependency order: each uses only
+the ones above it.
 
-  1. Settings      every tunable, read once from flags and environment
-  2. Storage       connections, schema and migrations, the write transaction (group
-                   commit), claimers (which process holds a claim, and whether it lives),
-                   rate counters, the two engines (SQLite, PostgreSQL) and all that
-                   differs between them
-  3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing
-  4. Errors        ApiError and the validators that raise it with the spec's messages
-  5. Records       rows to the JSON the API shows, one function per record type
-  6. Events        the catalog, emit() into the outbox, signatures
-  7. Operations    what the business does (place_order, update_customer, ...), HTTP-free
-  8. Delivery      the webhook sender: claiming, address checks, the thread pool, the log
-  9. HTTP          pagination, the routes, the OpenAPI document built from them, auth and
-                   scopes, rate limits, idempotency, the app factory, error handlers
- 10. Dashboard     the staff's pages at /dashboard: staff accounts, sign-in and its
-                   throttle, sessions, CSRF, the pages (thin: form, operation, render),
-                   the templates and the stylesheet
- 11. Command line  main(), the operator commands (staff-create, ...), serve and its workers
+  1. Settings      every tunable, read once from flags and environment, checked at start
+  2. Storage       the database and its write transaction (group commit); schema and
+                   migrations; claimers (which process holds a claim, and whether it lives);
+                   shared rate counters; engines (SQLite, PostgreSQL: all that differs)
+  3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, JSON text
+  4. Text and markup   escaping and render(); templates
+  5. Errors and validation   ApiError; the spec's messages, enumerations and limits;
+                   validators
+  6. Records       rows to the JSON the API shows, one function per record type
+  7. Events        the catalog, emit() into the outbox
+  8. Operations    what the business does, HTTP-free: rows and tenancy (the one "fetch or
+                   404"); companies; products; customers; orders; returns, refunds and
+                   invoices; webhook subscriptions; API keys and idempotency; accounts and
+                   sessions; queries (the paginator, filters, lookups); copies
+  9. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention;
+                   webhooks (signing, address checks, the POST)
+ 10. HTTP API      routes (parse, call an operation, wrap); serving the API (auth, scopes,
+                   rate limits, idempotency, error pages)
+ 11. OpenAPI       the document built from the route table: event payloads, operations of
+                   the API, responses and parameters every operation shares
+ 12. Web pages     the kit every HTML surface shares (page registry, forms, CSRF, sessions,
+                   security headers); dashboard (the staff's pages at /dashboard)
+ 13. App           create_app() installs every surface
+ 14. Server        serve and its workers, the access log
+ 15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to, ...)
 """
 
 import argparse
@@ -63,6 +72,7 @@ import bottle
 __version__ = "0.1.0"
 
 log = logging.getLogger("ordering")
+
 
 # ---------------------------------------------------------------------------------------------
 # 1. Settings
@@ -214,6 +224,9 @@ def proxy_address(text):
 # ---------------------------------------------------------------------------------------------
 # 2. Storage
 # ---------------------------------------------------------------------------------------------
+
+
+# The database and its write transaction ------------------------------------------------------
 
 class Database:
     """One database, SQLite or PostgreSQL (see Engines below): a read connection per thread,
@@ -399,6 +412,8 @@ class _WriteTransaction:
 _emitted = threading.local()
 
 
+# Schema and migrations -----------------------------------------------------------------------
+
 def apply_schema(conn):
     """Create what is missing, then migrate by the schema version the engine keeps."""
     engine = conn.engine
@@ -442,8 +457,8 @@ def tables_in_order():
             for statement in schema_statements() if "CREATE TABLE" in statement]
 
 
-# Claimers -----------------------------------------------------------------------------------
-# Work that one process takes on (a webhook delivery, an Idempotency-Key in progress) is
+# Claimers ------------------------------------------------------------------------------------
+# Work that one process takes on (an outbox row, an Idempotency-Key in progress) is
 # claimed in the database under that process's identity: host, pid and the start time the
 # kernel gave the process, so that a pid reused by a newer process is not taken for the
 # claimer. Another process on the same host can then tell at once that a claimer is gone.
@@ -504,13 +519,13 @@ def claimer_alive(identity):
     return stat is not None and stat[0] not in ("Z", "X") and stat[1] == start
 
 
-# Shared rate counters -----------------------------------------------------------------------
+# Shared rate counters ------------------------------------------------------------------------
 # Rate limits are counted per fixed one-minute window. Every counter has hit(client, limit,
 # now=None) -> (allowed, remaining, seconds until the window resets) and close().
 # WindowCounter counts in this process only; SharedWindowCounter counts in a small
 # memory-mapped file beside the database, shared by every process of this machine that serves
-# it, so that a GET costs no database write. (An engine with a server of its own would count
-# in a table instead.)
+# it, so that a GET costs no database write; TableWindowCounter counts in a table of an engine
+# with a server of its own.
 
 class WindowCounter:
     """Requests per fixed one-minute window in this process. Only the current window's counts
@@ -641,7 +656,7 @@ class TableWindowCounter:
             self._local.conn = None
 
 
-# Engines ------------------------------------------------------------------------------------
+# Engines -------------------------------------------------------------------------------------
 # ordering's SQL is written once, in the dialect SQLite and PostgreSQL share, with SQLite's
 # ? and :name parameters. The few places where they differ are the methods of these two
 # classes and nothing else: connecting, the write lock, the schema version, the schema's
@@ -1145,8 +1160,155 @@ def hash_key(key):
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+# Built once: json.dumps with options makes a new encoder per call. The API's values are trees
+# of plain dicts and lists, so the circular-reference bookkeeping is skipped too.
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                         check_circular=False)
+
+
+def json_text(value):
+    return _JSON.encode(value)
+
+
 # ---------------------------------------------------------------------------------------------
-# 4. Errors and validation
+# 4. Text and markup
+# ---------------------------------------------------------------------------------------------
+# HTML is built from the templates below through render(), which escapes every value that is
+# not markup already. Pages and messages of every surface use them; no script is served.
+
+class Markup(str):
+    """Text that is HTML already; anything else is escaped on its way into a template."""
+
+
+def escape(value):
+    if isinstance(value, Markup):
+        return value
+    return Markup(html.escape("" if value is None else str(value), quote=True))
+
+
+def render(template, **values):
+    return Markup(template.format(**{name: escape(value) for name, value in values.items()}))
+
+
+def join(pieces):
+    return Markup("".join(escape(piece) for piece in pieces))
+
+
+def amount_text(number):
+    return "" if number is None else f"{number:,.2f}"
+
+
+# Templates -----------------------------------------------------------------------------------
+
+LAYOUT = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title} - ordering</title>
+<link rel="stylesheet" href="/dashboard/style.css">
+</head>
+<body>
+<a class="skip" href="#main">Skip to content</a>
+<header>{header}</header>
+<main id="main">
+<h1>{title}</h1>
+{notice}{body}
+</main>
+</body>
+</html>
+"""
+
+HEADER = """<nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
+<form class="account" method="post" action="/dashboard/sign-out">{csrf}<span>{email}</span>
+<button type="submit">Sign out</button></form>"""
+
+SIGN_IN_FORM = """<form class="card narrow" method="post" action="/dashboard/sign-in">
+{error}
+<label for="email">Email</label>
+<input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
+<label for="password">Password</label>
+<input id="password" name="password" type="password" autocomplete="current-password" required>
+<button type="submit">Sign in</button>
+</form>"""
+
+STYLESHEET = """\
+:root { --ink: #1d2430; --muted: #5b6575; --line: #d7dce3; --paper: #ffffff;
+  --wash: #f4f6f9; --accent: #1f5fbf; --danger: #b42318; --ok: #17713a; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
+  color: var(--ink); background: var(--wash); }
+a { color: var(--accent); }
+:focus-visible { outline: 3px solid #f5b400; outline-offset: 2px; }
+.skip { position: absolute; left: -999px; }
+.skip:focus { left: 8px; top: 8px; background: var(--paper); padding: 6px; z-index: 1; }
+header { display: flex; flex-wrap: wrap; align-items: center; justify-content: space-between;
+  gap: 8px; padding: 8px 16px; background: var(--ink); color: #fff; }
+header a { color: #fff; text-decoration: none; padding: 4px 8px; border-radius: 4px; }
+header a[aria-current] { background: rgba(255,255,255,.18); }
+nav { display: flex; flex-wrap: wrap; align-items: center; gap: 8px; }
+nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-style: none; }
+.brand { margin-right: 8px; }
+.account { display: flex; align-items: center; gap: 8px; margin: 0; }
+.account span { color: #c9d1dc; font-size: 13px; }
+.account button { margin-top: 0; }
+main { max-width: 1180px; margin: 0 auto; padding: 16px; }
+h1 { font-size: 22px; margin: 8px 0 16px; }
+h2 { font-size: 17px; margin: 24px 0 8px; }
+.card { background: var(--paper); border: 1px solid var(--line); border-radius: 8px;
+  padding: 16px; margin-bottom: 16px; }
+.narrow { max-width: 420px; }
+.table-wrap { overflow-x: auto; background: var(--paper); border: 1px solid var(--line);
+  border-radius: 8px; margin-bottom: 16px; }
+table { width: 100%; border-collapse: collapse; }
+th, td { text-align: left; padding: 8px 10px; border-bottom: 1px solid var(--line);
+  vertical-align: top; }
+th { font-size: 13px; color: var(--muted); font-weight: 600; background: var(--wash); }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr:last-child td { border-bottom: 0; }
+label { display: block; font-weight: 600; margin: 10px 0 4px; font-size: 14px; }
+label.check { display: inline-flex; gap: 6px; align-items: center; font-weight: 400;
+  margin: 4px 12px 4px 0; }
+input, select, textarea { font: inherit; padding: 7px 9px; border: 1px solid #aeb6c2;
+  border-radius: 6px; width: 100%; max-width: 100%; background: #fff; color: var(--ink); }
+input[type=checkbox] { width: auto; }
+textarea { min-height: 70px; }
+button, .button { font: inherit; display: inline-block; padding: 7px 14px; border-radius: 6px;
+  border: 1px solid var(--accent); background: var(--accent); color: #fff; cursor: pointer;
+  text-decoration: none; margin-top: 10px; }
+button.secondary { background: #fff; color: var(--accent); }
+button.danger { background: var(--danger); border-color: var(--danger); }
+.inline { display: inline; margin: 0 6px 0 0; }
+.inline button { margin-top: 0; }
+.filters { display: grid; grid-template-columns: repeat(auto-fit, minmax(160px, 1fr));
+  gap: 0 12px; align-items: end; }
+.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 0 16px; }
+.error { color: var(--danger); font-size: 14px; margin: 4px 0 0; }
+.alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
+  margin-bottom: 16px; }
+.notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
+  margin-bottom: 16px; word-break: break-all; }
+.status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
+  font-weight: 600; background: #e6ebf2; }
+.status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
+.status-SHIPPED { background: #e4f5ff; } .status-DELIVERED { background: #e3f6e8; }
+.status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
+.muted { color: var(--muted); font-size: 13px; }
+code { font-size: 13px; word-break: break-all; }
+.pager { margin: 8px 0 24px; }
+dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
+dl.facts dt { color: var(--muted); }
+dl.facts dd { margin: 0; }
+@media (max-width: 640px) {
+  main { padding: 10px; }
+  th, td { padding: 6px; }
+  .hide-narrow { display: none; }
+}
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Errors and validation
 # ---------------------------------------------------------------------------------------------
 
 class ApiError(Exception):
@@ -1179,6 +1341,32 @@ def invalid(field, rule):
 def not_found(resource):
     return ApiError(404, f"{resource} not found.")
 
+
+# The spec's messages, enumerations and limits ------------------------------------------------
+
+RATE_LIMITED = "Rate limit exceeded. Try again shortly."
+MISSING_AUTH = "Missing or invalid Authorization header. Use: Bearer <api_key>"
+INVALID_KEY = "Invalid, expired, or revoked API key."
+
+
+CREDIT_LIMIT_MESSAGE = "Credit limit must be between 0 and 100000000."
+TAX_RATE_MESSAGE = "Tax rate override must be between 0 and 0.3."
+SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
+          "webhooks:read", "webhooks:write")
+ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
+CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
+CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
+
+MAX_ORDER_LINES = 100
+MAX_QUANTITY = 1_000_000_000
+MAX_PO_NUMBER = 100
+MAX_ORDER_NOTES = 2000
+MAX_WEBHOOKS = 10
+MAX_CENTS = 2 ** 63 - 1
+MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
+
+
+# Validators ----------------------------------------------------------------------------------
 
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -1278,12 +1466,8 @@ def valid_http_url(url):
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Records
+# 6. Records
 # ---------------------------------------------------------------------------------------------
-
-# The serializers below read rows by position, which is several times faster than by name on
-# the list endpoints' hot path: schema.sql puts the columns the API shows first, in this order,
-# so that SELECT * rows (and the tuples place_order builds) unpack straight into them.
 
 def product_json(row):
     (product_id, name, sku, description, category, unit, price_cents, stock, image_url,
@@ -1381,13 +1565,6 @@ def delivery_json(row):
     }
 
 
-_ITEMS_OF_ORDERS = """
-    SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku, i.order_id
-    FROM order_items i JOIN products p ON p.id = i.product_id
-    WHERE i.order_id IN ({})
-    ORDER BY i.order_id, i.position"""
-
-
 def return_json(row):
     return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
             "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
@@ -1411,7 +1588,7 @@ def orders_json(conn, order_rows):
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. Events
+# 7. Events
 # ---------------------------------------------------------------------------------------------
 
 EVENT_CATALOG = (
@@ -1444,57 +1621,15 @@ def emit(conn, company_id, name, data):
     return event_id
 
 
-# Built once: json.dumps with options makes a new encoder per call. The API's values are trees
-# of plain dicts and lists, so the circular-reference bookkeeping is skipped too.
-_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
-                         check_circular=False)
-
-
-def json_text(value):
-    return _JSON.encode(value)
-
-
-def sign(secret, body):
-    """X-Webhook-Signature: sha256=<hex HMAC-SHA256 of the raw body, keyed by the whole secret>."""
-    return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
-
-
-def verify_signature(secret, body, header):
-    """For receivers: True when header is the signature of body (bytes) under secret."""
-    if isinstance(body, str):
-        body = body.encode("utf-8")
-    return isinstance(header, str) and hmac.compare_digest(sign(secret, body), header.strip())
-
-
 # ---------------------------------------------------------------------------------------------
-# 7. Operations
+# 8. Operations
 # ---------------------------------------------------------------------------------------------
-# Each takes a connection inside a write transaction that its caller opened (so a route can
-# store its idempotency record in the same one), checks tenancy, and emits its events.
+# What the business does, callable without HTTP. Each takes a connection inside a write
+# transaction that its caller opened (so a route can store its idempotency record in the same
+# one), checks tenancy through load_row, emits its events, and returns one kind of thing.
 
-SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
-          "webhooks:read", "webhooks:write")
-ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
-CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
-CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
 
-#: The dashboard's stricter workflow; the API itself enforces only the CANCELLED lock.
-DASHBOARD_TRANSITIONS = {
-    "SUBMITTED": ("CONFIRMED", "CANCELLED"),
-    "CONFIRMED": ("SHIPPED", "CANCELLED"),
-    "SHIPPED": ("DELIVERED",),
-    "DELIVERED": (),
-    "CANCELLED": (),
-}
-
-MAX_ORDER_LINES = 100
-MAX_QUANTITY = 1_000_000_000
-MAX_PO_NUMBER = 100
-MAX_ORDER_NOTES = 2000
-MAX_WEBHOOKS = 10
-MAX_CENTS = 2 ** 63 - 1
-MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
-
+# Rows and tenancy ----------------------------------------------------------------------------
 
 def insert_row(conn, table, row):
     """INSERT one row given as {column: value} (column names come from this module only)."""
@@ -1523,6 +1658,8 @@ def load_row(conn, table, resource, company_id, row_id):
     return row
 
 
+# Companies -----------------------------------------------------------------------------------
+
 def load_company(conn, company_id):
     row = conn.execute("SELECT * FROM companies WHERE id = ?", (company_id,)).fetchone()
     if row is None:
@@ -1545,36 +1682,15 @@ def create_company(conn, name, slug=None):
     return {"id": company_id, "name": name, "slug": slug}
 
 
-def key_expired(expires_at, now):
-    """A key with an expiry is refused from that moment on (now: ISO text)."""
-    return bool(expires_at) and expires_at <= now
+def company_by_slug(conn, store_slug):
+    row = conn.execute("SELECT * FROM companies WHERE slug = ?", (store_slug,)).fetchone()
+    if row is None:
+        raise not_found("Store")
+    return row
 
 
-def create_api_key(conn, company_id, scopes, rate_limit=60, expires_at=None):
-    """A new key; the returned "key" is shown this once and only its hash is kept."""
-    load_company(conn, company_id)
-    unknown = [scope for scope in scopes if scope not in SCOPES]
-    if unknown or not scopes:
-        raise invalid("scopes", f"must be some of {', '.join(SCOPES)}")
-    if not isinstance(rate_limit, int) or rate_limit < 1:
-        raise invalid("rateLimit", "must be a positive whole number")
-    key = "sk_" + secrets.token_urlsafe(32)
-    key_id, at = new_id_at("key")
-    conn.execute(
-        "INSERT INTO api_keys (id, company_id, key_hash, scopes, rate_limit, expires_at, "
-        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (key_id, company_id, hash_key(key), " ".join(scopes), rate_limit, expires_at, at))
-    return {"id": key_id, "key": key, "companyId": company_id, "scopes": list(scopes),
-            "rateLimit": rate_limit, "expiresAt": expires_at}
-
-
-def revoke_api_key(conn, key_id):
-    if conn.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?", (key_id,)).rowcount == 0:
-        raise not_found("API key")
-    return {"id": key_id, "revoked": True}
-
-
-# Products (written by the dashboard and the operator commands; read-only over the API)
+# Products ------------------------------------------------------------------------------------
+# Written by the dashboard and the operator commands; read-only over the API.
 
 def load_product(conn, company_id, product_id):
     return load_row(conn, "products", "Product", company_id, product_id)
@@ -1662,14 +1778,10 @@ def check_low_stock(conn, company_id, product, triggering_order_id):
         conn.execute("UPDATE products SET low_stock_alerted = 0 WHERE id = ?", (product["id"],))
 
 
-# Customers
+# Customers -----------------------------------------------------------------------------------
 
 def load_customer(conn, company_id, customer_id):
     return load_row(conn, "customers", "Customer", company_id, customer_id)
-
-
-CREDIT_LIMIT_MESSAGE = "Credit limit must be between 0 and 100000000."
-TAX_RATE_MESSAGE = "Tax rate override must be between 0 and 0.3."
 
 
 def _customer_changes(body):
@@ -1749,13 +1861,6 @@ def hash_password(password):
     return "pbkdf2_sha256$200000$" + salt.hex() + "$" + digest.hex()
 
 
-def company_by_slug(conn, store_slug):
-    row = conn.execute("SELECT * FROM companies WHERE slug = ?", (store_slug,)).fetchone()
-    if row is None:
-        raise not_found("Store")
-    return row
-
-
 def storefront_register(conn, store_slug, email, name=None, password=None):
     """Self-registration on /store/{slug}: customer.created with source storefront."""
     company = company_by_slug(conn, store_slug)
@@ -1764,10 +1869,27 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
                            store_slug=store_slug, password=password)
 
 
-# Orders
+# Orders --------------------------------------------------------------------------------------
+
+#: The dashboard's stricter workflow; the API itself enforces only the CANCELLED lock.
+DASHBOARD_TRANSITIONS = {
+    "SUBMITTED": ("CONFIRMED", "CANCELLED"),
+    "CONFIRMED": ("SHIPPED", "CANCELLED"),
+    "SHIPPED": ("DELIVERED",),
+    "DELIVERED": (),
+    "CANCELLED": (),
+}
+
 
 def load_order(conn, company_id, order_id):
     return load_row(conn, "orders", "Order", company_id, order_id)
+
+
+_ITEMS_OF_ORDERS = """
+    SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku, i.order_id
+    FROM order_items i JOIN products p ON p.id = i.product_id
+    WHERE i.order_id IN ({})
+    ORDER BY i.order_id, i.position"""
 
 
 def order_with_items(conn, company_id, order_id):
@@ -1953,7 +2075,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
     return update_order_status(conn, company_id, order_id, status, tracking)
 
 
-# Returns, refunds and the company's own invoices (recorded for their events)
+# Returns, refunds and the company's own invoices ---------------------------------------------
 
 def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
@@ -2079,7 +2201,7 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
     return payload
 
 
-# Webhook subscriptions
+# Webhook subscriptions -----------------------------------------------------------------------
 
 def load_webhook(conn, company_id, webhook_id):
     return load_row(conn, "webhooks", "Webhook", company_id, webhook_id)
@@ -2169,135 +2291,410 @@ def recent_deliveries(conn, webhook_id, count=5):
         "LIMIT ?", (webhook_id, count))]
 
 
+# API keys and idempotency --------------------------------------------------------------------
+
+def key_expired(expires_at, now):
+    """A key with an expiry is refused from that moment on (now: ISO text)."""
+    return bool(expires_at) and expires_at <= now
+
+
+def create_api_key(conn, company_id, scopes, rate_limit=60, expires_at=None):
+    """A new key; the returned "key" is shown this once and only its hash is kept."""
+    load_company(conn, company_id)
+    unknown = [scope for scope in scopes if scope not in SCOPES]
+    if unknown or not scopes:
+        raise invalid("scopes", f"must be some of {', '.join(SCOPES)}")
+    if not isinstance(rate_limit, int) or rate_limit < 1:
+        raise invalid("rateLimit", "must be a positive whole number")
+    key = "sk_" + secrets.token_urlsafe(32)
+    key_id, at = new_id_at("key")
+    conn.execute(
+        "INSERT INTO api_keys (id, company_id, key_hash, scopes, rate_limit, expires_at, "
+        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (key_id, company_id, hash_key(key), " ".join(scopes), rate_limit, expires_at, at))
+    return {"id": key_id, "key": key, "companyId": company_id, "scopes": list(scopes),
+            "rateLimit": rate_limit, "expiresAt": expires_at}
+
+
+def revoke_api_key(conn, key_id):
+    if conn.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?", (key_id,)).rowcount == 0:
+        raise not_found("API key")
+    return {"id": key_id, "revoked": True}
+
+
+def company_api_keys(conn, company_id):
+    return conn.execute("SELECT id, scopes, rate_limit, expires_at, revoked, created_at "
+                        "FROM api_keys WHERE company_id = ? ORDER BY created_at DESC, id DESC",
+                        (company_id,)).fetchall()
+
+
+# Accounts and sessions -----------------------------------------------------------------------
+
+STAFF_PASSWORD_MIN = 12
+#: scrypt cost (16 MiB of memory and some 50 ms per hash); the salt is the account's own.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
+#: Failed sign-ins per email and per address that cost nothing; then each further try waits
+#: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on the
+#: subject is refused for SIGN_IN_LOCKOUT_SECONDS after its last failure.
+SIGN_IN_FREE_FAILURES = 3
+SIGN_IN_LOCKOUT_FAILURES = 10
+SIGN_IN_LOCKOUT_SECONDS = 15 * 60
+SIGN_IN_REFUSED = "Wrong email or password."
+
+
+def hash_staff_password(password, salt=None):
+    salt = salt or secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=SCRYPT_N, r=SCRYPT_R,
+                            p=SCRYPT_P, dklen=32)
+    return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
+
+
+def staff_password_matches(password, stored):
+    _, n, r, p, salt, digest = stored.split("$")
+    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n),
+                               r=int(r), p=int(p), dklen=len(digest) // 2)
+    return hmac.compare_digest(candidate.hex(), digest)
+
+
+@functools.lru_cache(maxsize=1)
+def _stand_in_hash():
+    """Checked against when no account has the email, so that a wrong email takes as long to
+    refuse as a wrong password."""
+    return hash_staff_password(secrets.token_urlsafe(16))
+
+
+def create_staff(conn, company_id, email, password):
+    load_company(conn, company_id)
+    email = (email or "").strip()
+    if not valid_email(email):
+        raise ApiError(400, "Invalid email address.")
+    if len(password) < STAFF_PASSWORD_MIN:
+        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
+    if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
+                    (company_id, email.casefold())).fetchone():
+        raise ApiError(409, "A staff account with this email already exists in the company.")
+    staff_id, at = new_id_at("stf")
+    row = {"id": staff_id, "company_id": company_id, "email": email,
+           "email_key": email.casefold(), "password_hash": hash_staff_password(password),
+           "created_at": at}
+    insert_row(conn, "staff", row)
+    return staff_json(row)
+
+
+def set_staff_password(conn, staff_id, password):
+    """A new password (and an end to the account's sessions)."""
+    if len(password) < STAFF_PASSWORD_MIN:
+        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
+    conn.execute("UPDATE staff SET password_hash = ? WHERE id = ?",
+                 (hash_staff_password(password), staff_id))
+    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+
+
+def disable_staff(conn, staff_id):
+    """Ends the account and every session of it at once."""
+    if conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,)).rowcount == 0:
+        raise not_found("Staff account")
+    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+    return {"id": staff_id, "disabled": True}
+
+
+def sign_in_subjects(email, address):
+    return ("email:" + email.strip().casefold()[:254], "address:" + address)
+
+
+def sign_in_wait(conn, subjects, now_ms):
+    """Seconds before the next sign-in attempt for these subjects may be tried (0: now)."""
+    wait = 0.0
+    for row in conn.execute(
+            f"SELECT failures, last_failure_at FROM sign_in_failures "
+            f"WHERE subject IN ({','.join('?' * len(subjects))})", subjects):
+        failures = row["failures"]
+        if failures < SIGN_IN_FREE_FAILURES:
+            continue
+        delay = (SIGN_IN_LOCKOUT_SECONDS if failures >= SIGN_IN_LOCKOUT_FAILURES
+                 else 2 ** (failures - SIGN_IN_FREE_FAILURES + 1))
+        wait = max(wait, js_parse_date(row["last_failure_at"]) / 1000 + delay - now_ms / 1000)
+    return wait
+
+
+def record_sign_in_failure(conn, subjects, now_ms):
+    """One more failure for each subject; a subject quiet for the lockout time starts over."""
+    at, forgotten = iso(now_ms), iso(now_ms - SIGN_IN_LOCKOUT_SECONDS * 1000)
+    # counts that would start over anyway go, so guessed emails cannot grow the table forever
+    conn.execute("DELETE FROM sign_in_failures WHERE last_failure_at < ?", (forgotten,))
+    for subject in subjects:
+        conn.execute(
+            "INSERT INTO sign_in_failures (subject, failures, last_failure_at) VALUES (?, 1, ?) "
+            "ON CONFLICT (subject) DO UPDATE SET last_failure_at = excluded.last_failure_at, "
+            "failures = CASE WHEN sign_in_failures.last_failure_at < ? THEN 1 "
+            "ELSE sign_in_failures.failures + 1 END",
+            (subject, at, forgotten))
+
+
+def find_staff(conn, email, password):
+    """The enabled account with this email and password, or None. An email may belong to
+    staff of several companies: the password picks the account."""
+    rows = conn.execute("SELECT * FROM staff WHERE email_key = ? AND disabled = 0 "
+                        "ORDER BY created_at, id", (email.strip().casefold(),)).fetchall()
+    if not rows:
+        staff_password_matches(password, _stand_in_hash())
+    return next((row for row in rows if staff_password_matches(password, row["password_hash"])),
+                None)
+
+
+def start_session(conn, staff, subjects, now_ms, idle_seconds):
+    """A new session for a successful sign-in; returns the cookie value (kept only hashed).
+    Sessions left idle past the limit by browsers that never came back end here."""
+    conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
+    conn.execute("DELETE FROM staff_sessions WHERE last_seen_at < ?",
+                 (iso(now_ms - idle_seconds * 1000),))
+    token = secrets.token_urlsafe(32)
+    conn.execute("INSERT INTO staff_sessions (token_hash, staff_id, created_at, last_seen_at) "
+                 "VALUES (?, ?, ?, ?)", (hash_key(token), staff["id"], iso(now_ms), iso(now_ms)))
+    return token
+
+
+def load_session(conn, token):
+    return conn.execute(
+        "SELECT s.token_hash, s.last_seen_at, t.id AS staff_id, t.email, t.company_id, "
+        "c.name AS company_name FROM staff_sessions s JOIN staff t ON t.id = s.staff_id "
+        "JOIN companies c ON c.id = t.company_id WHERE s.token_hash = ? AND t.disabled = 0",
+        (hash_key(token),)).fetchone()
+
+
+def touch_session(conn, token_hash, now_ms):
+    conn.execute("UPDATE staff_sessions SET last_seen_at = ? WHERE token_hash = ?",
+                 (iso(now_ms), token_hash))
+
+
+def end_session(conn, token_hash):
+    conn.execute("DELETE FROM staff_sessions WHERE token_hash = ?", (token_hash,))
+
+
+# Queries -------------------------------------------------------------------------------------
+# What lists and pages read: one paginator, the lists' filters, the dashboard's lookups.
+
+def page_limit(text):
+    """limit as the spec reads it: parseInt, default 50 when not a number, clamped to 1..100."""
+    number = js_parse_int(text)
+    return 50 if number is None else min(100, max(1, number))
+
+
+def paginate(conn, table, company_id, query, filters=(), params=(), serialize=None):
+    """One page of a list endpoint, newest first, (createdAt, id) descending so that equal
+    timestamps never skip or repeat a record. The cursor is the last ID of the previous page;
+    one that is not the company's gives an empty last page."""
+    limit = page_limit(query.get("limit"))
+    where, args = ["company_id = ?", *filters], [company_id, *params]
+    cursor = query.get("cursor")
+    if cursor:
+        anchor = conn.execute(f"SELECT created_at, id FROM {table} WHERE id = ? AND company_id = ?",
+                              (cursor, company_id)).fetchone()
+        if anchor is None:
+            return {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
+        where.append("(created_at, id) < (?, ?)")
+        args += [anchor["created_at"], anchor["id"]]
+    rows = conn.execute(
+        f"SELECT * FROM {table} WHERE {' AND '.join(where)} "
+        f"ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit + 1]).fetchall()
+    has_more = len(rows) > limit
+    rows = rows[:limit]
+    return {"data": serialize(conn, rows),
+            "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more else None}}
+
+
+def search_filter(columns, needle):
+    """Case-insensitive substring match on any of columns (Unicode case folding)."""
+    folded = needle.casefold()
+    return "(" + " OR ".join(f"contains_folded({c}, ?)" for c in columns) + ")", [folded] * len(columns)
+
+
+def date_filter(query, name):
+    text = query.get(name)
+    if not text:
+        return None
+    ms = js_parse_date(text)
+    if ms is None:
+        raise invalid(name, "must be a date (2026-11-22) or an ISO 8601 datetime")
+    return iso(ms)
+
+
+def order_filters(query):
+    """The order list's filters (status, customerId, since, until) as SQL and parameters."""
+    filters, params = [], []
+    status = query.get("status")
+    if status:
+        if status not in ORDER_STATUSES:
+            raise ApiError(400, "Invalid order status.")
+        filters.append("status = ?")
+        params.append(status)
+    if query.get("customerId"):
+        filters.append("customer_id = ?")
+        params.append(query["customerId"])
+    for name, operator in (("since", ">="), ("until", "<=")):
+        bound = date_filter(query, name)
+        if bound is not None:
+            filters.append(f"created_at {operator} ?")
+            params.append(bound)
+    return filters, params
+
+
+def company_choices(conn, table, company_id, label, where="1 = 1", limit=500):
+    """(id, label) of a company's records for a form's select, newest first."""
+    return [tuple(row) for row in conn.execute(
+        f"SELECT id, {label} FROM {table} WHERE company_id = ? AND {where} "
+        f"ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, limit))]
+
+
+def names_of(conn, table, label, ids):
+    ids = list(set(filter(None, ids)))
+    if not ids:  # PostgreSQL has no empty IN ()
+        return {}
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
+
+
+def order_search(conn, company_id, text):
+    """The orders list's search as a filter and its parameters: the order with that ID, else
+    the orders whose PO number begins with the text, ignoring ASCII case (both served by an
+    index, so a search costs the same at any number of orders)."""
+    text = text.strip()
+    if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
+                    (text, company_id)).fetchone():
+        return "id = ?", [text]
+    return (conn.engine.prefix_ignoring_ascii_case("po_number"),
+            [text, text + chr(0x10FFFF)])
+
+
+def order_history(conn, company_id, order_id):
+    """The order's status changes, oldest first, as its order.status_changed events recorded
+    them (events are kept when a webhook subscribes to them)."""
+    return [json.loads(row[0])["data"] | {"at": row[1]} for row in conn.execute(
+        "SELECT body, created_at FROM events WHERE company_id = ? AND name = "
+        f"'order.status_changed' AND {conn.engine.json_field('body', 'data.id')} = ? "
+        "ORDER BY created_at, id",
+        (company_id, order_id))]
+
+
+# Copies --------------------------------------------------------------------------------------
+# backup and copy-to, for the operator commands.
+
+def backup(settings, destination):
+    """An online, consistent copy of the database (SQLite's backup API), safe while the
+    server runs."""
+    if engine_for(settings.db_path) is not SQLITE:
+        raise ApiError(400, "backup copies a SQLite file; back up a PostgreSQL database with "
+                            "pg_dump.")
+    if os.path.exists(destination):
+        raise ApiError(409, f"{destination} already exists; choose a new file.")
+    if not SQLITE.exists(settings.db_path):
+        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
+    # Not through Database, which would create a missing file and migrate an old one; mode=rw
+    # never creates the file, should it vanish after the check.
+    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(settings.db_path))}"
+                             "?mode=rw", uri=True, timeout=settings.busy_timeout_ms / 1000)
+    target = sqlite3.connect(destination)
+    try:
+        source.backup(target)
+        pages = target.execute("PRAGMA page_count").fetchone()[0]
+        check = target.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        target.close()
+        source.close()
+    return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
+            "integrity": check}
+
+
+#: Rows copy-to reads and inserts at a time: memory stays bounded whatever a table holds.
+COPY_BATCH = 1000
+
+
+def copy_to(settings, target):
+    """Copy every table of the database into target, an empty database of either engine, in
+    one transaction on the target, then read both back and compare them table by table."""
+    source_path = settings.db_path
+    source_engine = engine_for(source_path)
+    if source_engine.same_database(source_path, target):
+        raise ApiError(409, f"{target} is the database being copied; name another target.")
+    # Checked before Database opens it, which would create a missing file.
+    if not source_engine.exists(source_path):
+        raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
+    source_db = Database(source_path, settings)
+    try:
+        target_db = Database(target, dataclasses.replace(settings, db_path=target))
+        try:
+            described = target_db.engine.describe(target)
+            return {"copiedTo": described,
+                    "tables": _copy_tables(source_db, target_db, described)}
+        finally:
+            target_db.close()
+    finally:
+        source_db.close()
+
+
+def _copy_tables(source_db, target_db, described):
+    columns = {}
+    # One transaction: a copy that fails at any row leaves the target as empty as it was, and
+    # nothing can write to the target between the check that it is empty and the copy.
+    with target_db.write() as conn:
+        for table in tables_in_order():
+            if conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone() is not None:
+                raise ApiError(409, f"{described} already holds rows in {table}; copy-to "
+                                    "needs an empty database.")
+        for table in tables_in_order():
+            rows = source_db.conn.execute(
+                f"SELECT * FROM {table} ORDER BY {_primary_key(table)}")
+            # By name, not by position: the two databases need not order their columns alike.
+            columns[table] = ", ".join(column[0] for column in rows.description)
+            insert = (f"INSERT INTO {table} ({columns[table]}) "
+                      f"VALUES ({', '.join(['?'] * len(rows.description))})")
+            while batch := rows.fetchmany(COPY_BATCH):
+                conn.executemany(insert, [tuple(row) for row in batch])
+    # Both sides are read again after the commit, which also catches a server that was still
+    # writing to the source.
+    tables = {}
+    for table in tables_in_order():
+        copied = _table_digest(source_db, table, columns[table])
+        found = _table_digest(target_db, table, columns[table])
+        if found != copied:
+            raise ApiError(500, f"{table} in {described} does not match the source after the "
+                                f"copy (rows: {copied['rows']} in the source, {found['rows']} "
+                                "in the copy): a server still writing to the source, or a value "
+                                "the target cannot hold? Empty the target before copying again.")
+        tables[table] = copied
+    return tables
+
+
+def _primary_key(table):
+    """The primary key columns of a table of schema.sql, as an ORDER BY list."""
+    statement = next(statement for statement in schema_statements()
+                     if f"CREATE TABLE IF NOT EXISTS {table} (" in statement)
+    match = (re.search(r"PRIMARY KEY \(([^)]*)\)", statement)
+             or re.search(r"(\w+) +\w+ +PRIMARY KEY", statement))
+    return match.group(1)
+
+
+def _table_digest(db, table, columns):
+    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
+    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
+    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
+    digest, count = hashlib.sha256(), 0
+    rows = db.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {_primary_key(table)}")
+    while batch := rows.fetchmany(COPY_BATCH):
+        for row in batch:
+            digest.update(repr(tuple(row)).encode() + b"\n")
+        count += len(batch)
+    return {"rows": count, "sha256": digest.hexdigest()}
+
+
 # ---------------------------------------------------------------------------------------------
-# 8. Delivery
+# 9. Outbox
 # ---------------------------------------------------------------------------------------------
 # One attempt per delivery, as the spec says, but an attempt is never forgotten: deliveries
 # are claimed from the outbox under a lease and the claimer's identity, so a process that dies
 # mid-send leaves them to be claimed again: at once by a process of the same host, which can
 # tell the claimer is gone, else when the lease ends. That makes duplicates possible (receivers
 # dedupe on X-Webhook-Id).
-
-USER_AGENT = f"ordering-webhooks/{__version__}"
-MAX_LOGGED_BODY = 2000
-
-
-class DeliveryRefused(Exception):
-    """A destination the sender will not connect to."""
-
-
-class _DeadlineReader(io.RawIOBase):
-    """Socket reads that share one deadline, so a slow-drip response cannot outlast it."""
-
-    def __init__(self, sock, deadline):
-        self.sock = sock
-        self.deadline = deadline
-
-    def readable(self):
-        return True
-
-    def readinto(self, buffer):
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise socket.timeout("timed out")
-        self.sock.settimeout(remaining)
-        return self.sock.recv_into(buffer)
-
-
-class _DeadlineSocket:
-    def __init__(self, sock, deadline):
-        self.reader = io.BufferedReader(_DeadlineReader(sock, deadline))
-
-    def makefile(self, *args, **kwargs):
-        return self.reader
-
-
-def address_allowed(address):
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if getattr(ip, "ipv4_mapped", None):
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
-
-
-def resolve(host, port, timeout):
-    """getaddrinfo under the delivery deadline (it has no timeout of its own)."""
-    answer = {}
-
-    def lookup():
-        try:
-            answer["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as error:
-            answer["error"] = error
-    thread = threading.Thread(target=lookup, name="ordering-resolve", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if "error" in answer:
-        raise answer["error"]
-    if not answer.get("infos"):
-        raise socket.timeout("timed out")
-    return answer["infos"]
-
-
-def post_webhook(url, body, headers, timeout, allow_private=False):
-    """One POST, with one deadline for the whole exchange, to the address that was checked
-    (so a second DNS answer cannot point it elsewhere). Returns (status, response text)."""
-    deadline = time.monotonic() + timeout
-    parts = urllib.parse.urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    infos = resolve(parts.hostname, port, timeout)
-    if not allow_private:
-        for info in infos:
-            if not address_allowed(info[4][0]):
-                raise DeliveryRefused(
-                    f"Refused: {parts.hostname} resolves to {info[4][0]}, a loopback, private, "
-                    f"link-local or reserved address.")
-    sock, error = None, None
-    for family, kind, proto, _, address in infos:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise socket.timeout("timed out")
-        candidate = socket.socket(family, kind, proto)
-        try:
-            candidate.settimeout(remaining)
-            candidate.connect(address)
-            sock = candidate
-            break
-        except OSError as failure:
-            candidate.close()
-            error = failure
-    if sock is None:
-        raise error
-    try:
-        if parts.scheme == "https":
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        lines = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}",
-                 f"Content-Length: {len(body)}", "Connection: close"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        sock.settimeout(max(0.001, deadline - time.monotonic()))
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline))
-        response.begin()
-        text = response.read(MAX_LOGGED_BODY * 4).decode("utf-8", "replace")
-        return response.status, text[:MAX_LOGGED_BODY]
-    finally:
-        sock.close()
-
-
-def describe_failure(error, timeout):
-    if isinstance(error, DeliveryRefused):
-        return str(error)
-    if isinstance(error, socket.timeout):
-        return f"Timed out after {timeout:g} seconds."
-    if isinstance(error, ConnectionRefusedError):
-        return "Connection refused."
-    if isinstance(error, socket.gaierror):
-        return f"DNS lookup failed: {error.strerror or error}."
-    return f"{type(error).__name__}: {error}"[:MAX_LOGGED_BODY]
-
 
 #: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
 KEEP_DELIVERIES = 5
@@ -2329,7 +2726,6 @@ def prune_history(conn, before, batch=PRUNE_BATCH):
         "EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id) LIMIT ?)",
         (before, batch)).rowcount
     return deleted
-
 
 
 class Sender:
@@ -2542,8 +2938,144 @@ class Sender:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
+# Webhooks ------------------------------------------------------------------------------------
+# The channel of the outbox that signs each event and POSTs it to a subscriber.
+
+USER_AGENT = f"ordering-webhooks/{__version__}"
+MAX_LOGGED_BODY = 2000
+
+
+def sign(secret, body):
+    """X-Webhook-Signature: sha256=<hex HMAC-SHA256 of the raw body, keyed by the whole secret>."""
+    return "sha256=" + hmac.new(secret.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+
+def verify_signature(secret, body, header):
+    """For receivers: True when header is the signature of body (bytes) under secret."""
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    return isinstance(header, str) and hmac.compare_digest(sign(secret, body), header.strip())
+
+
+class DeliveryRefused(Exception):
+    """A destination the sender will not connect to."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that share one deadline, so a slow-drip response cannot outlast it."""
+
+    def __init__(self, sock, deadline):
+        self.sock = sock
+        self.deadline = deadline
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("timed out")
+        self.sock.settimeout(remaining)
+        return self.sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    def __init__(self, sock, deadline):
+        self.reader = io.BufferedReader(_DeadlineReader(sock, deadline))
+
+    def makefile(self, *args, **kwargs):
+        return self.reader
+
+
+def address_allowed(address):
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if getattr(ip, "ipv4_mapped", None):
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+def resolve(host, port, timeout):
+    """getaddrinfo under the delivery deadline (it has no timeout of its own)."""
+    answer = {}
+
+    def lookup():
+        try:
+            answer["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as error:
+            answer["error"] = error
+    thread = threading.Thread(target=lookup, name="ordering-resolve", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in answer:
+        raise answer["error"]
+    if not answer.get("infos"):
+        raise socket.timeout("timed out")
+    return answer["infos"]
+
+
+def post_webhook(url, body, headers, timeout, allow_private=False):
+    """One POST, with one deadline for the whole exchange, to the address that was checked
+    (so a second DNS answer cannot point it elsewhere). Returns (status, response text)."""
+    deadline = time.monotonic() + timeout
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    infos = resolve(parts.hostname, port, timeout)
+    if not allow_private:
+        for info in infos:
+            if not address_allowed(info[4][0]):
+                raise DeliveryRefused(
+                    f"Refused: {parts.hostname} resolves to {info[4][0]}, a loopback, private, "
+                    f"link-local or reserved address.")
+    sock, error = None, None
+    for family, kind, proto, _, address in infos:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("timed out")
+        candidate = socket.socket(family, kind, proto)
+        try:
+            candidate.settimeout(remaining)
+            candidate.connect(address)
+            sock = candidate
+            break
+        except OSError as failure:
+            candidate.close()
+            error = failure
+    if sock is None:
+        raise error
+    try:
+        if parts.scheme == "https":
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
+        target = parts.path or "/"
+        if parts.query:
+            target += "?" + parts.query
+        lines = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}",
+                 f"Content-Length: {len(body)}", "Connection: close"]
+        lines += [f"{name}: {value}" for name, value in headers.items()]
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+        response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline))
+        response.begin()
+        text = response.read(MAX_LOGGED_BODY * 4).decode("utf-8", "replace")
+        return response.status, text[:MAX_LOGGED_BODY]
+    finally:
+        sock.close()
+
+
+def describe_failure(error, timeout):
+    if isinstance(error, DeliveryRefused):
+        return str(error)
+    if isinstance(error, socket.timeout):
+        return f"Timed out after {timeout:g} seconds."
+    if isinstance(error, ConnectionRefusedError):
+        return "Connection refused."
+    if isinstance(error, socket.gaierror):
+        return f"DNS lookup failed: {error.strerror or error}."
+    return f"{type(error).__name__}: {error}"[:MAX_LOGGED_BODY]
+
+
 # ---------------------------------------------------------------------------------------------
-# 9. HTTP
+# 10. HTTP API
 # ---------------------------------------------------------------------------------------------
 
 Route = collections.namedtuple("Route", "method path scope status handler summary")
@@ -2574,11 +3106,6 @@ class Call:
 
 
 Key = collections.namedtuple("Key", "id company_id scopes rate_limit expires_at revoked")
-
-
-RATE_LIMITED = "Rate limit exceeded. Try again shortly."
-MISSING_AUTH = "Missing or invalid Authorization header. Use: Bearer <api_key>"
-INVALID_KEY = "Invalid, expired, or revoked API key."
 
 
 def rate_limited(reset_seconds, headers):
@@ -2624,52 +3151,8 @@ def parse_json_body(raw):
     return value
 
 
-def page_limit(text):
-    """limit as the spec reads it: parseInt, default 50 when not a number, clamped to 1..100."""
-    number = js_parse_int(text)
-    return 50 if number is None else min(100, max(1, number))
-
-
-def paginate(conn, table, company_id, query, filters=(), params=(), serialize=None):
-    """One page of a list endpoint, newest first, (createdAt, id) descending so that equal
-    timestamps never skip or repeat a record. The cursor is the last ID of the previous page;
-    one that is not the company's gives an empty last page."""
-    limit = page_limit(query.get("limit"))
-    where, args = ["company_id = ?", *filters], [company_id, *params]
-    cursor = query.get("cursor")
-    if cursor:
-        anchor = conn.execute(f"SELECT created_at, id FROM {table} WHERE id = ? AND company_id = ?",
-                              (cursor, company_id)).fetchone()
-        if anchor is None:
-            return {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
-        where.append("(created_at, id) < (?, ?)")
-        args += [anchor["created_at"], anchor["id"]]
-    rows = conn.execute(
-        f"SELECT * FROM {table} WHERE {' AND '.join(where)} "
-        f"ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit + 1]).fetchall()
-    has_more = len(rows) > limit
-    rows = rows[:limit]
-    return {"data": serialize(conn, rows),
-            "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more else None}}
-
-
-def search_filter(columns, needle):
-    """Case-insensitive substring match on any of columns (Unicode case folding)."""
-    folded = needle.casefold()
-    return "(" + " OR ".join(f"contains_folded({c}, ?)" for c in columns) + ")", [folded] * len(columns)
-
-
-def date_filter(query, name):
-    text = query.get(name)
-    if not text:
-        return None
-    ms = js_parse_date(text)
-    if ms is None:
-        raise invalid(name, "must be a date (2026-11-22) or an ISO 8601 datetime")
-    return iso(ms)
-
-
-# Routes: parse, call an operation, wrap.
+# Routes --------------------------------------------------------------------------------------
+# Each parses, calls an operation and wraps the result.
 
 @route("GET", "/api/v1/products", "products:read")
 def list_products(call):
@@ -2702,26 +3185,6 @@ def list_orders(call):
     filters, params = order_filters(call.query)
     return paginate(call.conn, "orders", call.company_id, call.query, filters, params,
                     orders_json)
-
-
-def order_filters(query):
-    """The order list's filters (status, customerId, since, until) as SQL and parameters."""
-    filters, params = [], []
-    status = query.get("status")
-    if status:
-        if status not in ORDER_STATUSES:
-            raise ApiError(400, "Invalid order status.")
-        filters.append("status = ?")
-        params.append(status)
-    if query.get("customerId"):
-        filters.append("customer_id = ?")
-        params.append(query["customerId"])
-    for name, operator in (("since", ">="), ("until", "<=")):
-        bound = date_filter(query, name)
-        if bound is not None:
-            filters.append(f"created_at {operator} ?")
-            params.append(bound)
-    return filters, params
 
 
 @route("GET", "/api/v1/orders/<order_id>", "orders:read")
@@ -2815,651 +3278,7 @@ def remove_webhook(call, webhook_id):
     return {"data": delete_webhook(call.conn, call.company_id, webhook_id)}
 
 
-# The OpenAPI document -----------------------------------------------------------------------
-
-# OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
-# and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
-# error statuses). A route without an OPERATIONS entry stops openapi_document() with a
-# KeyError, so the document cannot fall behind the app. Schemas are JSON Schema 2020-12.
-
-OPENAPI_VERSION = "3.1.0"
-
-
-def schema_ref(name):
-    return {"$ref": "#/components/schemas/" + name}
-
-
-def nullable(schema):
-    """schema or null: `type: [..., "null"]`, or anyOf for a reference."""
-    if "type" in schema:
-        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        return dict(schema, type=[*types, "null"])
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def object_schema(properties, optional=(), closed=True, **keywords):
-    """An object whose properties are required except `optional`. Closed objects (responses,
-    events) carry no other field; open ones (request bodies) may, as unknown fields are
-    ignored."""
-    schema = {"type": "object", "properties": properties,
-              "required": [name for name in properties if name not in optional]}
-    if closed:
-        schema["additionalProperties"] = False
-    schema.update(keywords)
-    return schema
-
-
-def string_schema(min_length=None, max_length=None, **keywords):
-    schema = {"type": "string", **keywords}
-    if min_length is not None:
-        schema["minLength"] = min_length
-    if max_length is not None:
-        schema["maxLength"] = max_length
-    return schema
-
-
-def enum_schema(values):
-    return {"type": "string", "enum": list(values)}
-
-
-def integer_schema(minimum=None, maximum=None):
-    schema = {"type": "integer"}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if maximum is not None:
-        schema["maximum"] = maximum
-    return schema
-
-
-def money_schema(maximum=None, exact=False):
-    """A JSON number of currency units (12.5 is 12.50). exact: a client's amount, which may not
-    have more than two decimal places (400 Validation failed.)."""
-    schema = {"type": "number", "minimum": 0}
-    if maximum is not None:
-        schema["maximum"] = maximum
-    if exact:
-        schema["multipleOf"] = 0.01
-    return schema
-
-
-BOOLEAN = {"type": "boolean"}
-ID_SCHEMA = string_schema(1)
-TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
-                    "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
-#: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
-URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
-#: A URL a client sends: exactly what the service accepts.
-URL_INPUT_SCHEMA = string_schema(
-    1, 2048, pattern=HTTP_URL_PATTERN,
-    description="An http or https URL, at most 2048 characters, without credentials; the host "
-                "a DNS name or an IPv6 address in brackets.")
-CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
-TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
-EVENT_NAMES = enum_schema(EVENT_CATALOG)
-
-_ORDER_FIELDS = {
-    "id": ID_SCHEMA,
-    "status": enum_schema(ORDER_STATUSES),
-    "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
-    "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
-    "total": money_schema(),
-    "createdAt": TIMESTAMP_SCHEMA,
-    "updatedAt": TIMESTAMP_SCHEMA,
-    "customerId": nullable(ID_SCHEMA),
-    "tracking": nullable(schema_ref("Tracking")),
-    "items": {"type": "array", "items": schema_ref("OrderItem")},
-}
-_CUSTOMER_INPUT = {
-    "name": nullable(string_schema(1, 200, pattern=r"\S", description="Trimmed.")),
-    "notes": nullable(string_schema(0, 2000)),
-    "creditLimit": nullable(money_schema(100_000_000, exact=True)),
-    "taxRateOverride": nullable(dict(TAX_RATE, description="null: the company's rate.")),
-    "status": enum_schema(CUSTOMER_STATUSES),
-}
-_WEBHOOK_INPUT = {
-    "url": URL_INPUT_SCHEMA,
-    "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1,
-               "description": "Replaces the whole list; duplicates are dropped."},
-    "isActive": dict(BOOLEAN, default=True),
-}
-
-
-def _webhook(with_secret):
-    fields = {
-        "id": ID_SCHEMA,
-        "url": URL_SCHEMA,
-        "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1, "uniqueItems": True},
-        "isActive": BOOLEAN,
-        "secretRotationGraceExpiresAt": nullable(TIMESTAMP_SCHEMA),
-        "createdAt": TIMESTAMP_SCHEMA,
-        "updatedAt": TIMESTAMP_SCHEMA,
-    }
-    if with_secret:
-        fields["secret"] = string_schema(pattern=r"^whsec_[A-Za-z0-9_-]{32}$", description=(
-            "Signs the deliveries. Returned by this response only."))
-    return object_schema(fields)
-
-
-COMPONENT_SCHEMAS = {
-    "Product": object_schema({
-        "id": ID_SCHEMA,
-        "name": string_schema(1),
-        "sku": nullable(string_schema()),
-        "description": nullable(string_schema()),
-        "category": nullable(string_schema()),
-        "unit": string_schema(1, description="Free text such as each, case, lb, kg."),
-        "price": money_schema(10_000_000_000),
-        "stock": integer_schema(0, MAX_QUANTITY),
-        "imageUrl": nullable(URL_SCHEMA),
-        "isActive": BOOLEAN,
-        "createdAt": TIMESTAMP_SCHEMA,
-        "updatedAt": TIMESTAMP_SCHEMA,
-    }),
-    "OrderItem": object_schema({
-        "id": ID_SCHEMA,
-        "quantity": integer_schema(1, MAX_QUANTITY),
-        "unitPrice": money_schema(),
-        "productId": ID_SCHEMA,
-        "productName": string_schema(),
-        "productSku": nullable(string_schema()),
-    }),
-    "Tracking": object_schema({
-        "carrier": enum_schema(CARRIERS),
-        "number": string_schema(3, 64),
-        "url": nullable(string_schema()),
-    }),
-    "Order": object_schema(_ORDER_FIELDS),
-    "Customer": object_schema({
-        "id": ID_SCHEMA,
-        "email": string_schema(3, 254),
-        "name": nullable(string_schema(1, 200)),
-        "status": enum_schema(CUSTOMER_STATUS_VALUES),
-        "notes": nullable(string_schema(0, 2000)),
-        "creditLimit": nullable(money_schema(100_000_000)),
-        "taxRateOverride": nullable(TAX_RATE),
-        "emailVerified": BOOLEAN,
-        "createdAt": TIMESTAMP_SCHEMA,
-        "updatedAt": TIMESTAMP_SCHEMA,
-    }),
-    "Webhook": _webhook(with_secret=False),
-    "WebhookWithSecret": _webhook(with_secret=True),
-    "WebhookDeleted": object_schema({"id": ID_SCHEMA, "deleted": {"const": True}}),
-    "Pagination": object_schema({"hasMore": BOOLEAN, "nextCursor": nullable(ID_SCHEMA)}),
-    "Error": object_schema({
-        "error": string_schema(description="The message (clients branch on status and text)."),
-        "details": {"type": "array", "minItems": 1,
-                    "items": object_schema({"field": string_schema(), "rule": string_schema()})},
-        "retryAfter": integer_schema(1),
-    }, optional=("details", "retryAfter")),
-    # Request bodies. A body that is not a JSON object is 400; unknown fields are ignored.
-    "OrderCreate": object_schema({
-        "customerId": ID_SCHEMA,
-        "items": {"type": "array", "minItems": 1, "maxItems": MAX_ORDER_LINES,
-                  "description": "Lines of one product are checked together against its stock.",
-                  "items": object_schema({"productId": ID_SCHEMA,
-                                          "quantity": integer_schema(1, MAX_QUANTITY)},
-                                         closed=False)},
-        "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
-        "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
-    }, optional=("poNumber", "notes"), closed=False),
-    "TrackingInput": object_schema({
-        "carrier": enum_schema(CARRIERS),
-        "number": string_schema(3, 64, pattern=r"\S[\s\S]+\S",
-                                description="Stripped; 3 to 64 characters without the "
-                                            "surrounding whitespace."),
-        "url": nullable(dict(URL_INPUT_SCHEMA, description=(
-            "Required for OTHER. For the named carriers the service builds the link from the "
-            "number; a URL given here overrides it."))),
-    }, optional=("url",), closed=False, **{
-        "if": {"properties": {"carrier": {"const": "OTHER"}}},
-        "then": {"required": ["url"], "properties": {"url": {"type": "string"}}}}),
-    "OrderUpdate": object_schema({
-        "status": enum_schema(ORDER_STATUSES),
-        "tracking": nullable(dict(schema_ref("TrackingInput"), description=(
-            "Only with status SHIPPED. Once set, tracking stays through later changes."))),
-    }, optional=("tracking",), closed=False, **{
-        "if": {"required": ["tracking"], "properties": {"tracking": {"type": "object"}}},
-        "then": {"properties": {"status": {"const": "SHIPPED"}}}}),
-    "CustomerCreate": object_schema({
-        "email": string_schema(3, 254, format="email", description=(
-            "Trimmed; unique within the company, ignoring case (409).")),
-        **_CUSTOMER_INPUT,
-    }, optional=tuple(_CUSTOMER_INPUT), closed=False),
-    # email is left out rather than described as the schema `false`, which client generators
-    # refuse; the description says what sending it does.
-    "CustomerUpdate": object_schema(
-        _CUSTOMER_INPUT, optional=tuple(_CUSTOMER_INPUT), closed=False,
-        description="Only what changes; null clears name, notes, creditLimit and "
-                    "taxRateOverride. Sending email is 400: it cannot be changed."),
-    "WebhookCreate": object_schema(_WEBHOOK_INPUT, optional=("isActive",), closed=False),
-    "WebhookUpdate": object_schema(_WEBHOOK_INPUT, optional=tuple(_WEBHOOK_INPUT),
-                                   closed=False),
-}
-
-
-# Event payloads: the `data` of each event, exactly as emit() is given it.
-
-def _order_summary(**more):
-    return object_schema({"id": ID_SCHEMA, "previousStatus": enum_schema(ORDER_STATUSES),
-                          "total": money_schema(), "customerId": nullable(ID_SCHEMA), **more})
-
-
-_PRODUCT_NAMES = {"id": ID_SCHEMA, "sku": nullable(string_schema()), "name": string_schema()}
-_CUSTOMER_NAMES = {"id": ID_SCHEMA, "email": string_schema(), "name": nullable(string_schema())}
-_RETURN_NAMES = {"id": ID_SCHEMA, "orderId": ID_SCHEMA, "customerId": nullable(ID_SCHEMA)}
-
-EVENT_PAYLOADS = {
-    "order.created": {"oneOf": [
-        object_schema({k: v for k, v in _ORDER_FIELDS.items() if k != "tracking"},
-                      description="Through the API: the Order, without tracking."),
-        object_schema({"id": ID_SCHEMA, "status": {"const": "SUBMITTED"},
-                       "total": money_schema(), "customerId": ID_SCHEMA,
-                       "poNumber": nullable(string_schema()), "itemCount": integer_schema(1)},
-                      description="On the storefront: the number of lines, no items."),
-    ]},
-    "order.status_changed": object_schema(
-        {**_ORDER_FIELDS, "previousStatus": enum_schema(ORDER_STATUSES)}),
-    "order.shipped": _order_summary(tracking=nullable(schema_ref("Tracking"))),
-    "order.cancelled": _order_summary(),
-    "customer.created": {"oneOf": [
-        object_schema({**_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
-                       "source": {"const": "api"}}),
-        object_schema({**_CUSTOMER_NAMES, "storeSlug": string_schema(1),
-                       "source": {"const": "storefront"}}),
-    ]},
-    "customer.updated": object_schema({
-        **_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
-        "previousStatus": enum_schema(CUSTOMER_STATUS_VALUES),
-    }, optional=("previousStatus",), description="previousStatus: when the status changed."),
-    "product.updated": {"oneOf": [
-        object_schema({**_PRODUCT_NAMES, "price": money_schema(), "stock": integer_schema(0),
-                       "isActive": BOOLEAN, "category": nullable(string_schema())}),
-        object_schema({**_PRODUCT_NAMES, "isActive": BOOLEAN},
-                      description="When only the active flag changed."),
-    ]},
-    "product.low_stock": object_schema({
-        **_PRODUCT_NAMES, "currentStock": integer_schema(), "threshold": integer_schema(0),
-        "triggeringOrderId": nullable(ID_SCHEMA)}),
-    "invoice.paid": object_schema({
-        "stripeInvoiceId": string_schema(1), "amountPaid": money_schema(),
-        "currency": string_schema(pattern="^[a-z]{3}$"), "hostedInvoiceUrl": URL_SCHEMA,
-        "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
-        "periodEnd": TIMESTAMP_SCHEMA}),
-    "return.created": object_schema({
-        **_RETURN_NAMES, "itemCount": integer_schema(1), "reason": string_schema(3, 2000),
-        "status": {"const": "REQUESTED"}, "actor": {"const": "staff"},
-    }, optional=("actor",), description="actor: only when opened from the dashboard."),
-    "return.approved": object_schema({**_RETURN_NAMES, "status": {"const": "APPROVED"}}),
-    "refund.processed": object_schema({
-        "id": ID_SCHEMA, "returnId": ID_SCHEMA, "orderId": ID_SCHEMA,
-        "customerId": nullable(ID_SCHEMA), "amount": money_schema(),
-        "method": enum_schema(("CREDIT", "MANUAL")),
-        "breakdown": object_schema({"goodUnits": integer_schema(0),
-                                    "damagedUnits": integer_schema(0),
-                                    "subtotal": money_schema()})}),
-}
-
-
-def event_schema_name(event):
-    """order.status_changed: OrderStatusChangedPayload."""
-    return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
-
-
-# Operations
-
-def single(schema):
-    """{data: record}"""
-    return object_schema({"data": schema_ref(schema)})
-
-
-def list_of(schema):
-    """The pagination envelope: {data: [record...], pagination: {hasMore, nextCursor}}."""
-    return object_schema({"data": {"type": "array", "items": schema_ref(schema)},
-                          "pagination": schema_ref("Pagination")})
-
-
-def all_of(schema):
-    """{data: [record...]}, not paginated."""
-    return object_schema({"data": {"type": "array", "items": schema_ref(schema)}})
-
-
-def query_param(name, schema, description):
-    return {"name": name, "in": "query", "required": False, "schema": schema,
-            "description": description}
-
-
-def api_operation(response, errors, body=None, query=(), description="", messages=None):
-    """What OPERATIONS says of a route: its query parameters, request body (a schema name),
-    success body, error statuses, and the messages of some of them."""
-    return {"query": list(query), "body": body, "response": response,
-            "errors": tuple(sorted(set(errors))), "description": description,
-            "messages": messages or {}}
-
-
-AUTH_ERRORS = (401, 403, 429)
-BODY_ERRORS = (400, 413)
-PAGE_QUERY = (
-    # No minimum or maximum: the server clamps rather than refuses (101 is read as 100).
-    # Any text is read (parseInt), so the parameter is an integer or any string.
-    query_param("limit", {"anyOf": [integer_schema(), string_schema()], "default": 50},
-                "Page size, clamped to 1 to 100 (0 or less is 1, more than 100 is 100). Read "
-                "like JavaScript's parseInt (10abc is 10); 50 when it is not a number."),
-    query_param("cursor", string_schema(),
-                "nextCursor of the previous page; one that matches no record gives an empty "
-                "last page."),
-)
-DATE_QUERY = string_schema(pattern=DATE_PATTERN)
-_VALIDATION = "Invalid JSON body. / Validation failed."
-
-OPERATIONS = {
-    ("GET", "/api/v1/products"): api_operation(
-        list_of("Product"), AUTH_ERRORS, description="Newest first.", query=(
-            *PAGE_QUERY,
-            query_param("category", string_schema(), "Exact match on category."),
-            query_param("search", string_schema(),
-                        "Substring of name, sku or category, ignoring case (Unicode folding)."),
-            query_param("active", string_schema(),
-                        "true or false: filter on isActive; another value is ignored."))),
-    ("GET", "/api/v1/products/<product_id>"): api_operation(
-        single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
-    ("GET", "/api/v1/orders"): api_operation(
-        list_of("Order"), AUTH_ERRORS + (400,), query=(
-            *PAGE_QUERY,
-            query_param("status", enum_schema((*ORDER_STATUSES, "")),
-                        "Exact match; empty is no filter."),
-            query_param("customerId", string_schema(), "Orders of this customer only."),
-            query_param("since", DATE_QUERY,
-                        "createdAt >= since (inclusive): a date (UTC midnight), a year and "
-                        "month, or an ISO 8601 date-time (UTC when it has no offset)."),
-            query_param("until", DATE_QUERY, "createdAt <= until (inclusive), read as since.")),
-        description="Newest first, each element the full Order (items and tracking included).",
-        messages={400: "Invalid order status. / Validation failed. (since, until)"}),
-    ("GET", "/api/v1/orders/<order_id>"): api_operation(
-        single("Order"), AUTH_ERRORS + (404,), messages={404: "Order not found."}),
-    ("POST", "/api/v1/orders"): api_operation(
-        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 409), body="OrderCreate",
-        description="Checks the customer, then the products (active, of the company) and their "
-                    "stock, and in the same transaction decrements the stock and stores the "
-                    "order, SUBMITTED, at the catalog prices. Emits order.created.",
-        messages={400: f"{_VALIDATION} / customerId is required / At least one item is "
-                       "required / productId is required / quantity must be a number / "
-                       "quantity must be a whole number / quantity must be at least 1 / "
-                       "Product \"{id}\" not found or is inactive. / Insufficient stock for "
-                       "product \"{name}\". Available: {N}, requested: {M}.",
-                  404: "Customer not found."}),
-    ("PATCH", "/api/v1/orders/<order_id>"): api_operation(
-        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 422), body="OrderUpdate",
-        description="Any status may follow any other, except after CANCELLED. Emits "
-                    "order.status_changed, and order.shipped or order.cancelled.",
-        messages={400: f"{_VALIDATION} / Invalid order status. / Tracking info is only valid "
-                       "when status is SHIPPED. / Tracking URL is required when carrier is "
-                       "OTHER.",
-                  404: "Order not found.", 422: "Cannot update a cancelled order."}),
-    ("GET", "/api/v1/customers"): api_operation(
-        list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
-            *PAGE_QUERY,
-            query_param("status", enum_schema((*CUSTOMER_STATUS_VALUES, "")),
-                        "Exact match; empty is no filter."),
-            query_param("search", string_schema(),
-                        "Substring of email or name, ignoring case (Unicode folding).")),
-        messages={400: "Invalid status."}),
-    ("GET", "/api/v1/customers/<customer_id>"): api_operation(
-        single("Customer"), AUTH_ERRORS + (404,), messages={404: "Customer not found."}),
-    ("POST", "/api/v1/customers"): api_operation(
-        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (409,), body="CustomerCreate",
-        description="emailVerified is false. Emits customer.created (source api).",
-        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / "
-                       f"{CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / Invalid status.",
-                  409: "A customer with this email already exists."}),
-    ("PATCH", "/api/v1/customers/<customer_id>"): api_operation(
-        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (404,), body="CustomerUpdate",
-        description="Emits customer.updated when something changed.",
-        messages={400: f"{_VALIDATION} / {CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / "
-                       "Invalid status.",
-                  404: "Customer not found."}),
-    ("GET", "/api/v1/webhooks"): api_operation(
-        all_of("Webhook"), AUTH_ERRORS,
-        description=f"Not paginated (at most {MAX_WEBHOOKS}). Never includes the secret."),
-    ("GET", "/api/v1/webhooks/<webhook_id>"): api_operation(
-        single("Webhook"), AUTH_ERRORS + (404,), messages={404: "Webhook not found."}),
-    ("POST", "/api/v1/webhooks"): api_operation(
-        single("WebhookWithSecret"), AUTH_ERRORS + BODY_ERRORS + (409,), body="WebhookCreate",
-        description="The only response that carries the secret.",
-        messages={400: f"{_VALIDATION} / URL is required. / Invalid URL. / At least one event "
-                       "is required. / Unknown event: \"{name}\".",
-                  409: f"Maximum of {MAX_WEBHOOKS} webhooks per company."}),
-    ("PATCH", "/api/v1/webhooks/<webhook_id>"): api_operation(
-        single("Webhook"), AUTH_ERRORS + BODY_ERRORS + (404,), body="WebhookUpdate",
-        messages={400: f"{_VALIDATION} / Invalid URL. / At least one event is required. / "
-                       "Unknown event: \"{name}\".",
-                  404: "Webhook not found."}),
-    ("DELETE", "/api/v1/webhooks/<webhook_id>"): api_operation(
-        single("WebhookDeleted"), AUTH_ERRORS + (404,),
-        description="Also removes its delivery log and pending deliveries; no undo.",
-        messages={404: "Webhook not found."}),
-}
-
-# Responses, headers and parameters every operation shares
-
-ERROR_RESPONSES = {
-    400: ("BadRequest", "Malformed JSON, failed validation (Validation failed. with details), "
-                        "or a bad Content-Length or Idempotency-Key header."),
-    401: ("Unauthorized", "Missing or invalid Authorization header. Use: Bearer <api_key> / "
-                          "Invalid, expired, or revoked API key."),
-    403: ("Forbidden", "Insufficient permissions. This key lacks the \"<scope>\" scope."),
-    404: ("NotFound", "Not found: also a record of another company, a malformed ID, or an "
-                      "unknown path (Not found.)."),
-    405: ("MethodNotAllowed", "Method not allowed. (a known path, another method)"),
-    409: ("Conflict", "Conflict."),
-    413: ("ContentTooLarge", "Request body too large. (over 1 MiB, refused before reading)"),
-    422: ("UnprocessableContent", "Refused by a business rule."),
-    429: ("TooManyRequests", "Rate limit exceeded. Try again shortly. Per key, or per client "
-                             "address before authentication; retryAfter is the Retry-After."),
-}
-_POST_MESSAGES = {
-    400: "Idempotency-Key must be 1 to 255 printable ASCII characters.",
-    409: "Idempotency-Key has already been used with a different request. / A request with "
-         "this Idempotency-Key is still in progress.",
-}
-
-
-def _header(description, schema, required=False):
-    return {"description": description, "required": required, "schema": schema}
-
-
-def rate_limit_headers(required):
-    """On every response to an authenticated request: not on 401, nor on a 429 of the
-    per-address limit, which come before the key is known."""
-    return {
-        "X-RateLimit-Limit": _header("Requests per minute for this key.", integer_schema(1),
-                                     required),
-        "X-RateLimit-Remaining": _header("Requests left in this one-minute window.",
-                                         integer_schema(0), required),
-        "X-RateLimit-Reset": _header("Whole seconds until the window resets.",
-                                     integer_schema(1, 60), required),
-    }
-
-
-def _json_content(schema):
-    return {"application/json": {"schema": schema}}
-
-
-def _error_response(status):
-    headers = rate_limit_headers(required=False)
-    if status == 429:
-        headers["Retry-After"] = _header("Whole seconds until the window resets.",
-                                         integer_schema(1), required=True)
-    return {"description": ERROR_RESPONSES[status][1], "headers": headers,
-            "content": _json_content(schema_ref("Error"))}
-
-
-_BOTTLE_WILDCARD = re.compile(r"<(\w+)(?::[^>]*)?>")
-
-
-def _operation_object(found, described):
-    path_parameters = [{"name": name, "in": "path", "required": True, "schema": ID_SCHEMA,
-                        "description": "An ID as the API returned it."}
-                       for name in _BOTTLE_WILDCARD.findall(found.path)]
-    headers = rate_limit_headers(required=True)
-    if found.method == "POST":
-        path_parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
-        headers["Idempotent-Replayed"] = _header(
-            "true on the stored response to an earlier request with the same Idempotency-Key "
-            "(errors other than 5xx are replayed too).", enum_schema(("true",)))
-    responses = {str(found.status): {"description": found.summary or "Success",
-                                     "headers": headers,
-                                     "content": _json_content(described["response"])}}
-    for status in described["errors"]:
-        response = {"$ref": "#/components/responses/" + ERROR_RESPONSES[status][0]}
-        messages = [text for text in (described["messages"].get(status),
-                                      found.method == "POST" and _POST_MESSAGES.get(status))
-                    if text]
-        if messages:
-            response["description"] = " / ".join(messages)
-        responses[str(status)] = response
-    operation = {
-        "operationId": found.handler.__name__,
-        "summary": found.summary,
-        "description": " ".join(filter(None, (f"Requires the `{found.scope}` scope.",
-                                              described["description"]))),
-        "tags": [found.path.split("/")[3]],
-        "security": [{"bearer": []}],
-        "x-required-scope": found.scope,
-        "parameters": [*path_parameters, *described["query"]],
-        "responses": responses,
-    }
-    if described["body"]:
-        operation["requestBody"] = {"required": True,
-                                    "content": _json_content(schema_ref(described["body"]))}
-    return _BOTTLE_WILDCARD.sub(r"{\1}", found.path), operation
-
-
-def _event_delivery(event):
-    """The POST a subscriber receives for one event (an entry of the top-level webhooks)."""
-    def header(name, description, schema, required=True):
-        return {"name": name, "in": "header", "required": required, "schema": schema,
-                "description": description}
-    signature = string_schema(pattern="^sha256=[0-9a-f]{64}$")
-    return {"post": {
-        "operationId": "event_" + event.replace(".", "_"),
-        "summary": event,
-        "description": "One POST per delivery and a single attempt, 10 seconds for the whole "
-                       "exchange: a 2xx answer is a success, anything else (a redirect too) a "
-                       "failure, and it is not retried. A delivery may be repeated: "
-                       "deduplicate on X-Webhook-Id.",
-        "tags": ["events"],
-        "security": [],
-        "parameters": [
-            header("X-Webhook-Event", "The event name.", {"const": event}),
-            header("X-Webhook-Id", "The event's ID, the same on every delivery of it.",
-                   ID_SCHEMA),
-            header("X-Webhook-Signature", "sha256= and the lowercase hex HMAC-SHA256 of the "
-                   "raw body, keyed with the whole secret (whsec_ included) as UTF-8.",
-                   signature),
-            header("X-Webhook-Signature-Old", "The same with the previous secret, while a "
-                   "secret rotation grace window is open.", signature, required=False),
-            header("User-Agent", "ordering-webhooks/<version>",
-                   string_schema(pattern="^ordering-webhooks/")),
-        ],
-        "requestBody": {"required": True, "content": _json_content(object_schema({
-            "event": {"const": event},
-            "timestamp": TIMESTAMP_SCHEMA,
-            "data": schema_ref(event_schema_name(event)),
-        }))},
-        "responses": {"2XX": {"description": "Delivered."},
-                      "default": {"description": "Failed; not retried."}},
-    }}
-
-
-_UNAUTHENTICATED = {
-    "/api/v1/openapi.json": {"get": {
-        "operationId": "openapi_document",
-        "summary": "This document",
-        "tags": ["meta"],
-        "security": [],
-        "responses": {"200": {"description": "The OpenAPI 3.1 document.", "content": (
-            _json_content(object_schema({"openapi": {"const": OPENAPI_VERSION}},
-                                        closed=False)))}},
-    }},
-    "/healthz": {"get": {
-        "operationId": "health",
-        "summary": "Health check for load balancers and supervisors",
-        "tags": ["meta"],
-        "security": [],
-        "responses": {
-            "200": {"description": "The database answers.",
-                    "content": _json_content(object_schema({"status": {"const": "ok"}}))},
-            "503": {"description": "The database does not answer.", "content": _json_content(
-                object_schema({"status": {"const": "unavailable"}}))},
-        },
-    }},
-}
-
-API_DESCRIPTION = """\
-A multi-tenant wholesale ordering service: products (read only), orders, customers and \
-webhook subscriptions; the events it delivers are under `webhooks`.
-
-Every operation but the two under `meta` needs `Authorization: Bearer <API key>`. The key \
-belongs to one company, which every read and write is limited to (another company's records \
-are 404), and must hold the operation's scope (`x-required-scope`).
-
-Errors are JSON `{"error": message}`; failed validation adds `details` ([{field, rule}]) and \
-429 adds `retryAfter`. They are checked in this order: per-address rate limit, \
-authentication (401), per-key rate limit (429), scope (403), body validation (400), \
-existence (404), business rules (409, 422). Any unknown path is 404 \
-`{"error": "Not found."}` and a known path with another method 405 \
-`{"error": "Method not allowed."}`. A server failure is 500 with the plain text \
-`Internal Server Error`.
-
-Money is a JSON number of currency units with at most two decimal places. Timestamps are \
-ISO 8601 UTC with milliseconds. IDs are opaque."""
-
-
-def openapi_document():
-    """The OpenAPI 3.1 document of the API (GET /api/v1/openapi.json)."""
-    routes = {(found.method, found.path) for found in ROUTES}
-    undescribed = ", ".join(f"{method} {path}" for method, path in sorted(routes - set(OPERATIONS)))
-    if undescribed:
-        raise KeyError(f"no entry in OPERATIONS for the route {undescribed}: describe it there "
-                       f"so that the OpenAPI document covers it")
-    stale = ", ".join(f"{method} {path}" for method, path in sorted(set(OPERATIONS) - routes))
-    if stale:
-        raise KeyError(f"OPERATIONS describes {stale}, which is not in ROUTES")
-    paths = {}
-    for found in ROUTES:
-        path, operation = _operation_object(found, OPERATIONS[found.method, found.path])
-        paths.setdefault(path, {})[found.method.lower()] = operation
-    paths.update(_UNAUTHENTICATED)
-    schemas = dict(COMPONENT_SCHEMAS)
-    schemas.update((event_schema_name(event), EVENT_PAYLOADS[event]) for event in EVENT_CATALOG)
-    return json.loads(json.dumps({     # a deep copy: callers may change it freely
-        "openapi": OPENAPI_VERSION,
-        "info": {"title": "ordering", "version": __version__, "description": API_DESCRIPTION},
-        "servers": [{"url": "/"}],
-        "tags": [{"name": "products"}, {"name": "orders"}, {"name": "customers"},
-                 {"name": "webhooks"}, {"name": "meta"},
-                 {"name": "events", "description": "Deliveries to webhook subscribers."}],
-        "paths": paths,
-        "webhooks": {event: _event_delivery(event) for event in EVENT_CATALOG},
-        "components": {
-            "schemas": schemas,
-            "responses": {name: _error_response(status)
-                          for status, (name, _) in ERROR_RESPONSES.items()},
-            "parameters": {"IdempotencyKey": {
-                "name": "Idempotency-Key", "in": "header", "required": False,
-                "description": "Makes a POST safe to retry. 1 to 255 printable ASCII "
-                               "characters, bare or in double quotes. Within 24 hours a retry "
-                               "with the same key and request gets the stored response "
-                               "(Idempotent-Replayed: true) and nothing is done again; the "
-                               "same key with another request is 409.",
-                "schema": string_schema(1, 255, pattern=r"^[!-~]([ -~]*[!-~])?$")}},
-            "securitySchemes": {"bearer": {
-                "type": "http", "scheme": "bearer",
-                "description": "An API key (sk_...). The scope each operation needs is in its "
-                               f"x-required-scope: one of {', '.join(SCOPES)}."}},
-        },
-    }))
-
+# Serving the API -----------------------------------------------------------------------------
 
 class Service:
     """The running pieces behind one app: the database, the webhook sender, the rate-limit
@@ -3691,78 +3510,665 @@ def _internal_error_page(error):
     return "Internal Server Error"
 
 
-#: Functions called with each new app to add what later sections serve (the dashboard).
-APP_EXTENSIONS = []
+# ---------------------------------------------------------------------------------------------
+# 11. OpenAPI
+# ---------------------------------------------------------------------------------------------
+# OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
+# and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
+# error statuses). A route without an OPERATIONS entry stops openapi_document() with a
+# KeyError, so the document cannot fall behind the app. Schemas are JSON Schema 2020-12.
+
+OPENAPI_VERSION = "3.1.0"
 
 
-def create_app(db_path=None, settings=None, deliver=True, **overrides):
-    """The WSGI app. db_path or settings pick the database; deliver=False leaves webhook
-    delivery to another process. app.service holds the database, sender and limits."""
-    if settings is None:
-        settings = Settings.from_environment(db_path=db_path, **overrides)
-    elif db_path is not None:
-        settings = dataclasses.replace(settings, db_path=db_path)
-    service = Service(settings, deliver=deliver)
-    app = bottle.Bottle()
-    app.uninstall(True)  # routes return bytes: bottle's JSON and template plugins only cost time
-    app.service = service
+def schema_ref(name):
+    return {"$ref": "#/components/schemas/" + name}
 
-    def bind(found):
-        def callback(**url_args):
-            try:
-                status, body, headers = service.respond(found, url_args)
-                bottle.response.content_type = "application/json"
-            except Exception:
-                log.exception("%s %s failed", found.method, found.path)
-                status, body, headers = 500, b"Internal Server Error", {}
-                bottle.response.content_type = "text/plain; charset=utf-8"
-            bottle.response.status = status
-            for name, value in headers.items():
-                bottle.response.set_header(name, value)
-            return body
-        return callback
 
+def nullable(schema):
+    """schema or null: `type: [..., "null"]`, or anyOf for a reference."""
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        return dict(schema, type=[*types, "null"])
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def object_schema(properties, optional=(), closed=True, **keywords):
+    """An object whose properties are required except `optional`. Closed objects (responses,
+    events) carry no other field; open ones (request bodies) may, as unknown fields are
+    ignored."""
+    schema = {"type": "object", "properties": properties,
+              "required": [name for name in properties if name not in optional]}
+    if closed:
+        schema["additionalProperties"] = False
+    schema.update(keywords)
+    return schema
+
+
+def string_schema(min_length=None, max_length=None, **keywords):
+    schema = {"type": "string", **keywords}
+    if min_length is not None:
+        schema["minLength"] = min_length
+    if max_length is not None:
+        schema["maxLength"] = max_length
+    return schema
+
+
+def enum_schema(values):
+    return {"type": "string", "enum": list(values)}
+
+
+def integer_schema(minimum=None, maximum=None):
+    schema = {"type": "integer"}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if maximum is not None:
+        schema["maximum"] = maximum
+    return schema
+
+
+def money_schema(maximum=None, exact=False):
+    """A JSON number of currency units (12.5 is 12.50). exact: a client's amount, which may not
+    have more than two decimal places (400 Validation failed.)."""
+    schema = {"type": "number", "minimum": 0}
+    if maximum is not None:
+        schema["maximum"] = maximum
+    if exact:
+        schema["multipleOf"] = 0.01
+    return schema
+
+
+BOOLEAN = {"type": "boolean"}
+ID_SCHEMA = string_schema(1)
+TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
+                    "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
+#: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
+URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
+#: A URL a client sends: exactly what the service accepts.
+URL_INPUT_SCHEMA = string_schema(
+    1, 2048, pattern=HTTP_URL_PATTERN,
+    description="An http or https URL, at most 2048 characters, without credentials; the host "
+                "a DNS name or an IPv6 address in brackets.")
+CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
+TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
+EVENT_NAMES = enum_schema(EVENT_CATALOG)
+
+_ORDER_FIELDS = {
+    "id": ID_SCHEMA,
+    "status": enum_schema(ORDER_STATUSES),
+    "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
+    "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
+    "total": money_schema(),
+    "createdAt": TIMESTAMP_SCHEMA,
+    "updatedAt": TIMESTAMP_SCHEMA,
+    "customerId": nullable(ID_SCHEMA),
+    "tracking": nullable(schema_ref("Tracking")),
+    "items": {"type": "array", "items": schema_ref("OrderItem")},
+}
+_CUSTOMER_INPUT = {
+    "name": nullable(string_schema(1, 200, pattern=r"\S", description="Trimmed.")),
+    "notes": nullable(string_schema(0, 2000)),
+    "creditLimit": nullable(money_schema(100_000_000, exact=True)),
+    "taxRateOverride": nullable(dict(TAX_RATE, description="null: the company's rate.")),
+    "status": enum_schema(CUSTOMER_STATUSES),
+}
+_WEBHOOK_INPUT = {
+    "url": URL_INPUT_SCHEMA,
+    "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1,
+               "description": "Replaces the whole list; duplicates are dropped."},
+    "isActive": dict(BOOLEAN, default=True),
+}
+
+
+def _webhook(with_secret):
+    fields = {
+        "id": ID_SCHEMA,
+        "url": URL_SCHEMA,
+        "events": {"type": "array", "items": EVENT_NAMES, "minItems": 1, "uniqueItems": True},
+        "isActive": BOOLEAN,
+        "secretRotationGraceExpiresAt": nullable(TIMESTAMP_SCHEMA),
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }
+    if with_secret:
+        fields["secret"] = string_schema(pattern=r"^whsec_[A-Za-z0-9_-]{32}$", description=(
+            "Signs the deliveries. Returned by this response only."))
+    return object_schema(fields)
+
+
+COMPONENT_SCHEMAS = {
+    "Product": object_schema({
+        "id": ID_SCHEMA,
+        "name": string_schema(1),
+        "sku": nullable(string_schema()),
+        "description": nullable(string_schema()),
+        "category": nullable(string_schema()),
+        "unit": string_schema(1, description="Free text such as each, case, lb, kg."),
+        "price": money_schema(10_000_000_000),
+        "stock": integer_schema(0, MAX_QUANTITY),
+        "imageUrl": nullable(URL_SCHEMA),
+        "isActive": BOOLEAN,
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }),
+    "OrderItem": object_schema({
+        "id": ID_SCHEMA,
+        "quantity": integer_schema(1, MAX_QUANTITY),
+        "unitPrice": money_schema(),
+        "productId": ID_SCHEMA,
+        "productName": string_schema(),
+        "productSku": nullable(string_schema()),
+    }),
+    "Tracking": object_schema({
+        "carrier": enum_schema(CARRIERS),
+        "number": string_schema(3, 64),
+        "url": nullable(string_schema()),
+    }),
+    "Order": object_schema(_ORDER_FIELDS),
+    "Customer": object_schema({
+        "id": ID_SCHEMA,
+        "email": string_schema(3, 254),
+        "name": nullable(string_schema(1, 200)),
+        "status": enum_schema(CUSTOMER_STATUS_VALUES),
+        "notes": nullable(string_schema(0, 2000)),
+        "creditLimit": nullable(money_schema(100_000_000)),
+        "taxRateOverride": nullable(TAX_RATE),
+        "emailVerified": BOOLEAN,
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+    }),
+    "Webhook": _webhook(with_secret=False),
+    "WebhookWithSecret": _webhook(with_secret=True),
+    "WebhookDeleted": object_schema({"id": ID_SCHEMA, "deleted": {"const": True}}),
+    "Pagination": object_schema({"hasMore": BOOLEAN, "nextCursor": nullable(ID_SCHEMA)}),
+    "Error": object_schema({
+        "error": string_schema(description="The message (clients branch on status and text)."),
+        "details": {"type": "array", "minItems": 1,
+                    "items": object_schema({"field": string_schema(), "rule": string_schema()})},
+        "retryAfter": integer_schema(1),
+    }, optional=("details", "retryAfter")),
+    # Request bodies. A body that is not a JSON object is 400; unknown fields are ignored.
+    "OrderCreate": object_schema({
+        "customerId": ID_SCHEMA,
+        "items": {"type": "array", "minItems": 1, "maxItems": MAX_ORDER_LINES,
+                  "description": "Lines of one product are checked together against its stock.",
+                  "items": object_schema({"productId": ID_SCHEMA,
+                                          "quantity": integer_schema(1, MAX_QUANTITY)},
+                                         closed=False)},
+        "poNumber": nullable(string_schema(max_length=MAX_PO_NUMBER)),
+        "notes": nullable(string_schema(max_length=MAX_ORDER_NOTES)),
+    }, optional=("poNumber", "notes"), closed=False),
+    "TrackingInput": object_schema({
+        "carrier": enum_schema(CARRIERS),
+        "number": string_schema(3, 64, pattern=r"\S[\s\S]+\S",
+                                description="Stripped; 3 to 64 characters without the "
+                                            "surrounding whitespace."),
+        "url": nullable(dict(URL_INPUT_SCHEMA, description=(
+            "Required for OTHER. For the named carriers the service builds the link from the "
+            "number; a URL given here overrides it."))),
+    }, optional=("url",), closed=False, **{
+        "if": {"properties": {"carrier": {"const": "OTHER"}}},
+        "then": {"required": ["url"], "properties": {"url": {"type": "string"}}}}),
+    "OrderUpdate": object_schema({
+        "status": enum_schema(ORDER_STATUSES),
+        "tracking": nullable(dict(schema_ref("TrackingInput"), description=(
+            "Only with status SHIPPED. Once set, tracking stays through later changes."))),
+    }, optional=("tracking",), closed=False, **{
+        "if": {"required": ["tracking"], "properties": {"tracking": {"type": "object"}}},
+        "then": {"properties": {"status": {"const": "SHIPPED"}}}}),
+    "CustomerCreate": object_schema({
+        "email": string_schema(3, 254, format="email", description=(
+            "Trimmed; unique within the company, ignoring case (409).")),
+        **_CUSTOMER_INPUT,
+    }, optional=tuple(_CUSTOMER_INPUT), closed=False),
+    # email is left out rather than described as the schema `false`, which client generators
+    # refuse; the description says what sending it does.
+    "CustomerUpdate": object_schema(
+        _CUSTOMER_INPUT, optional=tuple(_CUSTOMER_INPUT), closed=False,
+        description="Only what changes; null clears name, notes, creditLimit and "
+                    "taxRateOverride. Sending email is 400: it cannot be changed."),
+    "WebhookCreate": object_schema(_WEBHOOK_INPUT, optional=("isActive",), closed=False),
+    "WebhookUpdate": object_schema(_WEBHOOK_INPUT, optional=tuple(_WEBHOOK_INPUT),
+                                   closed=False),
+}
+
+
+# Event payloads ------------------------------------------------------------------------------
+# The `data` of each event, exactly as emit() is given it.
+
+def _order_summary(**more):
+    return object_schema({"id": ID_SCHEMA, "previousStatus": enum_schema(ORDER_STATUSES),
+                          "total": money_schema(), "customerId": nullable(ID_SCHEMA), **more})
+
+
+_PRODUCT_NAMES = {"id": ID_SCHEMA, "sku": nullable(string_schema()), "name": string_schema()}
+_CUSTOMER_NAMES = {"id": ID_SCHEMA, "email": string_schema(), "name": nullable(string_schema())}
+_RETURN_NAMES = {"id": ID_SCHEMA, "orderId": ID_SCHEMA, "customerId": nullable(ID_SCHEMA)}
+
+EVENT_PAYLOADS = {
+    "order.created": {"oneOf": [
+        object_schema({k: v for k, v in _ORDER_FIELDS.items() if k != "tracking"},
+                      description="Through the API: the Order, without tracking."),
+        object_schema({"id": ID_SCHEMA, "status": {"const": "SUBMITTED"},
+                       "total": money_schema(), "customerId": ID_SCHEMA,
+                       "poNumber": nullable(string_schema()), "itemCount": integer_schema(1)},
+                      description="On the storefront: the number of lines, no items."),
+    ]},
+    "order.status_changed": object_schema(
+        {**_ORDER_FIELDS, "previousStatus": enum_schema(ORDER_STATUSES)}),
+    "order.shipped": _order_summary(tracking=nullable(schema_ref("Tracking"))),
+    "order.cancelled": _order_summary(),
+    "customer.created": {"oneOf": [
+        object_schema({**_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
+                       "source": {"const": "api"}}),
+        object_schema({**_CUSTOMER_NAMES, "storeSlug": string_schema(1),
+                       "source": {"const": "storefront"}}),
+    ]},
+    "customer.updated": object_schema({
+        **_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
+        "previousStatus": enum_schema(CUSTOMER_STATUS_VALUES),
+    }, optional=("previousStatus",), description="previousStatus: when the status changed."),
+    "product.updated": {"oneOf": [
+        object_schema({**_PRODUCT_NAMES, "price": money_schema(), "stock": integer_schema(0),
+                       "isActive": BOOLEAN, "category": nullable(string_schema())}),
+        object_schema({**_PRODUCT_NAMES, "isActive": BOOLEAN},
+                      description="When only the active flag changed."),
+    ]},
+    "product.low_stock": object_schema({
+        **_PRODUCT_NAMES, "currentStock": integer_schema(), "threshold": integer_schema(0),
+        "triggeringOrderId": nullable(ID_SCHEMA)}),
+    "invoice.paid": object_schema({
+        "stripeInvoiceId": string_schema(1), "amountPaid": money_schema(),
+        "currency": string_schema(pattern="^[a-z]{3}$"), "hostedInvoiceUrl": URL_SCHEMA,
+        "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
+        "periodEnd": TIMESTAMP_SCHEMA}),
+    "return.created": object_schema({
+        **_RETURN_NAMES, "itemCount": integer_schema(1), "reason": string_schema(3, 2000),
+        "status": {"const": "REQUESTED"}, "actor": {"const": "staff"},
+    }, optional=("actor",), description="actor: only when opened from the dashboard."),
+    "return.approved": object_schema({**_RETURN_NAMES, "status": {"const": "APPROVED"}}),
+    "refund.processed": object_schema({
+        "id": ID_SCHEMA, "returnId": ID_SCHEMA, "orderId": ID_SCHEMA,
+        "customerId": nullable(ID_SCHEMA), "amount": money_schema(),
+        "method": enum_schema(("CREDIT", "MANUAL")),
+        "breakdown": object_schema({"goodUnits": integer_schema(0),
+                                    "damagedUnits": integer_schema(0),
+                                    "subtotal": money_schema()})}),
+}
+
+
+def event_schema_name(event):
+    """order.status_changed: OrderStatusChangedPayload."""
+    return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
+
+
+# Operations of the API -----------------------------------------------------------------------
+
+def single(schema):
+    """{data: record}"""
+    return object_schema({"data": schema_ref(schema)})
+
+
+def list_of(schema):
+    """The pagination envelope: {data: [record...], pagination: {hasMore, nextCursor}}."""
+    return object_schema({"data": {"type": "array", "items": schema_ref(schema)},
+                          "pagination": schema_ref("Pagination")})
+
+
+def all_of(schema):
+    """{data: [record...]}, not paginated."""
+    return object_schema({"data": {"type": "array", "items": schema_ref(schema)}})
+
+
+def query_param(name, schema, description):
+    return {"name": name, "in": "query", "required": False, "schema": schema,
+            "description": description}
+
+
+def api_operation(response, errors, body=None, query=(), description="", messages=None):
+    """What OPERATIONS says of a route: its query parameters, request body (a schema name),
+    success body, error statuses, and the messages of some of them."""
+    return {"query": list(query), "body": body, "response": response,
+            "errors": tuple(sorted(set(errors))), "description": description,
+            "messages": messages or {}}
+
+
+AUTH_ERRORS = (401, 403, 429)
+BODY_ERRORS = (400, 413)
+PAGE_QUERY = (
+    # No minimum or maximum: the server clamps rather than refuses (101 is read as 100).
+    # Any text is read (parseInt), so the parameter is an integer or any string.
+    query_param("limit", {"anyOf": [integer_schema(), string_schema()], "default": 50},
+                "Page size, clamped to 1 to 100 (0 or less is 1, more than 100 is 100). Read "
+                "like JavaScript's parseInt (10abc is 10); 50 when it is not a number."),
+    query_param("cursor", string_schema(),
+                "nextCursor of the previous page; one that matches no record gives an empty "
+                "last page."),
+)
+DATE_QUERY = string_schema(pattern=DATE_PATTERN)
+_VALIDATION = "Invalid JSON body. / Validation failed."
+
+OPERATIONS = {
+    ("GET", "/api/v1/products"): api_operation(
+        list_of("Product"), AUTH_ERRORS, description="Newest first.", query=(
+            *PAGE_QUERY,
+            query_param("category", string_schema(), "Exact match on category."),
+            query_param("search", string_schema(),
+                        "Substring of name, sku or category, ignoring case (Unicode folding)."),
+            query_param("active", string_schema(),
+                        "true or false: filter on isActive; another value is ignored."))),
+    ("GET", "/api/v1/products/<product_id>"): api_operation(
+        single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
+    ("GET", "/api/v1/orders"): api_operation(
+        list_of("Order"), AUTH_ERRORS + (400,), query=(
+            *PAGE_QUERY,
+            query_param("status", enum_schema((*ORDER_STATUSES, "")),
+                        "Exact match; empty is no filter."),
+            query_param("customerId", string_schema(), "Orders of this customer only."),
+            query_param("since", DATE_QUERY,
+                        "createdAt >= since (inclusive): a date (UTC midnight), a year and "
+                        "month, or an ISO 8601 date-time (UTC when it has no offset)."),
+            query_param("until", DATE_QUERY, "createdAt <= until (inclusive), read as since.")),
+        description="Newest first, each element the full Order (items and tracking included).",
+        messages={400: "Invalid order status. / Validation failed. (since, until)"}),
+    ("GET", "/api/v1/orders/<order_id>"): api_operation(
+        single("Order"), AUTH_ERRORS + (404,), messages={404: "Order not found."}),
+    ("POST", "/api/v1/orders"): api_operation(
+        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 409), body="OrderCreate",
+        description="Checks the customer, then the products (active, of the company) and their "
+                    "stock, and in the same transaction decrements the stock and stores the "
+                    "order, SUBMITTED, at the catalog prices. Emits order.created.",
+        messages={400: f"{_VALIDATION} / customerId is required / At least one item is "
+                       "required / productId is required / quantity must be a number / "
+                       "quantity must be a whole number / quantity must be at least 1 / "
+                       "Product \"{id}\" not found or is inactive. / Insufficient stock for "
+                       "product \"{name}\". Available: {N}, requested: {M}.",
+                  404: "Customer not found."}),
+    ("PATCH", "/api/v1/orders/<order_id>"): api_operation(
+        single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 422), body="OrderUpdate",
+        description="Any status may follow any other, except after CANCELLED. Emits "
+                    "order.status_changed, and order.shipped or order.cancelled.",
+        messages={400: f"{_VALIDATION} / Invalid order status. / Tracking info is only valid "
+                       "when status is SHIPPED. / Tracking URL is required when carrier is "
+                       "OTHER.",
+                  404: "Order not found.", 422: "Cannot update a cancelled order."}),
+    ("GET", "/api/v1/customers"): api_operation(
+        list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
+            *PAGE_QUERY,
+            query_param("status", enum_schema((*CUSTOMER_STATUS_VALUES, "")),
+                        "Exact match; empty is no filter."),
+            query_param("search", string_schema(),
+                        "Substring of email or name, ignoring case (Unicode folding).")),
+        messages={400: "Invalid status."}),
+    ("GET", "/api/v1/customers/<customer_id>"): api_operation(
+        single("Customer"), AUTH_ERRORS + (404,), messages={404: "Customer not found."}),
+    ("POST", "/api/v1/customers"): api_operation(
+        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (409,), body="CustomerCreate",
+        description="emailVerified is false. Emits customer.created (source api).",
+        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / "
+                       f"{CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / Invalid status.",
+                  409: "A customer with this email already exists."}),
+    ("PATCH", "/api/v1/customers/<customer_id>"): api_operation(
+        single("Customer"), AUTH_ERRORS + BODY_ERRORS + (404,), body="CustomerUpdate",
+        description="Emits customer.updated when something changed.",
+        messages={400: f"{_VALIDATION} / {CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / "
+                       "Invalid status.",
+                  404: "Customer not found."}),
+    ("GET", "/api/v1/webhooks"): api_operation(
+        all_of("Webhook"), AUTH_ERRORS,
+        description=f"Not paginated (at most {MAX_WEBHOOKS}). Never includes the secret."),
+    ("GET", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("Webhook"), AUTH_ERRORS + (404,), messages={404: "Webhook not found."}),
+    ("POST", "/api/v1/webhooks"): api_operation(
+        single("WebhookWithSecret"), AUTH_ERRORS + BODY_ERRORS + (409,), body="WebhookCreate",
+        description="The only response that carries the secret.",
+        messages={400: f"{_VALIDATION} / URL is required. / Invalid URL. / At least one event "
+                       "is required. / Unknown event: \"{name}\".",
+                  409: f"Maximum of {MAX_WEBHOOKS} webhooks per company."}),
+    ("PATCH", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("Webhook"), AUTH_ERRORS + BODY_ERRORS + (404,), body="WebhookUpdate",
+        messages={400: f"{_VALIDATION} / Invalid URL. / At least one event is required. / "
+                       "Unknown event: \"{name}\".",
+                  404: "Webhook not found."}),
+    ("DELETE", "/api/v1/webhooks/<webhook_id>"): api_operation(
+        single("WebhookDeleted"), AUTH_ERRORS + (404,),
+        description="Also removes its delivery log and pending deliveries; no undo.",
+        messages={404: "Webhook not found."}),
+}
+
+
+# Responses, headers and parameters every operation shares ------------------------------------
+
+ERROR_RESPONSES = {
+    400: ("BadRequest", "Malformed JSON, failed validation (Validation failed. with details), "
+                        "or a bad Content-Length or Idempotency-Key header."),
+    401: ("Unauthorized", "Missing or invalid Authorization header. Use: Bearer <api_key> / "
+                          "Invalid, expired, or revoked API key."),
+    403: ("Forbidden", "Insufficient permissions. This key lacks the \"<scope>\" scope."),
+    404: ("NotFound", "Not found: also a record of another company, a malformed ID, or an "
+                      "unknown path (Not found.)."),
+    405: ("MethodNotAllowed", "Method not allowed. (a known path, another method)"),
+    409: ("Conflict", "Conflict."),
+    413: ("ContentTooLarge", "Request body too large. (over 1 MiB, refused before reading)"),
+    422: ("UnprocessableContent", "Refused by a business rule."),
+    429: ("TooManyRequests", "Rate limit exceeded. Try again shortly. Per key, or per client "
+                             "address before authentication; retryAfter is the Retry-After."),
+}
+_POST_MESSAGES = {
+    400: "Idempotency-Key must be 1 to 255 printable ASCII characters.",
+    409: "Idempotency-Key has already been used with a different request. / A request with "
+         "this Idempotency-Key is still in progress.",
+}
+
+
+def _header(description, schema, required=False):
+    return {"description": description, "required": required, "schema": schema}
+
+
+def rate_limit_headers(required):
+    """On every response to an authenticated request: not on 401, nor on a 429 of the
+    per-address limit, which come before the key is known."""
+    return {
+        "X-RateLimit-Limit": _header("Requests per minute for this key.", integer_schema(1),
+                                     required),
+        "X-RateLimit-Remaining": _header("Requests left in this one-minute window.",
+                                         integer_schema(0), required),
+        "X-RateLimit-Reset": _header("Whole seconds until the window resets.",
+                                     integer_schema(1, 60), required),
+    }
+
+
+def _json_content(schema):
+    return {"application/json": {"schema": schema}}
+
+
+def _error_response(status):
+    headers = rate_limit_headers(required=False)
+    if status == 429:
+        headers["Retry-After"] = _header("Whole seconds until the window resets.",
+                                         integer_schema(1), required=True)
+    return {"description": ERROR_RESPONSES[status][1], "headers": headers,
+            "content": _json_content(schema_ref("Error"))}
+
+
+_BOTTLE_WILDCARD = re.compile(r"<(\w+)(?::[^>]*)?>")
+
+
+def _operation_object(found, described):
+    path_parameters = [{"name": name, "in": "path", "required": True, "schema": ID_SCHEMA,
+                        "description": "An ID as the API returned it."}
+                       for name in _BOTTLE_WILDCARD.findall(found.path)]
+    headers = rate_limit_headers(required=True)
+    if found.method == "POST":
+        path_parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
+        headers["Idempotent-Replayed"] = _header(
+            "true on the stored response to an earlier request with the same Idempotency-Key "
+            "(errors other than 5xx are replayed too).", enum_schema(("true",)))
+    responses = {str(found.status): {"description": found.summary or "Success",
+                                     "headers": headers,
+                                     "content": _json_content(described["response"])}}
+    for status in described["errors"]:
+        response = {"$ref": "#/components/responses/" + ERROR_RESPONSES[status][0]}
+        messages = [text for text in (described["messages"].get(status),
+                                      found.method == "POST" and _POST_MESSAGES.get(status))
+                    if text]
+        if messages:
+            response["description"] = " / ".join(messages)
+        responses[str(status)] = response
+    operation = {
+        "operationId": found.handler.__name__,
+        "summary": found.summary,
+        "description": " ".join(filter(None, (f"Requires the `{found.scope}` scope.",
+                                              described["description"]))),
+        "tags": [found.path.split("/")[3]],
+        "security": [{"bearer": []}],
+        "x-required-scope": found.scope,
+        "parameters": [*path_parameters, *described["query"]],
+        "responses": responses,
+    }
+    if described["body"]:
+        operation["requestBody"] = {"required": True,
+                                    "content": _json_content(schema_ref(described["body"]))}
+    return _BOTTLE_WILDCARD.sub(r"{\1}", found.path), operation
+
+
+def _event_delivery(event):
+    """The POST a subscriber receives for one event (an entry of the top-level webhooks)."""
+    def header(name, description, schema, required=True):
+        return {"name": name, "in": "header", "required": required, "schema": schema,
+                "description": description}
+    signature = string_schema(pattern="^sha256=[0-9a-f]{64}$")
+    return {"post": {
+        "operationId": "event_" + event.replace(".", "_"),
+        "summary": event,
+        "description": "One POST per delivery and a single attempt, 10 seconds for the whole "
+                       "exchange: a 2xx answer is a success, anything else (a redirect too) a "
+                       "failure, and it is not retried. A delivery may be repeated: "
+                       "deduplicate on X-Webhook-Id.",
+        "tags": ["events"],
+        "security": [],
+        "parameters": [
+            header("X-Webhook-Event", "The event name.", {"const": event}),
+            header("X-Webhook-Id", "The event's ID, the same on every delivery of it.",
+                   ID_SCHEMA),
+            header("X-Webhook-Signature", "sha256= and the lowercase hex HMAC-SHA256 of the "
+                   "raw body, keyed with the whole secret (whsec_ included) as UTF-8.",
+                   signature),
+            header("X-Webhook-Signature-Old", "The same with the previous secret, while a "
+                   "secret rotation grace window is open.", signature, required=False),
+            header("User-Agent", "ordering-webhooks/<version>",
+                   string_schema(pattern="^ordering-webhooks/")),
+        ],
+        "requestBody": {"required": True, "content": _json_content(object_schema({
+            "event": {"const": event},
+            "timestamp": TIMESTAMP_SCHEMA,
+            "data": schema_ref(event_schema_name(event)),
+        }))},
+        "responses": {"2XX": {"description": "Delivered."},
+                      "default": {"description": "Failed; not retried."}},
+    }}
+
+
+_UNAUTHENTICATED = {
+    "/api/v1/openapi.json": {"get": {
+        "operationId": "openapi_document",
+        "summary": "This document",
+        "tags": ["meta"],
+        "security": [],
+        "responses": {"200": {"description": "The OpenAPI 3.1 document.", "content": (
+            _json_content(object_schema({"openapi": {"const": OPENAPI_VERSION}},
+                                        closed=False)))}},
+    }},
+    "/healthz": {"get": {
+        "operationId": "health",
+        "summary": "Health check for load balancers and supervisors",
+        "tags": ["meta"],
+        "security": [],
+        "responses": {
+            "200": {"description": "The database answers.",
+                    "content": _json_content(object_schema({"status": {"const": "ok"}}))},
+            "503": {"description": "The database does not answer.", "content": _json_content(
+                object_schema({"status": {"const": "unavailable"}}))},
+        },
+    }},
+}
+
+API_DESCRIPTION = """\
+A multi-tenant wholesale ordering service: products (read only), orders, customers and \
+webhook subscriptions; the events it delivers are under `webhooks`.
+
+Every operation but the two under `meta` needs `Authorization: Bearer <API key>`. The key \
+belongs to one company, which every read and write is limited to (another company's records \
+are 404), and must hold the operation's scope (`x-required-scope`).
+
+Errors are JSON `{"error": message}`; failed validation adds `details` ([{field, rule}]) and \
+429 adds `retryAfter`. They are checked in this order: per-address rate limit, \
+authentication (401), per-key rate limit (429), scope (403), body validation (400), \
+existence (404), business rules (409, 422). Any unknown path is 404 \
+`{"error": "Not found."}` and a known path with another method 405 \
+`{"error": "Method not allowed."}`. A server failure is 500 with the plain text \
+`Internal Server Error`.
+
+Money is a JSON number of currency units with at most two decimal places. Timestamps are \
+ISO 8601 UTC with milliseconds. IDs are opaque."""
+
+
+def openapi_document():
+    """The OpenAPI 3.1 document of the API (GET /api/v1/openapi.json)."""
+    routes = {(found.method, found.path) for found in ROUTES}
+    undescribed = ", ".join(f"{method} {path}" for method, path in sorted(routes - set(OPERATIONS)))
+    if undescribed:
+        raise KeyError(f"no entry in OPERATIONS for the route {undescribed}: describe it there "
+                       f"so that the OpenAPI document covers it")
+    stale = ", ".join(f"{method} {path}" for method, path in sorted(set(OPERATIONS) - routes))
+    if stale:
+        raise KeyError(f"OPERATIONS describes {stale}, which is not in ROUTES")
+    paths = {}
     for found in ROUTES:
-        app.route(found.path, found.method, bind(found))
-    app.route("/healthz", "GET", service.health)
-    document = json_text(openapi_document()).encode()
-
-    def serve_openapi():
-        bottle.response.content_type = "application/json"
-        return document
-    app.route("/api/v1/openapi.json", "GET", serve_openapi)
-    for extend in APP_EXTENSIONS:
-        extend(app)
-    app.error_handler.update({
-        404: _error_page(404, "Not found."),
-        405: _error_page(405, "Method not allowed."),
-        500: _internal_error_page,
-    })
-    return app
+        path, operation = _operation_object(found, OPERATIONS[found.method, found.path])
+        paths.setdefault(path, {})[found.method.lower()] = operation
+    paths.update(_UNAUTHENTICATED)
+    schemas = dict(COMPONENT_SCHEMAS)
+    schemas.update((event_schema_name(event), EVENT_PAYLOADS[event]) for event in EVENT_CATALOG)
+    return json.loads(json.dumps({     # a deep copy: callers may change it freely
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "ordering", "version": __version__, "description": API_DESCRIPTION},
+        "servers": [{"url": "/"}],
+        "tags": [{"name": "products"}, {"name": "orders"}, {"name": "customers"},
+                 {"name": "webhooks"}, {"name": "meta"},
+                 {"name": "events", "description": "Deliveries to webhook subscribers."}],
+        "paths": paths,
+        "webhooks": {event: _event_delivery(event) for event in EVENT_CATALOG},
+        "components": {
+            "schemas": schemas,
+            "responses": {name: _error_response(status)
+                          for status, (name, _) in ERROR_RESPONSES.items()},
+            "parameters": {"IdempotencyKey": {
+                "name": "Idempotency-Key", "in": "header", "required": False,
+                "description": "Makes a POST safe to retry. 1 to 255 printable ASCII "
+                               "characters, bare or in double quotes. Within 24 hours a retry "
+                               "with the same key and request gets the stored response "
+                               "(Idempotent-Replayed: true) and nothing is done again; the "
+                               "same key with another request is 409.",
+                "schema": string_schema(1, 255, pattern=r"^[!-~]([ -~]*[!-~])?$")}},
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "An API key (sk_...). The scope each operation needs is in its "
+                               f"x-required-scope: one of {', '.join(SCOPES)}."}},
+        },
+    }))
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. Dashboard
+# 12. Web pages
 # ---------------------------------------------------------------------------------------------
-# The staff's web interface, served by the same app under /dashboard: staff accounts, the
-# sign-in throttle and sessions, CSRF, then the pages. A page is thin: it parses a form, calls
-# the operation the API and the commands call (one rule, one place), and renders. HTML comes
-# from the templates below through render(), which escapes every value that is not markup
-# already; no script is served, so the Content-Security-Policy forbids all of it.
+# The kit every HTML surface shares: the page registry, forms and their fields, CSRF, the
+# session cookie and the sign-in throttle, the security headers. A page is thin: it parses a
+# form, calls the operation the API and the commands call (one rule, one place), and renders.
 
-STAFF_PASSWORD_MIN = 12
-#: scrypt cost (16 MiB of memory and some 50 ms per hash); the salt is the account's own.
-SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
 SESSION_COOKIE = "ordering_session"
 #: A session's last_seen_at is written at most this often (seconds): not on every page.
 SESSION_TOUCH_SECONDS = 60
-#: Failed sign-ins per email and per address that cost nothing; then each further try waits
-#: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on the
-#: subject is refused for SIGN_IN_LOCKOUT_SECONDS after its last failure.
-SIGN_IN_FREE_FAILURES = 3
-SIGN_IN_LOCKOUT_FAILURES = 10
-SIGN_IN_LOCKOUT_SECONDS = 15 * 60
-SIGN_IN_REFUSED = "Wrong email or password."
 CSRF_REFUSED = ("This form has expired or did not come from the dashboard. Reload the page "
                 "and try again.")
 SECURITY_HEADERS = {
@@ -3774,319 +4180,6 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 
-
-# Staff accounts, sessions and the sign-in throttle
-
-def hash_staff_password(password, salt=None):
-    salt = salt or secrets.token_bytes(16)
-    digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=SCRYPT_N, r=SCRYPT_R,
-                            p=SCRYPT_P, dklen=32)
-    return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
-
-
-def staff_password_matches(password, stored):
-    _, n, r, p, salt, digest = stored.split("$")
-    candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n),
-                               r=int(r), p=int(p), dklen=len(digest) // 2)
-    return hmac.compare_digest(candidate.hex(), digest)
-
-
-@functools.lru_cache(maxsize=1)
-def _stand_in_hash():
-    """Checked against when no account has the email, so that a wrong email takes as long to
-    refuse as a wrong password."""
-    return hash_staff_password(secrets.token_urlsafe(16))
-
-
-def create_staff(conn, company_id, email, password):
-    load_company(conn, company_id)
-    email = (email or "").strip()
-    if not valid_email(email):
-        raise ApiError(400, "Invalid email address.")
-    if len(password) < STAFF_PASSWORD_MIN:
-        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
-    if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
-                    (company_id, email.casefold())).fetchone():
-        raise ApiError(409, "A staff account with this email already exists in the company.")
-    staff_id, at = new_id_at("stf")
-    row = {"id": staff_id, "company_id": company_id, "email": email,
-           "email_key": email.casefold(), "password_hash": hash_staff_password(password),
-           "created_at": at}
-    insert_row(conn, "staff", row)
-    return staff_json(row)
-
-
-def set_staff_password(conn, staff_id, password):
-    """A new password (and an end to the account's sessions)."""
-    if len(password) < STAFF_PASSWORD_MIN:
-        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
-    conn.execute("UPDATE staff SET password_hash = ? WHERE id = ?",
-                 (hash_staff_password(password), staff_id))
-    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
-
-
-def disable_staff(conn, staff_id):
-    """Ends the account and every session of it at once."""
-    if conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,)).rowcount == 0:
-        raise not_found("Staff account")
-    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
-    return {"id": staff_id, "disabled": True}
-
-
-def sign_in_subjects(email, address):
-    return ("email:" + email.strip().casefold()[:254], "address:" + address)
-
-
-def sign_in_wait(conn, subjects, now_ms):
-    """Seconds before the next sign-in attempt for these subjects may be tried (0: now)."""
-    wait = 0.0
-    for row in conn.execute(
-            f"SELECT failures, last_failure_at FROM sign_in_failures "
-            f"WHERE subject IN ({','.join('?' * len(subjects))})", subjects):
-        failures = row["failures"]
-        if failures < SIGN_IN_FREE_FAILURES:
-            continue
-        delay = (SIGN_IN_LOCKOUT_SECONDS if failures >= SIGN_IN_LOCKOUT_FAILURES
-                 else 2 ** (failures - SIGN_IN_FREE_FAILURES + 1))
-        wait = max(wait, js_parse_date(row["last_failure_at"]) / 1000 + delay - now_ms / 1000)
-    return wait
-
-
-def record_sign_in_failure(conn, subjects, now_ms):
-    """One more failure for each subject; a subject quiet for the lockout time starts over."""
-    at, forgotten = iso(now_ms), iso(now_ms - SIGN_IN_LOCKOUT_SECONDS * 1000)
-    # counts that would start over anyway go, so guessed emails cannot grow the table forever
-    conn.execute("DELETE FROM sign_in_failures WHERE last_failure_at < ?", (forgotten,))
-    for subject in subjects:
-        conn.execute(
-            "INSERT INTO sign_in_failures (subject, failures, last_failure_at) VALUES (?, 1, ?) "
-            "ON CONFLICT (subject) DO UPDATE SET last_failure_at = excluded.last_failure_at, "
-            "failures = CASE WHEN sign_in_failures.last_failure_at < ? THEN 1 "
-            "ELSE sign_in_failures.failures + 1 END",
-            (subject, at, forgotten))
-
-
-def find_staff(conn, email, password):
-    """The enabled account with this email and password, or None. An email may belong to
-    staff of several companies: the password picks the account."""
-    rows = conn.execute("SELECT * FROM staff WHERE email_key = ? AND disabled = 0 "
-                        "ORDER BY created_at, id", (email.strip().casefold(),)).fetchall()
-    if not rows:
-        staff_password_matches(password, _stand_in_hash())
-    return next((row for row in rows if staff_password_matches(password, row["password_hash"])),
-                None)
-
-
-def start_session(conn, staff, subjects, now_ms, idle_seconds):
-    """A new session for a successful sign-in; returns the cookie value (kept only hashed).
-    Sessions left idle past the limit by browsers that never came back end here."""
-    conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
-    conn.execute("DELETE FROM staff_sessions WHERE last_seen_at < ?",
-                 (iso(now_ms - idle_seconds * 1000),))
-    token = secrets.token_urlsafe(32)
-    conn.execute("INSERT INTO staff_sessions (token_hash, staff_id, created_at, last_seen_at) "
-                 "VALUES (?, ?, ?, ?)", (hash_key(token), staff["id"], iso(now_ms), iso(now_ms)))
-    return token
-
-
-def load_session(conn, token):
-    return conn.execute(
-        "SELECT s.token_hash, s.last_seen_at, t.id AS staff_id, t.email, t.company_id, "
-        "c.name AS company_name FROM staff_sessions s JOIN staff t ON t.id = s.staff_id "
-        "JOIN companies c ON c.id = t.company_id WHERE s.token_hash = ? AND t.disabled = 0",
-        (hash_key(token),)).fetchone()
-
-
-def touch_session(conn, token_hash, now_ms):
-    conn.execute("UPDATE staff_sessions SET last_seen_at = ? WHERE token_hash = ?",
-                 (iso(now_ms), token_hash))
-
-
-def end_session(conn, token_hash):
-    conn.execute("DELETE FROM staff_sessions WHERE token_hash = ?", (token_hash,))
-
-
-# What the pages read beyond the API's lists
-
-def company_choices(conn, table, company_id, label, where="1 = 1", limit=500):
-    """(id, label) of a company's records for a form's select, newest first."""
-    return [tuple(row) for row in conn.execute(
-        f"SELECT id, {label} FROM {table} WHERE company_id = ? AND {where} "
-        f"ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, limit))]
-
-
-def names_of(conn, table, label, ids):
-    ids = list(set(filter(None, ids)))
-    if not ids:  # PostgreSQL has no empty IN ()
-        return {}
-    return dict(tuple(row) for row in conn.execute(
-        f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
-
-
-def order_search(conn, company_id, text):
-    """The orders list's search as a filter and its parameters: the order with that ID, else
-    the orders whose PO number begins with the text, ignoring ASCII case (both served by an
-    index, so a search costs the same at any number of orders)."""
-    text = text.strip()
-    if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
-                    (text, company_id)).fetchone():
-        return "id = ?", [text]
-    return (conn.engine.prefix_ignoring_ascii_case("po_number"),
-            [text, text + chr(0x10FFFF)])
-
-
-def order_history(conn, company_id, order_id):
-    """The order's status changes, oldest first, as its order.status_changed events recorded
-    them (events are kept when a webhook subscribes to them)."""
-    return [json.loads(row[0])["data"] | {"at": row[1]} for row in conn.execute(
-        "SELECT body, created_at FROM events WHERE company_id = ? AND name = "
-        f"'order.status_changed' AND {conn.engine.json_field('body', 'data.id')} = ? "
-        "ORDER BY created_at, id",
-        (company_id, order_id))]
-
-
-def company_api_keys(conn, company_id):
-    return conn.execute("SELECT id, scopes, rate_limit, expires_at, revoked, created_at "
-                        "FROM api_keys WHERE company_id = ? ORDER BY created_at DESC, id DESC",
-                        (company_id,)).fetchall()
-
-
-# Markup
-
-class Markup(str):
-    """Text that is HTML already; anything else is escaped on its way into a template."""
-
-
-def escape(value):
-    if isinstance(value, Markup):
-        return value
-    return Markup(html.escape("" if value is None else str(value), quote=True))
-
-
-def render(template, **values):
-    return Markup(template.format(**{name: escape(value) for name, value in values.items()}))
-
-
-def join(pieces):
-    return Markup("".join(escape(piece) for piece in pieces))
-
-
-def amount_text(number):
-    return "" if number is None else f"{number:,.2f}"
-
-
-LAYOUT = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} - ordering</title>
-<link rel="stylesheet" href="/dashboard/style.css">
-</head>
-<body>
-<a class="skip" href="#main">Skip to content</a>
-<header>{header}</header>
-<main id="main">
-<h1>{title}</h1>
-{notice}{body}
-</main>
-</body>
-</html>
-"""
-
-NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
-              ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
-              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
-
-HEADER = """<nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
-<form class="account" method="post" action="/dashboard/sign-out">{csrf}<span>{email}</span>
-<button type="submit">Sign out</button></form>"""
-
-SIGN_IN_FORM = """<form class="card narrow" method="post" action="/dashboard/sign-in">
-{error}
-<label for="email">Email</label>
-<input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
-<label for="password">Password</label>
-<input id="password" name="password" type="password" autocomplete="current-password" required>
-<button type="submit">Sign in</button>
-</form>"""
-
-STYLESHEET = """\
-:root { --ink: #1d2430; --muted: #5b6575; --line: #d7dce3; --paper: #ffffff;
-  --wash: #f4f6f9; --accent: #1f5fbf; --danger: #b42318; --ok: #17713a; }
-* { box-sizing: border-box; }
-body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
-  color: var(--ink); background: var(--wash); }
-a { color: var(--accent); }
-:focus-visible { outline: 3px solid #f5b400; outline-offset: 2px; }
-.skip { position: absolute; left: -999px; }
-.skip:focus { left: 8px; top: 8px; background: var(--paper); padding: 6px; z-index: 1; }
-header { display: flex; flex-wrap: wrap; align-items: center; justify-content: space-between;
-  gap: 8px; padding: 8px 16px; background: var(--ink); color: #fff; }
-header a { color: #fff; text-decoration: none; padding: 4px 8px; border-radius: 4px; }
-header a[aria-current] { background: rgba(255,255,255,.18); }
-nav { display: flex; flex-wrap: wrap; align-items: center; gap: 8px; }
-nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-style: none; }
-.brand { margin-right: 8px; }
-.account { display: flex; align-items: center; gap: 8px; margin: 0; }
-.account span { color: #c9d1dc; font-size: 13px; }
-.account button { margin-top: 0; }
-main { max-width: 1180px; margin: 0 auto; padding: 16px; }
-h1 { font-size: 22px; margin: 8px 0 16px; }
-h2 { font-size: 17px; margin: 24px 0 8px; }
-.card { background: var(--paper); border: 1px solid var(--line); border-radius: 8px;
-  padding: 16px; margin-bottom: 16px; }
-.narrow { max-width: 420px; }
-.table-wrap { overflow-x: auto; background: var(--paper); border: 1px solid var(--line);
-  border-radius: 8px; margin-bottom: 16px; }
-table { width: 100%; border-collapse: collapse; }
-th, td { text-align: left; padding: 8px 10px; border-bottom: 1px solid var(--line);
-  vertical-align: top; }
-th { font-size: 13px; color: var(--muted); font-weight: 600; background: var(--wash); }
-td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr:last-child td { border-bottom: 0; }
-label { display: block; font-weight: 600; margin: 10px 0 4px; font-size: 14px; }
-label.check { display: inline-flex; gap: 6px; align-items: center; font-weight: 400;
-  margin: 4px 12px 4px 0; }
-input, select, textarea { font: inherit; padding: 7px 9px; border: 1px solid #aeb6c2;
-  border-radius: 6px; width: 100%; max-width: 100%; background: #fff; color: var(--ink); }
-input[type=checkbox] { width: auto; }
-textarea { min-height: 70px; }
-button, .button { font: inherit; display: inline-block; padding: 7px 14px; border-radius: 6px;
-  border: 1px solid var(--accent); background: var(--accent); color: #fff; cursor: pointer;
-  text-decoration: none; margin-top: 10px; }
-button.secondary { background: #fff; color: var(--accent); }
-button.danger { background: var(--danger); border-color: var(--danger); }
-.inline { display: inline; margin: 0 6px 0 0; }
-.inline button { margin-top: 0; }
-.filters { display: grid; grid-template-columns: repeat(auto-fit, minmax(160px, 1fr));
-  gap: 0 12px; align-items: end; }
-.grid { display: grid; grid-template-columns: repeat(auto-fit, minmax(220px, 1fr)); gap: 0 16px; }
-.error { color: var(--danger); font-size: 14px; margin: 4px 0 0; }
-.alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
-  margin-bottom: 16px; }
-.notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
-  margin-bottom: 16px; word-break: break-all; }
-.status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
-  font-weight: 600; background: #e6ebf2; }
-.status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
-.status-SHIPPED { background: #e4f5ff; } .status-DELIVERED { background: #e3f6e8; }
-.status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
-.muted { color: var(--muted); font-size: 13px; }
-code { font-size: 13px; word-break: break-all; }
-.pager { margin: 8px 0 24px; }
-dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
-dl.facts dt { color: var(--muted); }
-dl.facts dd { margin: 0; }
-@media (max-width: 640px) {
-  main { padding: 10px; }
-  th, td { padding: 6px; }
-  .hide-narrow { display: none; }
-}
-"""
-
-
-# Pages
 
 #: Form field each field-less message of the operations belongs to.
 FIELD_OF_MESSAGE = {
@@ -4334,7 +4427,144 @@ def form_text(form, field):
     return (form.get(field) or "").strip() or None
 
 
-# Orders
+class Dashboard:
+    """The pages bound to one app's service. clock() gives the time sessions and the sign-in
+    throttle go by (tests move it)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.clock = time.time
+
+    def now_ms(self):
+        return int(self.clock() * 1000)
+
+    def secure_request(self, environ):
+        if self.service.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_PROTO"):
+            return environ["HTTP_X_FORWARDED_PROTO"].split(",")[0].strip().lower() == "https"
+        return environ.get("wsgi.url_scheme") == "https"
+
+    def set_session_cookie(self, token, **expiry):
+        """A browser-session cookie: the server ends idle sessions, the browser need not."""
+        bottle.response.set_cookie(
+            SESSION_COOKIE, token, path="/dashboard", httponly=True, samesite="lax",
+            secure=self.secure_request(bottle.request.environ), **expiry)
+
+    def session(self):
+        """(session row, token) of the signed-in browser, or (None, None); an idle session
+        ends here."""
+        token = bottle.request.get_cookie(SESSION_COOKIE)
+        if not token:
+            return None, None
+        db = self.service.db
+        found = load_session(db.conn, token)
+        if found is None:
+            return None, None
+        now_ms = self.now_ms()
+        idle_since = iso(now_ms - self.service.settings.session_idle_seconds * 1000)
+        if found["last_seen_at"] < idle_since:
+            with db.write() as conn:
+                end_session(conn, found["token_hash"])
+            return None, None
+        if found["last_seen_at"] < iso(now_ms - SESSION_TOUCH_SECONDS * 1000):
+            with db.write() as conn:
+                touch_session(conn, found["token_hash"], now_ms)
+        return found, token
+
+    def serve(self, handler, refused, url_args):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/html; charset=utf-8"
+        found, token = self.session()
+        if found is None:
+            if bottle.request.method == "POST":
+                bottle.response.status = 403
+                return self.bare_page("Signed out", render(
+                    '<p class="card narrow">Your session has ended. <a href="/dashboard/sign-in">'
+                    'Sign in again</a>.</p>'))
+            return redirect("/dashboard/sign-in")
+        visit = Visit(self.service, found, token)
+        if bottle.request.method == "POST" and not visit.csrf_matches():
+            return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
+        try:
+            return handler(visit, **url_args)
+        except ApiError as error:
+            if refused is None:
+                return visit.refusal(error)
+            visit.errors = form_errors(error)
+            takes = refused.__code__.co_varnames[1:refused.__code__.co_argcount]
+            try:
+                body = refused(visit, **{k: v for k, v in url_args.items() if k in takes})
+            except ApiError as missing:
+                return visit.refusal(missing)
+            bottle.response.status = error.status
+            return body
+
+    def bare_page(self, title, body):
+        return render(LAYOUT.replace("<header>{header}</header>\n", ""), title=title,
+                      notice="", body=body)
+
+    def sign_in_page(self, error="", email=""):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/html; charset=utf-8"
+        return self.bare_page("Sign in", render(
+            SIGN_IN_FORM, email=email,
+            error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
+
+    def sign_in(self):
+        form = bottle.request.forms.decode()
+        email, password = form.get("email", ""), form.get("password", "")
+        address = self.service.client_address(bottle.request.environ)
+        subjects = sign_in_subjects(email, address)
+        db, now_ms = self.service.db, self.now_ms()
+        wait = sign_in_wait(db.conn, subjects, now_ms)
+        if wait > 0:
+            bottle.response.status = 429
+            bottle.response.set_header("Retry-After", str(math.ceil(wait)))
+            return self.sign_in_page(f"Too many failed sign-ins. Try again in "
+                                     f"{math.ceil(wait)} seconds.", email)
+        staff = find_staff(db.conn, email, password)
+        with db.write() as conn:
+            if staff is None:
+                record_sign_in_failure(conn, subjects, now_ms)
+            else:
+                token = start_session(conn, staff, subjects, now_ms,
+                                      self.service.settings.session_idle_seconds)
+        if staff is None:
+            bottle.response.status = 401
+            return self.sign_in_page(SIGN_IN_REFUSED, email)
+        self.set_session_cookie(token)
+        return redirect("/dashboard/orders")
+
+    def sign_out(self):
+        found, token = self.session()
+        if found is not None:
+            visit = Visit(self.service, found, token)
+            if not visit.csrf_matches():
+                for name, value in SECURITY_HEADERS.items():
+                    bottle.response.set_header(name, value)
+                return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED),
+                                  403)
+            with self.service.db.write() as conn:
+                end_session(conn, found["token_hash"])
+        self.set_session_cookie("", max_age=0)
+        return redirect("/dashboard/sign-in")
+
+    def stylesheet(self):
+        for name, value in SECURITY_HEADERS.items():
+            bottle.response.set_header(name, value)
+        bottle.response.content_type = "text/css; charset=utf-8"
+        bottle.response.set_header("Cache-Control", "max-age=3600")
+        return STYLESHEET
+
+
+# Dashboard -----------------------------------------------------------------------------------
+# The staff's pages, under /dashboard on the same app.
+
+NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
+              ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
+              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
+
 
 @page("GET", "/dashboard/orders")
 def orders_page(visit):
@@ -4475,8 +4705,6 @@ def order_status_action(visit, order_id):
     return redirect(f"/dashboard/orders/{order_id}")
 
 
-# Products
-
 @page("GET", "/dashboard/products")
 def products_page(visit):
     query = visit.filters()
@@ -4556,8 +4784,6 @@ def update_product_action(visit, product_id):
         update_product(conn, visit.company_id, product_id, **fields)
     return redirect(f"/dashboard/products/{product_id}")
 
-
-# Customers
 
 @page("GET", "/dashboard/customers")
 def customers_page(visit):
@@ -4639,8 +4865,6 @@ def customer_status_action(visit, customer_id):
     return redirect(f"/dashboard/customers/{customer_id}")
 
 
-# Returns
-
 RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
 
 
@@ -4699,8 +4923,6 @@ def return_step_action(visit, return_id, step):
             raise not_found("Page")
     return redirect("/dashboard/returns")
 
-
-# Webhooks
 
 @page("GET", "/dashboard/webhooks")
 def webhooks_page(visit):
@@ -4765,8 +4987,6 @@ def rotate_webhook_action(visit, webhook_id):
     return webhooks_page(visit)
 
 
-# API keys
-
 @page("GET", "/dashboard/keys")
 def keys_page(visit):
     now = now_iso()
@@ -4808,139 +5028,6 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
-# Serving: sessions, CSRF, headers
-
-class Dashboard:
-    """The pages bound to one app's service. clock() gives the time sessions and the sign-in
-    throttle go by (tests move it)."""
-
-    def __init__(self, service):
-        self.service = service
-        self.clock = time.time
-
-    def now_ms(self):
-        return int(self.clock() * 1000)
-
-    def secure_request(self, environ):
-        if self.service.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_PROTO"):
-            return environ["HTTP_X_FORWARDED_PROTO"].split(",")[0].strip().lower() == "https"
-        return environ.get("wsgi.url_scheme") == "https"
-
-    def set_session_cookie(self, token, **expiry):
-        """A browser-session cookie: the server ends idle sessions, the browser need not."""
-        bottle.response.set_cookie(
-            SESSION_COOKIE, token, path="/dashboard", httponly=True, samesite="lax",
-            secure=self.secure_request(bottle.request.environ), **expiry)
-
-    def session(self):
-        """(session row, token) of the signed-in browser, or (None, None); an idle session
-        ends here."""
-        token = bottle.request.get_cookie(SESSION_COOKIE)
-        if not token:
-            return None, None
-        db = self.service.db
-        found = load_session(db.conn, token)
-        if found is None:
-            return None, None
-        now_ms = self.now_ms()
-        idle_since = iso(now_ms - self.service.settings.session_idle_seconds * 1000)
-        if found["last_seen_at"] < idle_since:
-            with db.write() as conn:
-                end_session(conn, found["token_hash"])
-            return None, None
-        if found["last_seen_at"] < iso(now_ms - SESSION_TOUCH_SECONDS * 1000):
-            with db.write() as conn:
-                touch_session(conn, found["token_hash"], now_ms)
-        return found, token
-
-    def serve(self, handler, refused, url_args):
-        for name, value in SECURITY_HEADERS.items():
-            bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/html; charset=utf-8"
-        found, token = self.session()
-        if found is None:
-            if bottle.request.method == "POST":
-                bottle.response.status = 403
-                return self.bare_page("Signed out", render(
-                    '<p class="card narrow">Your session has ended. <a href="/dashboard/sign-in">'
-                    'Sign in again</a>.</p>'))
-            return redirect("/dashboard/sign-in")
-        visit = Visit(self.service, found, token)
-        if bottle.request.method == "POST" and not visit.csrf_matches():
-            return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
-        try:
-            return handler(visit, **url_args)
-        except ApiError as error:
-            if refused is None:
-                return visit.refusal(error)
-            visit.errors = form_errors(error)
-            takes = refused.__code__.co_varnames[1:refused.__code__.co_argcount]
-            try:
-                body = refused(visit, **{k: v for k, v in url_args.items() if k in takes})
-            except ApiError as missing:
-                return visit.refusal(missing)
-            bottle.response.status = error.status
-            return body
-
-    def bare_page(self, title, body):
-        return render(LAYOUT.replace("<header>{header}</header>\n", ""), title=title,
-                      notice="", body=body)
-
-    def sign_in_page(self, error="", email=""):
-        for name, value in SECURITY_HEADERS.items():
-            bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/html; charset=utf-8"
-        return self.bare_page("Sign in", render(
-            SIGN_IN_FORM, email=email,
-            error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
-
-    def sign_in(self):
-        form = bottle.request.forms.decode()
-        email, password = form.get("email", ""), form.get("password", "")
-        address = self.service.client_address(bottle.request.environ)
-        subjects = sign_in_subjects(email, address)
-        db, now_ms = self.service.db, self.now_ms()
-        wait = sign_in_wait(db.conn, subjects, now_ms)
-        if wait > 0:
-            bottle.response.status = 429
-            bottle.response.set_header("Retry-After", str(math.ceil(wait)))
-            return self.sign_in_page(f"Too many failed sign-ins. Try again in "
-                                     f"{math.ceil(wait)} seconds.", email)
-        staff = find_staff(db.conn, email, password)
-        with db.write() as conn:
-            if staff is None:
-                record_sign_in_failure(conn, subjects, now_ms)
-            else:
-                token = start_session(conn, staff, subjects, now_ms,
-                                      self.service.settings.session_idle_seconds)
-        if staff is None:
-            bottle.response.status = 401
-            return self.sign_in_page(SIGN_IN_REFUSED, email)
-        self.set_session_cookie(token)
-        return redirect("/dashboard/orders")
-
-    def sign_out(self):
-        found, token = self.session()
-        if found is not None:
-            visit = Visit(self.service, found, token)
-            if not visit.csrf_matches():
-                for name, value in SECURITY_HEADERS.items():
-                    bottle.response.set_header(name, value)
-                return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED),
-                                  403)
-            with self.service.db.write() as conn:
-                end_session(conn, found["token_hash"])
-        self.set_session_cookie("", max_age=0)
-        return redirect("/dashboard/sign-in")
-
-    def stylesheet(self):
-        for name, value in SECURITY_HEADERS.items():
-            bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/css; charset=utf-8"
-        bottle.response.set_header("Cache-Control", "max-age=3600")
-        return STYLESHEET
-
-
 def install_dashboard(app):
     if not app.service.settings.dashboard:
         return
@@ -4958,11 +5045,57 @@ def install_dashboard(app):
     app.route("/", "GET", lambda: redirect("/dashboard"))
 
 
-APP_EXTENSIONS.append(install_dashboard)
+# ---------------------------------------------------------------------------------------------
+# 13. App
+# ---------------------------------------------------------------------------------------------
+
+def create_app(db_path=None, settings=None, deliver=True, **overrides):
+    """The WSGI app. db_path or settings pick the database; deliver=False leaves webhook
+    delivery to another process. app.service holds the database, sender and limits."""
+    if settings is None:
+        settings = Settings.from_environment(db_path=db_path, **overrides)
+    elif db_path is not None:
+        settings = dataclasses.replace(settings, db_path=db_path)
+    service = Service(settings, deliver=deliver)
+    app = bottle.Bottle()
+    app.uninstall(True)  # routes return bytes: bottle's JSON and template plugins only cost time
+    app.service = service
+
+    def bind(found):
+        def callback(**url_args):
+            try:
+                status, body, headers = service.respond(found, url_args)
+                bottle.response.content_type = "application/json"
+            except Exception:
+                log.exception("%s %s failed", found.method, found.path)
+                status, body, headers = 500, b"Internal Server Error", {}
+                bottle.response.content_type = "text/plain; charset=utf-8"
+            bottle.response.status = status
+            for name, value in headers.items():
+                bottle.response.set_header(name, value)
+            return body
+        return callback
+
+    for found in ROUTES:
+        app.route(found.path, found.method, bind(found))
+    app.route("/healthz", "GET", service.health)
+    document = json_text(openapi_document()).encode()
+
+    def serve_openapi():
+        bottle.response.content_type = "application/json"
+        return document
+    app.route("/api/v1/openapi.json", "GET", serve_openapi)
+    install_dashboard(app)
+    app.error_handler.update({
+        404: _error_page(404, "Not found."),
+        405: _error_page(405, "Method not allowed."),
+        500: _internal_error_page,
+    })
+    return app
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Command line
+# 14. Server
 # ---------------------------------------------------------------------------------------------
 
 class OverloadLog:
@@ -5195,6 +5328,10 @@ def _wait_status(status):
         return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
     return f"exit status {os.waitstatus_to_exitcode(status)}"
 
+
+# ---------------------------------------------------------------------------------------------
+# 15. Commands
+# ---------------------------------------------------------------------------------------------
 
 def _active_flag(text):
     if text not in ("true", "false"):
@@ -5438,114 +5575,6 @@ def demo(settings):
         f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
         password,
     ])
-
-
-def backup(settings, destination):
-    """An online, consistent copy of the database (SQLite's backup API), safe while the
-    server runs."""
-    if engine_for(settings.db_path) is not SQLITE:
-        raise ApiError(400, "backup copies a SQLite file; back up a PostgreSQL database with "
-                            "pg_dump.")
-    if os.path.exists(destination):
-        raise ApiError(409, f"{destination} already exists; choose a new file.")
-    if not SQLITE.exists(settings.db_path):
-        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
-    # Not through Database, which would create a missing file and migrate an old one; mode=rw
-    # never creates the file, should it vanish after the check.
-    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(settings.db_path))}"
-                             "?mode=rw", uri=True, timeout=settings.busy_timeout_ms / 1000)
-    target = sqlite3.connect(destination)
-    try:
-        source.backup(target)
-        pages = target.execute("PRAGMA page_count").fetchone()[0]
-        check = target.execute("PRAGMA integrity_check").fetchone()[0]
-    finally:
-        target.close()
-        source.close()
-    return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
-            "integrity": check}
-
-
-#: Rows copy-to reads and inserts at a time: memory stays bounded whatever a table holds.
-COPY_BATCH = 1000
-
-
-def copy_to(settings, target):
-    """Copy every table of the database into target, an empty database of either engine, in
-    one transaction on the target, then read both back and compare them table by table."""
-    source_path = settings.db_path
-    source_engine = engine_for(source_path)
-    if source_engine.same_database(source_path, target):
-        raise ApiError(409, f"{target} is the database being copied; name another target.")
-    # Checked before Database opens it, which would create a missing file.
-    if not source_engine.exists(source_path):
-        raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
-    source_db = Database(source_path, settings)
-    try:
-        target_db = Database(target, dataclasses.replace(settings, db_path=target))
-        try:
-            described = target_db.engine.describe(target)
-            return {"copiedTo": described,
-                    "tables": _copy_tables(source_db, target_db, described)}
-        finally:
-            target_db.close()
-    finally:
-        source_db.close()
-
-
-def _copy_tables(source_db, target_db, described):
-    columns = {}
-    # One transaction: a copy that fails at any row leaves the target as empty as it was, and
-    # nothing can write to the target between the check that it is empty and the copy.
-    with target_db.write() as conn:
-        for table in tables_in_order():
-            if conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone() is not None:
-                raise ApiError(409, f"{described} already holds rows in {table}; copy-to "
-                                    "needs an empty database.")
-        for table in tables_in_order():
-            rows = source_db.conn.execute(
-                f"SELECT * FROM {table} ORDER BY {_primary_key(table)}")
-            # By name, not by position: the two databases need not order their columns alike.
-            columns[table] = ", ".join(column[0] for column in rows.description)
-            insert = (f"INSERT INTO {table} ({columns[table]}) "
-                      f"VALUES ({', '.join(['?'] * len(rows.description))})")
-            while batch := rows.fetchmany(COPY_BATCH):
-                conn.executemany(insert, [tuple(row) for row in batch])
-    # Both sides are read again after the commit, which also catches a server that was still
-    # writing to the source.
-    tables = {}
-    for table in tables_in_order():
-        copied = _table_digest(source_db, table, columns[table])
-        found = _table_digest(target_db, table, columns[table])
-        if found != copied:
-            raise ApiError(500, f"{table} in {described} does not match the source after the "
-                                f"copy (rows: {copied['rows']} in the source, {found['rows']} "
-                                "in the copy): a server still writing to the source, or a value "
-                                "the target cannot hold? Empty the target before copying again.")
-        tables[table] = copied
-    return tables
-
-
-def _primary_key(table):
-    """The primary key columns of a table of schema.sql, as an ORDER BY list."""
-    statement = next(statement for statement in schema_statements()
-                     if f"CREATE TABLE IF NOT EXISTS {table} (" in statement)
-    match = (re.search(r"PRIMARY KEY \(([^)]*)\)", statement)
-             or re.search(r"(\w+) +\w+ +PRIMARY KEY", statement))
-    return match.group(1)
-
-
-def _table_digest(db, table, columns):
-    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
-    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
-    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
-    digest, count = hashlib.sha256(), 0
-    rows = db.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {_primary_key(table)}")
-    while batch := rows.fetchmany(COPY_BATCH):
-        for row in batch:
-            digest.update(repr(tuple(row)).encode() + b"\n")
-        count += len(batch)
-    return {"rows": count, "sha256": digest.hexdigest()}
 
 
 def build_parser():
