@@ -2322,6 +2322,11 @@ def revoke_api_key(conn, key_id):
     return {"id": key_id, "revoked": True}
 
 
+def expire_idempotency_keys(conn, now):
+    """Forget Idempotency-Keys (and their stored responses) whose time is over."""
+    conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now,))
+
+
 def company_api_keys(conn, company_id):
     return conn.execute("SELECT id, scopes, rate_limit, expires_at, revoked, created_at "
                         "FROM api_keys WHERE company_id = ? ORDER BY created_at DESC, id DESC",
@@ -2690,51 +2695,35 @@ def _table_digest(db, table, columns):
 # ---------------------------------------------------------------------------------------------
 # 9. Outbox
 # ---------------------------------------------------------------------------------------------
-# One attempt per delivery, as the spec says, but an attempt is never forgotten: deliveries
-# are claimed from the outbox under a lease and the claimer's identity, so a process that dies
-# mid-send leaves them to be claimed again: at once by a process of the same host, which can
-# tell the claimer is gone, else when the lease ends. That makes duplicates possible (receivers
-# dedupe on X-Webhook-Id).
+# Work that must reach someone outside (a webhook delivery, and any other channel) is written
+# as outbox rows in the transaction of the change that caused it, and sent afterwards by a
+# dispatcher thread and a bounded pool of sender threads. A row is claimed under a lease and
+# the claimer's identity, so a process that dies mid-send leaves it to be claimed again: at
+# once by a process of the same host, which can tell the claimer is gone, else when the lease
+# ends. That makes duplicates possible, never losses.
+#
+# A channel is an object with: noun (for logs), table (its outbox rows: id, state 'pending',
+# 'sending' or a final state of its own, lease_until, claimed_by), event_column (the column
+# naming the event a row carries, or None), timeout (seconds one send may take), jobs(conn,
+# ids) (the claimed rows with what sending needs), send(db, job) (send one and record the
+# outcome in the same table) and prune(conn, before, batch) (one batch of retention).
+# To add a channel, write such a class below and pass it to the Outbox with the others.
 
-#: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
-KEEP_DELIVERIES = 5
-
-#: Rows retention deletes per webhook (and events) in one write transaction, so that a first
-#: prune of a large file never holds the write lock for long.
+#: Rows retention deletes per subject (a webhook's log, events) in one write transaction, so
+#: that a first prune of a large file never holds the write lock for long.
 PRUNE_BATCH = 1000
 
 
-def prune_history(conn, before, batch=PRUNE_BATCH):
-    """One batch of retention: delivery-log entries attempted before `before` (ISO text) except
-    each webhook's KEEP_DELIVERIES most recent, then events created before it that no delivery
-    refers to any more (an event still pending or being sent keeps its row). Returns the
-    number of rows deleted; 0 when nothing is left to prune."""
-    deleted = 0
-    for (webhook_id,) in conn.execute("SELECT id FROM webhooks").fetchall():
-        kept = conn.execute(
-            "SELECT attempted_at, id FROM deliveries WHERE webhook_id = ? AND state = 'done' "
-            "ORDER BY attempted_at DESC, id DESC LIMIT 1 OFFSET ?",
-            (webhook_id, KEEP_DELIVERIES - 1)).fetchone()
-        if kept is None:
-            continue
-        deleted += conn.execute(
-            "DELETE FROM deliveries WHERE id IN (SELECT id FROM deliveries WHERE webhook_id = ? "
-            "AND state = 'done' AND attempted_at < ? AND (attempted_at, id) < (?, ?) LIMIT ?)",
-            (webhook_id, before, kept[0], kept[1], batch)).rowcount
-    deleted += conn.execute(
-        "DELETE FROM events WHERE id IN (SELECT id FROM events e WHERE created_at < ? AND NOT "
-        "EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id) LIMIT ?)",
-        (before, batch)).rowcount
-    return deleted
+class Outbox:
+    """The outbox's sender: a dispatcher thread that claims rows of every channel and a
+    bounded pool of threads that send them. housekeeping(), if given, is the app's own,
+    run off the request path by the dispatcher about once a minute."""
 
-
-class Sender:
-    """The webhook sender: a dispatcher thread that claims deliveries from the outbox and a
-    bounded pool of threads that send them and write the delivery log."""
-
-    def __init__(self, db, settings):
+    def __init__(self, db, settings, channels, housekeeping=None):
         self.db = db
         self.settings = settings
+        self.channels = list(channels)
+        self.app_housekeeping = housekeeping
         self.jobs = queue.Queue()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -2743,6 +2732,11 @@ class Sender:
         self.threads = []
         self.dispatcher = None
         self.next_housekeeping = 0.0
+
+    @property
+    def timeout(self):
+        """The longest any channel's send may take."""
+        return max(channel.timeout for channel in self.channels)
 
     # Life cycle
 
@@ -2767,13 +2761,13 @@ class Sender:
         self.wake.set()
 
     def stop(self, grace=None):
-        """Stop claiming; give deliveries in flight up to grace seconds (default: the delivery
+        """Stop claiming; give sends in flight up to grace seconds (default: the longest send
         timeout). Whatever is not sent stays in the outbox for the next start."""
         self.stopping.set()
         self.wake.set()
         if self.dispatcher is not None:  # done with the database once it has seen stopping
-            self.dispatcher.join(self.settings.webhook_timeout)
-        grace = self.settings.webhook_timeout if grace is None else grace
+            self.dispatcher.join(self.timeout)
+        grace = self.timeout if grace is None else grace
         self.wait_idle(grace)
         for _ in self.threads:
             self.jobs.put(None)
@@ -2791,58 +2785,66 @@ class Sender:
     # Claiming
 
     def claim(self, limit, event_ids=None):
-        """Atomically take up to limit deliveries (only of event_ids, if given) under a lease."""
-        conn = self.db.conn
+        """Atomically take up to limit rows of the channels, in their order, under a lease
+        (with event_ids: only the rows of those events, of channels that carry events)."""
+        jobs = []
+        for channel in self.channels:
+            if len(jobs) >= limit:
+                break
+            if event_ids is None or channel.event_column:
+                jobs += self._claim(channel, limit - len(jobs), event_ids)
+        return jobs
+
+    def _claim(self, channel, limit, event_ids):
+        conn, table = self.db.conn, channel.table
         if event_ids is None:
-            # A lease that has run out frees a delivery only from a claimer that may be gone:
-            # one on this host that still lives is still sending it (it is stalled, not dead).
+            # A lease that has run out frees a row only from a claimer that may be gone: one
+            # on this host that still lives is still sending it (it is stalled, not dead).
             args = {"now": now_iso(), "limit": limit}
             living = {f"living{number}": claimer for number, claimer in enumerate(
                 row[0] for row in conn.execute(
-                    "SELECT DISTINCT claimed_by FROM deliveries WHERE state = 'sending' AND "
+                    f"SELECT DISTINCT claimed_by FROM {table} WHERE state = 'sending' AND "
                     "lease_until < :now", args)
                 if row[0] and row[0].startswith(_HOST + "/") and claimer_alive(row[0]))}
             stalled = (f" AND COALESCE(claimed_by, '') NOT IN ({', '.join(':' + n for n in living)})"
                        if living else "")
-            waiting = ("SELECT id FROM deliveries WHERE state = 'pending' OR (state = 'sending' "
+            waiting = (f"SELECT id FROM {table} WHERE state = 'pending' OR (state = 'sending' "
                        f"AND lease_until < :now{stalled}) ORDER BY id LIMIT :limit")
             args.update(living)
             if conn.execute(waiting, args).fetchone() is None:
                 return []
         else:
             events = {f"event{number}": event_id for number, event_id in enumerate(event_ids)}
-            waiting = ("SELECT id FROM deliveries WHERE state = 'pending' AND event_id IN "
-                       f"({', '.join(':' + name for name in events)}) LIMIT :limit")
+            waiting = (f"SELECT id FROM {table} WHERE state = 'pending' AND "
+                       f"{channel.event_column} IN ({', '.join(':' + name for name in events)}) "
+                       "LIMIT :limit")
             args = dict(events, limit=limit)
         # A send is bounded by the timeout (DNS included); the slack covers writing its result.
-        lease = iso(int((time.time() + 2 * self.settings.webhook_timeout + 5) * 1000))
+        lease = iso(int((time.time() + 2 * channel.timeout + 5) * 1000))
         with self.db.write() as writing:
             ids = [row[0] for row in writing.execute(
-                f"UPDATE deliveries SET state = 'sending', lease_until = :lease, "
+                f"UPDATE {table} SET state = 'sending', lease_until = :lease, "
                 f"claimed_by = :claimer WHERE id IN ({waiting}) RETURNING id",
                 dict(args, lease=lease, claimer=process_identity()))]
         if not ids:
             return []
-        return conn.execute(
-            "SELECT d.id, d.event_id, e.name AS event, e.body, w.url, w.secret, w.old_secret, "
-            "w.grace_expires_at FROM deliveries d JOIN events e ON e.id = d.event_id "
-            "JOIN webhooks w ON w.id = d.webhook_id "
-            f"WHERE d.id IN ({','.join('?' * len(ids))}) ORDER BY d.id", ids).fetchall()
+        return [dict(row, channel=channel) for row in channel.jobs(conn, ids)]
 
     def release_the_dead(self):
-        """Deliveries claimed by processes that are gone are pending again, lease or not."""
-        claimers = [row[0] for row in self.db.conn.execute(
-            "SELECT DISTINCT claimed_by FROM deliveries WHERE state = 'sending'")]
-        dead = [c for c in claimers if c is not None and not claimer_alive(c)]
-        if not dead:
-            return
-        with self.db.write() as conn:
-            released = conn.execute(
-                "UPDATE deliveries SET state = 'pending', lease_until = NULL, claimed_by = NULL "
-                f"WHERE state = 'sending' AND claimed_by IN ({','.join('?' * len(dead))})",
-                dead).rowcount
-        log.warning("%d webhook deliveries claimed by %s, which is gone, are pending again",
-                    released, ", ".join(dead))
+        """Rows claimed by processes that are gone are pending again, lease or not."""
+        for channel in self.channels:
+            claimers = [row[0] for row in self.db.conn.execute(
+                f"SELECT DISTINCT claimed_by FROM {channel.table} WHERE state = 'sending'")]
+            dead = [c for c in claimers if c is not None and not claimer_alive(c)]
+            if not dead:
+                continue
+            with self.db.write() as conn:
+                released = conn.execute(
+                    f"UPDATE {channel.table} SET state = 'pending', lease_until = NULL, "
+                    f"claimed_by = NULL WHERE state = 'sending' AND claimed_by IN "
+                    f"({','.join('?' * len(dead))})", dead).rowcount
+            log.warning("%d %s claimed by %s, which is gone, are pending again",
+                        released, channel.noun, ", ".join(dead))
 
     def submit(self, jobs):
         with self.busy_changed:
@@ -2851,13 +2853,14 @@ class Sender:
             self.jobs.put(job)
 
     def deliver_events(self, event_ids, timeout=None):
-        """Send the deliveries of these events now and wait (the operator commands use this
-        so that their events go out before they exit)."""
+        """Send the rows of these events now and wait (the operator commands use this so that
+        their events go out before they exit)."""
         if event_ids:
             self.submit(self.claim(10_000, event_ids))
-        return self.wait_idle(self.settings.webhook_timeout + 5 if timeout is None else timeout)
+        return self.wait_idle(self.timeout + 5 if timeout is None else timeout)
 
     def _dispatch(self):
+        names = " and ".join(channel.noun.split()[0] for channel in self.channels)
         while not self.stopping.is_set():
             self.wake.wait(self.settings.delivery_poll_interval)
             self.wake.clear()
@@ -2870,17 +2873,17 @@ class Sender:
                     self.submit(self.claim(free))
                 self._housekeeping()
             except Exception:  # whatever it is, the thread must live: it alone claims work
-                log.exception("webhook dispatcher failed; will try again")
+                log.exception("%s dispatcher failed; will try again", names)
 
     def _housekeeping(self):
-        """Off the request path: the engine's own (SQLite's WAL file), and once a minute
-        forget expired idempotency keys and prune old events and delivery-log entries."""
+        """Off the request path: the engine's own (SQLite's WAL file), and once a minute the
+        app's housekeeping and the retention of every channel."""
         self.db.engine.housekeeping(self.db)
         if time.monotonic() < self.next_housekeeping:
             return
         self.next_housekeeping = time.monotonic() + 60
-        with self.db.write() as conn:
-            conn.execute("DELETE FROM idempotency_keys WHERE expires_at < ?", (now_iso(),))
+        if self.app_housekeeping is not None:
+            self.app_housekeeping()
         self.prune()
 
     def prune(self, now=None):
@@ -2889,10 +2892,11 @@ class Sender:
         if days <= 0:
             return
         before = iso(int(((time.time() if now is None else now) - days * 86400) * 1000))
-        while not self.stopping.is_set():
-            with self.db.write() as conn:
-                if not prune_history(conn, before):
-                    return
+        for channel in self.channels:
+            while not self.stopping.is_set():
+                with self.db.write() as conn:
+                    if not channel.prune(conn, before, PRUNE_BATCH):
+                        break
 
     # Sending
 
@@ -2902,44 +2906,22 @@ class Sender:
             if job is None:
                 return
             try:
-                self.send(job)
+                job["channel"].send(self.db, job)
             except Exception:
-                log.exception("webhook delivery %s failed unexpectedly", job["id"])
+                log.exception("%s %s failed unexpectedly", job["channel"].noun, job["id"])
             finally:
                 with self.busy_changed:
                     self.busy -= 1
                     self.busy_changed.notify_all()
                 self.wake.set()
 
-    def send(self, job):
-        body = job["body"].encode("utf-8")
-        headers = {
-            "Content-Type": "application/json",
-            "User-Agent": USER_AGENT,
-            "X-Webhook-Event": job["event"],
-            "X-Webhook-Id": job["event_id"],
-            "X-Webhook-Signature": sign(job["secret"], body),
-        }
-        if job["old_secret"] and job["grace_expires_at"] and job["grace_expires_at"] > now_iso():
-            headers["X-Webhook-Signature-Old"] = sign(job["old_secret"], body)
-        started = time.monotonic()
-        try:
-            status, text = post_webhook(job["url"], body, headers, self.settings.webhook_timeout,
-                                        self.settings.allow_private_webhooks)
-        except Exception as error:  # every failure of the one attempt is logged, never raised
-            status, text = None, describe_failure(error, self.settings.webhook_timeout)
-        duration_ms = int((time.monotonic() - started) * 1000)
-        success = status is not None and 200 <= status < 300
-        with self.db.write() as conn:
-            conn.execute(
-                "UPDATE deliveries SET state = 'done', lease_until = NULL, claimed_by = NULL, "
-                "status_code = ?, response_body = ?, duration_ms = ?, success = ?, "
-                "attempted_at = ? WHERE id = ?",
-                (status, text, duration_ms, int(success), now_iso(), job["id"]))
-
 
 # Webhooks ------------------------------------------------------------------------------------
-# The channel of the outbox that signs each event and POSTs it to a subscriber.
+# One attempt per delivery, as the spec says: the outbox's claims make sure an attempt is
+# never forgotten, and receivers dedupe a repeat on X-Webhook-Id.
+
+#: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
+KEEP_DELIVERIES = 5
 
 USER_AGENT = f"ordering-webhooks/{__version__}"
 MAX_LOGGED_BODY = 2000
@@ -3072,6 +3054,83 @@ def describe_failure(error, timeout):
     if isinstance(error, socket.gaierror):
         return f"DNS lookup failed: {error.strerror or error}."
     return f"{type(error).__name__}: {error}"[:MAX_LOGGED_BODY]
+
+
+def prune_history(conn, before, batch=PRUNE_BATCH):
+    """One batch of retention: delivery-log entries attempted before `before` (ISO text) except
+    each webhook's KEEP_DELIVERIES most recent, then events created before it that no delivery
+    refers to any more (an event still pending or being sent keeps its row). Returns the
+    number of rows deleted; 0 when nothing is left to prune."""
+    deleted = 0
+    for (webhook_id,) in conn.execute("SELECT id FROM webhooks").fetchall():
+        kept = conn.execute(
+            "SELECT attempted_at, id FROM deliveries WHERE webhook_id = ? AND state = 'done' "
+            "ORDER BY attempted_at DESC, id DESC LIMIT 1 OFFSET ?",
+            (webhook_id, KEEP_DELIVERIES - 1)).fetchone()
+        if kept is None:
+            continue
+        deleted += conn.execute(
+            "DELETE FROM deliveries WHERE id IN (SELECT id FROM deliveries WHERE webhook_id = ? "
+            "AND state = 'done' AND attempted_at < ? AND (attempted_at, id) < (?, ?) LIMIT ?)",
+            (webhook_id, before, kept[0], kept[1], batch)).rowcount
+    deleted += conn.execute(
+        "DELETE FROM events WHERE id IN (SELECT id FROM events e WHERE created_at < ? AND NOT "
+        "EXISTS (SELECT 1 FROM deliveries d WHERE d.event_id = e.id) LIMIT ?)",
+        (before, batch)).rowcount
+    return deleted
+
+
+class WebhookChannel:
+    """Deliveries: each event POSTed, signed, to each subscribed webhook of its company."""
+
+    noun = "webhook deliveries"
+    table = "deliveries"
+    event_column = "event_id"
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.timeout = settings.webhook_timeout
+
+    def jobs(self, conn, ids):
+        return conn.execute(
+            "SELECT d.id, d.event_id, e.name AS event, e.body, w.url, w.secret, w.old_secret, "
+            "w.grace_expires_at FROM deliveries d JOIN events e ON e.id = d.event_id "
+            "JOIN webhooks w ON w.id = d.webhook_id "
+            f"WHERE d.id IN ({','.join('?' * len(ids))}) ORDER BY d.id", ids).fetchall()
+
+    def prune(self, conn, before, batch):
+        return prune_history(conn, before, batch)
+
+    def send(self, db, job):
+        body = job["body"].encode("utf-8")
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": USER_AGENT,
+            "X-Webhook-Event": job["event"],
+            "X-Webhook-Id": job["event_id"],
+            "X-Webhook-Signature": sign(job["secret"], body),
+        }
+        if job["old_secret"] and job["grace_expires_at"] and job["grace_expires_at"] > now_iso():
+            headers["X-Webhook-Signature-Old"] = sign(job["old_secret"], body)
+        started = time.monotonic()
+        try:
+            status, text = post_webhook(job["url"], body, headers, self.timeout,
+                                        self.settings.allow_private_webhooks)
+        except Exception as error:  # every failure of the one attempt is logged, never raised
+            status, text = None, describe_failure(error, self.timeout)
+        duration_ms = int((time.monotonic() - started) * 1000)
+        success = status is not None and 200 <= status < 300
+        with db.write() as conn:
+            conn.execute(
+                "UPDATE deliveries SET state = 'done', lease_until = NULL, claimed_by = NULL, "
+                "status_code = ?, response_body = ?, duration_ms = ?, success = ?, "
+                "attempted_at = ? WHERE id = ?",
+                (status, text, duration_ms, int(success), now_iso(), job["id"]))
+
+
+def outbox_channels(settings):
+    """The channels an app's outbox sends, in the order it claims from them."""
+    return [WebhookChannel(settings)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3281,26 +3340,35 @@ def remove_webhook(call, webhook_id):
 # Serving the API -----------------------------------------------------------------------------
 
 class Service:
-    """The running pieces behind one app: the database, the webhook sender, the rate-limit
-    counter and the key cache (whose clock tests may replace)."""
+    """The running pieces behind one app: the database, the outbox, the rate-limit counter
+    and the key cache (whose clock tests may replace)."""
 
     def __init__(self, settings, deliver=True):
         self.settings = settings
         self.db = Database(settings.db_path, settings)
-        self.sender = Sender(self.db, settings)
-        self.db.on_commit(self.sender.notify)
+        self.outbox = Outbox(self.db, settings, outbox_channels(settings),
+                             housekeeping=self.housekeeping)
+        self.db.on_commit(self.outbox.notify)
         self.windows = self.db.engine.rate_counter(self.db, settings, time.time)
         self.key_cache = {}
         # The rate-limit windows and the key cache read time from here, so a test can hold it
         # still.
         self.clock = time.time
         if deliver:
-            self.sender.start()
+            self.outbox.start()
 
     def close(self, grace=None):
-        self.sender.stop(grace)
+        self.outbox.stop(grace)
         self.windows.close()
         self.db.close()
+
+    #: The outbox, by its former name (until the next release).
+    sender = property(lambda self: self.outbox)
+
+    def housekeeping(self):
+        """The app's own, run by the outbox's dispatcher about once a minute."""
+        with self.db.write() as conn:
+            expire_idempotency_keys(conn, now_iso())
 
     def health(self):
         """GET /healthz, for load balancers and supervisors: 200 while the database answers.
@@ -5051,7 +5119,7 @@ def install_dashboard(app):
 
 def create_app(db_path=None, settings=None, deliver=True, **overrides):
     """The WSGI app. db_path or settings pick the database; deliver=False leaves webhook
-    delivery to another process. app.service holds the database, sender and limits."""
+    delivery to another process. app.service holds the database, outbox and limits."""
     if settings is None:
         settings = Settings.from_environment(db_path=db_path, **overrides)
     elif db_path is not None:
@@ -5722,10 +5790,10 @@ def run_command(handler, args, settings):
     with db.write() as conn:
         result = handler(conn, args)
     if emitted:
-        sender = Sender(db, settings)
-        sender.start_workers()
-        sender.deliver_events(emitted)
-        sender.stop(grace=0)
+        outbox = Outbox(db, settings, outbox_channels(settings))
+        outbox.start_workers()
+        outbox.deliver_events(emitted)
+        outbox.stop(grace=0)
     return result
 
 

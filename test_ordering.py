@@ -1696,8 +1696,8 @@ def test_expired_keys_are_forgotten_and_purged(app, api, tenant):
                                status=409), 409, "A customer with this email already exists.")
     with tenant.db.write() as conn:
         conn.execute("UPDATE idempotency_keys SET expires_at = '2000-01-01T00:00:00.000Z'")
-    app.service.sender.next_housekeeping = 0
-    app.service.sender.notify()
+    app.service.outbox.next_housekeeping = 0
+    app.service.outbox.notify()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and tenant.db.conn.execute(
             "SELECT COUNT(*) FROM idempotency_keys").fetchone()[0]:
@@ -3901,7 +3901,7 @@ def test_outbox_event_is_delivered_by_a_later_app(db_path, receiver):
     finally:
         conn.close()
     assert states == ["pending"]
-    assert first.service.sender.threads == []  # nothing in this app could deliver it
+    assert first.service.outbox.threads == []  # nothing in this app could deliver it
     assert receiver.arrivals == []
     first.service.close(grace=0)
     second = build_app(db_path)
@@ -3922,7 +3922,7 @@ def test_outbox_event_is_delivered_by_a_later_app(db_path, receiver):
 @pytest.mark.parametrize("method", ["claim", "_housekeeping"])
 def test_dispatcher_survives_any_exception_and_logs_it(app, api, tenant, receiver, caplog,
                                                        method):
-    sender = app.service.sender
+    sender = app.service.outbox
     original, failed = getattr(sender, method), threading.Event()
 
     def fail_once(*args, **kwargs):
@@ -4004,7 +4004,7 @@ def surviving(db_path, history):
 
 def test_retention_prunes_by_age_keeping_five_per_webhook_and_all_undelivered_work(
         quiet, db_path, history):
-    sender = quiet.service.sender
+    sender = quiet.service.outbox
     assert quiet.service.settings.retention_days == 30
     # A clock 30 days after 2020-01-04: entries attempted before that midnight go, except
     # A's five most recent (the two of today and the three of January 5 to 7).
@@ -4029,14 +4029,14 @@ def test_retention_works_in_small_batches(quiet, db_path, history, monkeypatch):
     monkeypatch.setattr(ordering, "PRUNE_BATCH", 1)
     with quiet.service.db.write() as conn:
         assert ordering.prune_history(conn, "2030-01-01T00:00:00.000Z", batch=1) == 2
-    quiet.service.sender.prune()
+    quiet.service.outbox.prune()
     assert surviving(db_path, history)[:3] == ([4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9], 3)
 
 
 def test_retention_zero_keeps_everything(db_path, history):
     app = build_app(db_path, deliver=False, retention_days=0)
     try:
-        app.service.sender.prune(now=at("2100-01-01T00:00:00Z"))
+        app.service.outbox.prune(now=at("2100-01-01T00:00:00Z"))
     finally:
         app.service.close(grace=0)
     assert surviving(db_path, history)[:3] == (list(range(10)), list(range(10)), 3)
@@ -6022,7 +6022,7 @@ def test_an_ended_lease_frees_a_delivery_only_from_a_claimer_that_may_be_gone(ap
         ordering.emit(conn, tenant.id, "customer.created", {"id": "cus_x"})
         conn.execute("UPDATE deliveries SET state = 'sending', lease_until = ?, claimed_by = ?",
                      ("2000-01-01T00:00:00.000Z", ordering.process_identity()))
-    sender = app.service.sender
+    sender = app.service.outbox
     sender.stop(grace=0)  # claims below are made by hand, and nothing is sent
     assert sender.claim(10) == []
     sender.release_the_dead()
