@@ -2703,11 +2703,12 @@ def _table_digest(db, table, columns):
 # ends. That makes duplicates possible, never losses.
 #
 # A channel is an object with: noun (for logs), table (its outbox rows: id, state 'pending',
-# 'sending' or a final state of its own, lease_until, claimed_by), event_column (the column
-# naming the event a row carries, or None), timeout (seconds one send may take), jobs(conn,
-# ids) (the claimed rows with what sending needs), send(db, job) (send one and record the
-# outcome in the same table) and prune(conn, before, batch) (one batch of retention).
-# To add a channel, write such a class below and pass it to the Outbox with the others.
+# 'sending' or a final state of its own, lease_until, claimed_by), ready (an SQL condition a
+# pending row must also meet to be claimed now, :now being the time; "" for none),
+# event_column (the column naming the event a row carries, or None), timeout (seconds one
+# send may take), jobs(conn, ids) (the claimed rows with what sending needs), send(db, job)
+# (send one and record the outcome in its row) and prune(conn, before, batch) (one batch of
+# retention). To add a channel, write such a class below and list it in outbox_channels().
 
 #: Rows retention deletes per subject (a webhook's log, events) in one write transaction, so
 #: that a first prune of a large file never holds the write lock for long.
@@ -2808,8 +2809,9 @@ class Outbox:
                 if row[0] and row[0].startswith(_HOST + "/") and claimer_alive(row[0]))}
             stalled = (f" AND COALESCE(claimed_by, '') NOT IN ({', '.join(':' + n for n in living)})"
                        if living else "")
-            waiting = (f"SELECT id FROM {table} WHERE state = 'pending' OR (state = 'sending' "
-                       f"AND lease_until < :now{stalled}) ORDER BY id LIMIT :limit")
+            ready = f" AND {channel.ready}" if channel.ready else ""
+            waiting = (f"SELECT id FROM {table} WHERE (state = 'pending'{ready}) OR (state = "
+                       f"'sending' AND lease_until < :now{stalled}) ORDER BY id LIMIT :limit")
             args.update(living)
             if conn.execute(waiting, args).fetchone() is None:
                 return []
@@ -3085,6 +3087,7 @@ class WebhookChannel:
 
     noun = "webhook deliveries"
     table = "deliveries"
+    ready = ""
     event_column = "event_id"
 
     def __init__(self, settings):
