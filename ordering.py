@@ -35,6 +35,7 @@ the ones above it.
 import argparse
 import base64
 import collections
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -282,6 +283,10 @@ class Database:
         ``with db.write() as conn: ...``. Raising in the body rolls back only its work."""
         return _WriteTransaction(self)
 
+    def ping(self):
+        """Read from the database (raises when it does not answer)."""
+        self.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
+
     def on_commit(self, listener):
         """Call listener(event_ids) after each commit that emitted events."""
         self._listeners.append(listener)
@@ -406,6 +411,20 @@ class _WriteTransaction:
                 db._batch = None
                 db._busy = False
                 db._turn.notify_all()
+
+
+@contextlib.contextmanager
+def savepoint(conn):
+    """A part of the open transaction that is undone alone when its body raises."""
+    conn.execute("SAVEPOINT part")
+    try:
+        yield conn
+    except BaseException:
+        if conn.in_transaction:  # some errors (a full disk) end the transaction already
+            conn.execute("ROLLBACK TO part")
+            conn.execute("RELEASE part")
+        raise
+    conn.execute("RELEASE part")
 
 
 #: Event IDs emitted by the transaction open on this thread (see emit()).
@@ -1575,21 +1594,24 @@ def staff_json(row):
     return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
 
 
-def orders_json(conn, order_rows):
-    """Orders with their items in two queries, however many orders there are."""
-    if not order_rows:
-        return []
+def orders_json(order_rows, item_rows):
+    """Orders with their items; item_rows are those of all of them, each ending with its
+    order's ID, in order."""
     items = collections.defaultdict(list)
-    ids = [row[0] for row in order_rows]
-    sql = _ITEMS_OF_ORDERS.format(",".join("?" * len(ids)))
-    for item in conn.execute(sql, ids):
+    for item in item_rows:
         items[item[6]].append(item)
     return [order_json(row, items[row[0]]) for row in order_rows]
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Events
+# 7. Operations
 # ---------------------------------------------------------------------------------------------
+# What the business does, callable without HTTP. Each takes a connection inside a write
+# transaction that its caller opened (so a route can store its idempotency record in the same
+# one), checks tenancy through load_row, emits its events, and returns one kind of thing.
+
+
+# Events --------------------------------------------------------------------------------------
 
 EVENT_CATALOG = (
     "order.created", "order.status_changed", "order.shipped", "order.cancelled",
@@ -1621,14 +1643,6 @@ def emit(conn, company_id, name, data):
     return event_id
 
 
-# ---------------------------------------------------------------------------------------------
-# 8. Operations
-# ---------------------------------------------------------------------------------------------
-# What the business does, callable without HTTP. Each takes a connection inside a write
-# transaction that its caller opened (so a route can store its idempotency record in the same
-# one), checks tenancy through load_row, emits its events, and returns one kind of thing.
-
-
 # Rows and tenancy ----------------------------------------------------------------------------
 
 def insert_row(conn, table, row):
@@ -1656,6 +1670,21 @@ def load_row(conn, table, resource, company_id, row_id):
     if row is None:
         raise not_found(resource)
     return row
+
+
+#: The table of each kind of record an operator command may name by its ID alone.
+_TABLE_OF = {"Product": "products", "Order": "orders", "Return": "returns",
+             "Webhook": "webhooks", "API key": "api_keys", "Staff account": "staff"}
+
+
+def company_of(conn, resource, row_id):
+    """The company a record belongs to, for the operator commands, which name records by ID
+    alone (the operations then check tenancy as for everyone else)."""
+    row = conn.execute(f"SELECT company_id FROM {_TABLE_OF[resource]} WHERE id = ?",
+                       (row_id,)).fetchone()
+    if row is None:
+        raise not_found(resource)
+    return row["company_id"]
 
 
 # Companies -----------------------------------------------------------------------------------
@@ -1892,8 +1921,17 @@ _ITEMS_OF_ORDERS = """
     ORDER BY i.order_id, i.position"""
 
 
+def orders_with_items(conn, order_rows):
+    """Orders as the API shows them, their items read in one query however many they are."""
+    if not order_rows:  # PostgreSQL has no empty IN ()
+        return []
+    ids = [row[0] for row in order_rows]
+    items = conn.execute(_ITEMS_OF_ORDERS.format(",".join("?" * len(ids))), ids).fetchall()
+    return orders_json(order_rows, items)
+
+
 def order_with_items(conn, company_id, order_id):
-    return orders_json(conn, [load_order(conn, company_id, order_id)])[0]
+    return orders_with_items(conn, [load_order(conn, company_id, order_id)])[0]
 
 
 def parse_order_request(body):
@@ -2255,6 +2293,12 @@ def create_webhook(conn, company_id, body):
     return load_webhook(conn, company_id, webhook_id)
 
 
+def company_webhooks(conn, company_id):
+    """The company's webhooks, newest first (at most MAX_WEBHOOKS: no pages)."""
+    return conn.execute("SELECT * FROM webhooks WHERE company_id = ? "
+                        "ORDER BY created_at DESC, id DESC", (company_id,)).fetchall()
+
+
 def update_webhook(conn, company_id, webhook_id, body):
     changes = _webhook_changes(body, creating=False)
     update_changed(conn, "webhooks", load_webhook(conn, company_id, webhook_id), changes)
@@ -2268,11 +2312,9 @@ def delete_webhook(conn, company_id, webhook_id):
     return {"id": webhook_id, "deleted": True}
 
 
-def rotate_webhook_secret(conn, webhook_id, grace_hours=24):
+def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=24):
     """A new secret; for grace_hours the old one still signs X-Webhook-Signature-Old."""
-    row = conn.execute("SELECT * FROM webhooks WHERE id = ?", (webhook_id,)).fetchone()
-    if row is None:
-        raise not_found("Webhook")
+    row = load_webhook(conn, company_id, webhook_id)
     if not isinstance(grace_hours, (int, float)) or not 0 <= grace_hours <= 24 * 30:
         raise invalid("graceHours", "must be 0 to 720")
     secret = new_webhook_secret()
@@ -2316,10 +2358,54 @@ def create_api_key(conn, company_id, scopes, rate_limit=60, expires_at=None):
             "rateLimit": rate_limit, "expiresAt": expires_at}
 
 
-def revoke_api_key(conn, key_id):
-    if conn.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?", (key_id,)).rowcount == 0:
-        raise not_found("API key")
+def revoke_api_key(conn, company_id, key_id):
+    load_row(conn, "api_keys", "API key", company_id, key_id)
+    conn.execute("UPDATE api_keys SET revoked = 1 WHERE id = ?", (key_id,))
     return {"id": key_id, "revoked": True}
+
+
+def find_api_key(conn, key_hash):
+    """The row of the key with this hash, or None."""
+    return conn.execute(
+        "SELECT id, company_id, key_hash, scopes, rate_limit, expires_at, revoked "
+        "FROM api_keys WHERE key_hash = ?", (key_hash,)).fetchone()
+
+
+def claim_idempotency_key(conn, company_id, key, fingerprint, expires_at):
+    """Claim a company's Idempotency-Key for one request (its fingerprint) in this process:
+    None once claimed, or the (status, body) stored for the same request, to replay. The key
+    used with another request, or held by a process that still lives, is refused."""
+    stored = conn.execute(
+        "SELECT fingerprint, status, body, claimed_by FROM idempotency_keys "
+        "WHERE company_id = ? AND key = ? AND expires_at > ?",
+        (company_id, key, now_iso())).fetchone()
+    if stored is not None and stored["claimed_by"] is None:
+        if stored["fingerprint"] != fingerprint:
+            raise ApiError(409, "Idempotency-Key has already been used with a "
+                                "different request.")
+        return stored["status"], bytes(stored["body"])
+    if stored is not None and claimer_alive(stored["claimed_by"]):
+        raise ApiError(409, "A request with this Idempotency-Key is still in progress.")
+    conn.execute(
+        "INSERT INTO idempotency_keys (company_id, key, fingerprint, status, body, "
+        "expires_at, claimed_by) VALUES (?, ?, ?, 0, ?, ?, ?) "
+        "ON CONFLICT (company_id, key) DO UPDATE SET fingerprint = excluded.fingerprint, "
+        "status = 0, body = excluded.body, expires_at = excluded.expires_at, "
+        "claimed_by = excluded.claimed_by",
+        (company_id, key, fingerprint, b"", expires_at, process_identity()))
+    return None
+
+
+def store_idempotent_response(conn, company_id, key, status, body):
+    """The response to a claimed key's request, kept to be replayed; the claim ends."""
+    conn.execute("UPDATE idempotency_keys SET status = ?, body = ?, claimed_by = NULL "
+                 "WHERE company_id = ? AND key = ?", (status, body, company_id, key))
+
+
+def release_idempotency_key(conn, company_id, key):
+    """Let go of a key this process claimed, so that a retry runs the request."""
+    conn.execute("DELETE FROM idempotency_keys WHERE company_id = ? AND key = ? "
+                 "AND claimed_by = ?", (company_id, key, process_identity()))
 
 
 def expire_idempotency_keys(conn, now):
@@ -2395,10 +2481,10 @@ def set_staff_password(conn, staff_id, password):
     conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
 
 
-def disable_staff(conn, staff_id):
+def disable_staff(conn, company_id, staff_id):
     """Ends the account and every session of it at once."""
-    if conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,)).rowcount == 0:
-        raise not_found("Staff account")
+    load_row(conn, "staff", "Staff account", company_id, staff_id)
+    conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,))
     conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
     return {"id": staff_id, "disabled": True}
 
@@ -2485,8 +2571,8 @@ def page_limit(text):
     return 50 if number is None else min(100, max(1, number))
 
 
-def paginate(conn, table, company_id, query, filters=(), params=(), serialize=None):
-    """One page of a list endpoint, newest first, (createdAt, id) descending so that equal
+def paginate(conn, table, company_id, query, filters=(), params=()):
+    """One page of rows of a list, newest first, (createdAt, id) descending so that equal
     timestamps never skip or repeat a record. The cursor is the last ID of the previous page;
     one that is not the company's gives an empty last page."""
     limit = page_limit(query.get("limit"))
@@ -2504,7 +2590,7 @@ def paginate(conn, table, company_id, query, filters=(), params=(), serialize=No
         f"ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit + 1]).fetchall()
     has_more = len(rows) > limit
     rows = rows[:limit]
-    return {"data": serialize(conn, rows),
+    return {"data": rows,
             "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more else None}}
 
 
@@ -2522,6 +2608,55 @@ def date_filter(query, name):
     if ms is None:
         raise invalid(name, "must be a date (2026-11-22) or an ISO 8601 datetime")
     return iso(ms)
+
+
+def find_products(conn, company_id, query):
+    """A page of the company's products: category, search (name, SKU, category) and active."""
+    filters, params = [], []
+    if query.get("category"):
+        filters.append("category = ?")
+        params.append(query["category"])
+    if query.get("search"):
+        clause, values = search_filter(("name", "sku", "category"), query["search"])
+        filters.append(clause)
+        params += values
+    active = query.get("active")
+    if active in ("true", "false"):
+        filters.append("is_active = ?")
+        params.append(int(active == "true"))
+    return paginate(conn, "products", company_id, query, filters, params)
+
+
+def find_customers(conn, company_id, query):
+    """A page of the company's customers: status and search (email, name)."""
+    filters, params = [], []
+    status = query.get("status")
+    if status:
+        if status not in ("ACTIVE", "BLOCKED", "PENDING"):
+            raise ApiError(400, "Invalid status.")
+        filters.append("status = ?")
+        params.append(status)
+    if query.get("search"):
+        clause, values = search_filter(("email_key", "name"), query["search"])
+        filters.append(clause)
+        params += values
+    return paginate(conn, "customers", company_id, query, filters, params)
+
+
+def find_orders(conn, company_id, query, search=None):
+    """A page of the company's orders (rows): status, customerId, since and until, and the
+    dashboard's search."""
+    filters, params = order_filters(query)
+    if search:
+        clause, values = order_search(conn, company_id, search)
+        filters.append(clause)
+        params += values
+    return paginate(conn, "orders", company_id, query, filters, params)
+
+
+def find_returns(conn, company_id, query):
+    """A page of the company's returns (rows)."""
+    return paginate(conn, "returns", company_id, query)
 
 
 def order_filters(query):
@@ -2544,19 +2679,32 @@ def order_filters(query):
     return filters, params
 
 
-def company_choices(conn, table, company_id, label, where="1 = 1", limit=500):
-    """(id, label) of a company's records for a form's select, newest first."""
+#: Records a form's select offers at most, newest first.
+CHOICES_SHOWN = 500
+
+
+def customer_choices(conn, company_id):
+    """(id, email) of the company's customers, for a form's select."""
     return [tuple(row) for row in conn.execute(
-        f"SELECT id, {label} FROM {table} WHERE company_id = ? AND {where} "
-        f"ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, limit))]
+        "SELECT id, email FROM customers WHERE company_id = ? ORDER BY created_at DESC, id DESC "
+        "LIMIT ?", (company_id, CHOICES_SHOWN))]
 
 
-def names_of(conn, table, label, ids):
+def product_choices(conn, company_id):
+    """(id, name, sku, stock) of the company's active products, for a form's select."""
+    return conn.execute(
+        "SELECT id, name, sku, stock FROM products WHERE company_id = ? AND is_active = 1 "
+        "ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, CHOICES_SHOWN)).fetchall()
+
+
+def customer_emails(conn, company_id, ids):
+    """{customer ID: email} for these IDs of the company's customers."""
     ids = list(set(filter(None, ids)))
     if not ids:  # PostgreSQL has no empty IN ()
         return {}
     return dict(tuple(row) for row in conn.execute(
-        f"SELECT id, {label} FROM {table} WHERE id IN ({','.join('?' * len(ids))})", ids))
+        f"SELECT id, email FROM customers WHERE company_id = ? AND id IN "
+        f"({','.join('?' * len(ids))})", [company_id, *ids]))
 
 
 def order_search(conn, company_id, text):
@@ -2579,6 +2727,58 @@ def order_history(conn, company_id, order_id):
         f"'order.status_changed' AND {conn.engine.json_field('body', 'data.id')} = ? "
         "ORDER BY created_at, id",
         (company_id, order_id))]
+
+
+# The demo ------------------------------------------------------------------------------------
+
+DEMO_SLUG = "demo-wholesale"
+DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
+DEMO_CATALOG = (
+    # name, sku, category, unit, price (cents), stock, low-stock threshold, active
+    ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
+    ("Basmati Rice 10kg", "GR-BASM-10", "Grains", "bag", 2390, 80, 15, True),
+    ("Bread Flour 16kg", "GR-FLOUR-16", "Grains", "bag", 1875, 60, 10, True),
+    ("Extra Virgin Olive Oil 5l", "PA-OIL-5", "Pantry", "tin", 3899, 45, 10, True),
+    ("Sea Salt 1kg", "PA-SALT-1", "Pantry", "each", 320, 200, 30, True),
+    ("Canned Tomatoes 2.5kg", "PA-TOM-25", "Pantry", "case", 2160, 3, 5, True),
+    ("Black Tea 500g", "BV-TEA-500", "Beverages", "each", 1150, 90, 10, True),
+    ("Espresso Beans 1kg", "BV-ESP-1", "Beverages", "each", 2475, 70, 10, True),
+    ("Sparkling Water 24x330ml", "BV-WAT-24", "Beverages", "case", 1399, 150, 20, True),
+    ("Paper Napkins 1000", "SU-NAP-1000", "Supplies", "case", 2799, 40, 5, True),
+    ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
+    ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
+)
+
+
+def prepare_demo(conn):
+    """A demo company with a small catalog, two customers and a staff account (made once),
+    and on every call a new key with all seven scopes and a new staff password."""
+    company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
+    if company is None:
+        company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
+        for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG:
+            create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
+                           price_cents=price, stock=stock, low_stock_threshold=threshold,
+                           is_active=active)
+        for email, name in (("orders@corner-cafe.example", "Corner Cafe"),
+                            ("buyer@harbour-bistro.example", "Harbour Bistro")):
+            create_customer(conn, company_id, {"email": email, "name": name})
+    else:
+        company_id = company["id"]
+    key = create_api_key(conn, company_id, list(SCOPES))
+    password = secrets.token_urlsafe(12)
+    staff = conn.execute("SELECT id FROM staff WHERE company_id = ? AND email_key = ?",
+                         (company_id, DEMO_STAFF_EMAIL)).fetchone()
+    if staff is None:
+        create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
+    else:
+        set_staff_password(conn, staff["id"], password)
+    customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
+                            "LIMIT 1", (company_id,)).fetchone()
+    product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
+                           "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
+    return {"companyId": company_id, "key": key["key"], "password": password,
+            "customerId": customer["id"], "productId": product["id"]}
 
 
 # Copies --------------------------------------------------------------------------------------
@@ -2693,7 +2893,7 @@ def _table_digest(db, table, columns):
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. Outbox
+# 8. Outbox
 # ---------------------------------------------------------------------------------------------
 # Work that must reach someone outside (a webhook delivery, and any other channel) is written
 # as outbox rows in the transaction of the change that caused it, and sent afterwards by a
@@ -3137,7 +3337,7 @@ def outbox_channels(settings):
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. HTTP API
+# 9. HTTP API
 # ---------------------------------------------------------------------------------------------
 
 Route = collections.namedtuple("Route", "method path scope status handler summary")
@@ -3219,20 +3419,8 @@ def parse_json_body(raw):
 @route("GET", "/api/v1/products", "products:read")
 def list_products(call):
     """List products"""
-    filters, params = [], []
-    if call.query.get("category"):
-        filters.append("category = ?")
-        params.append(call.query["category"])
-    if call.query.get("search"):
-        clause, values = search_filter(("name", "sku", "category"), call.query["search"])
-        filters.append(clause)
-        params += values
-    active = call.query.get("active")
-    if active in ("true", "false"):
-        filters.append("is_active = ?")
-        params.append(int(active == "true"))
-    return paginate(call.conn, "products", call.company_id, call.query, filters, params,
-                    lambda conn, rows: [product_json(row) for row in rows])
+    page = find_products(call.conn, call.company_id, call.query)
+    return dict(page, data=[product_json(row) for row in page["data"]])
 
 
 @route("GET", "/api/v1/products/<product_id>", "products:read")
@@ -3244,9 +3432,8 @@ def get_product(call, product_id):
 @route("GET", "/api/v1/orders", "orders:read")
 def list_orders(call):
     """List orders"""
-    filters, params = order_filters(call.query)
-    return paginate(call.conn, "orders", call.company_id, call.query, filters, params,
-                    orders_json)
+    page = find_orders(call.conn, call.company_id, call.query)
+    return dict(page, data=orders_with_items(call.conn, page["data"]))
 
 
 @route("GET", "/api/v1/orders/<order_id>", "orders:read")
@@ -3271,19 +3458,8 @@ def patch_order(call, order_id):
 @route("GET", "/api/v1/customers", "customers:read")
 def list_customers(call):
     """List customers"""
-    filters, params = [], []
-    status = call.query.get("status")
-    if status:
-        if status not in ("ACTIVE", "BLOCKED", "PENDING"):
-            raise ApiError(400, "Invalid status.")
-        filters.append("status = ?")
-        params.append(status)
-    if call.query.get("search"):
-        clause, values = search_filter(("email_key", "name"), call.query["search"])
-        filters.append(clause)
-        params += values
-    return paginate(call.conn, "customers", call.company_id, call.query, filters, params,
-                    lambda conn, rows: [customer_json(row) for row in rows])
+    page = find_customers(call.conn, call.company_id, call.query)
+    return dict(page, data=[customer_json(row) for row in page["data"]])
 
 
 @route("GET", "/api/v1/customers/<customer_id>", "customers:read")
@@ -3309,9 +3485,8 @@ def patch_customer(call, customer_id):
 def list_webhooks(call):
     """List webhook subscriptions"""
     at = now_iso()
-    return {"data": [webhook_json(row, at=at) for row in call.conn.execute(
-        "SELECT * FROM webhooks WHERE company_id = ? ORDER BY created_at DESC, id DESC",
-        (call.company_id,))]}
+    return {"data": [webhook_json(row, at=at)
+                     for row in company_webhooks(call.conn, call.company_id)]}
 
 
 @route("GET", "/api/v1/webhooks/<webhook_id>", "webhooks:read")
@@ -3379,7 +3554,7 @@ class Service:
         bottle.response.content_type = "application/json"
         bottle.response.set_header("X-Worker-Pid", str(os.getpid()))
         try:
-            self.db.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
+            self.db.ping()
         except sqlite3.Error as error:
             log.error("health check failed: %s", error)
             bottle.response.status = 503
@@ -3413,9 +3588,7 @@ class Service:
         digest = hash_key(token)
         cached = self.key_cache.get(digest)
         if cached is None or cached[0] < self.clock():
-            row = self.db.conn.execute(
-                "SELECT id, company_id, key_hash, scopes, rate_limit, expires_at, revoked "
-                "FROM api_keys WHERE key_hash = ?", (digest,)).fetchone()
+            row = find_api_key(self.db.conn, digest)
             if row is None or not hmac.compare_digest(row["key_hash"], digest):
                 raise ApiError(401, INVALID_KEY)
             key = Key(row["id"], row["company_id"], frozenset(row["scopes"].split()),
@@ -3429,10 +3602,10 @@ class Service:
             raise ApiError(401, INVALID_KEY)
         return key
 
-    def revoke_key(self, key_id):
+    def revoke_key(self, company_id, key_id):
         """Revoke a key; through this process the revocation takes effect at once."""
         with self.db.write() as conn:
-            result = revoke_api_key(conn, key_id)
+            result = revoke_api_key(conn, company_id, key_id)
         self.key_cache.clear()
         return result
 
@@ -3500,49 +3673,27 @@ class Service:
         transaction as the changes and replayed to any retry of the same request. A claim whose
         process is gone (see claimer_alive) is taken over by the next retry."""
         fingerprint = request_fingerprint(found.method, environ.get("PATH_INFO", ""), raw)
-        slot = (company_id, idempotency_key)
-        claimer = process_identity()
+        expires = iso(int((time.time() + self.settings.idempotency_ttl) * 1000))
         with self.db.write() as conn:
-            stored = conn.execute(
-                "SELECT fingerprint, status, body, claimed_by FROM idempotency_keys "
-                "WHERE company_id = ? AND key = ? AND expires_at > ?",
-                (company_id, idempotency_key, now_iso())).fetchone()
-            if stored is not None and stored["claimed_by"] is None:
-                if stored["fingerprint"] != fingerprint:
-                    raise ApiError(409, "Idempotency-Key has already been used with a "
-                                        "different request.")
-                return stored["status"], bytes(stored["body"]), True
-            if stored is not None and claimer_alive(stored["claimed_by"]):
-                raise ApiError(409, "A request with this Idempotency-Key is still in progress.")
-            expires = iso(int((time.time() + self.settings.idempotency_ttl) * 1000))
-            conn.execute(
-                "INSERT INTO idempotency_keys (company_id, key, fingerprint, status, body, "
-                "expires_at, claimed_by) VALUES (?, ?, ?, 0, ?, ?, ?) "
-                "ON CONFLICT (company_id, key) DO UPDATE SET fingerprint = excluded.fingerprint, "
-                "status = 0, body = excluded.body, expires_at = excluded.expires_at, "
-                "claimed_by = excluded.claimed_by",
-                (*slot, fingerprint, b"", expires, claimer))
+            stored = claim_idempotency_key(conn, company_id, idempotency_key, fingerprint,
+                                           expires)
+        if stored is not None:
+            return *stored, True
         try:
             with self.db.write() as conn:
-                conn.execute("SAVEPOINT operation")
                 try:
-                    call = Call(conn, company_id, query, parse_json_body(raw), self.settings)
-                    status = found.status
-                    body = json_text(found.handler(call, **url_args)).encode()
-                    conn.execute("RELEASE operation")
+                    with savepoint(conn):
+                        call = Call(conn, company_id, query, parse_json_body(raw), self.settings)
+                        status = found.status
+                        body = json_text(found.handler(call, **url_args)).encode()
                 except ApiError as refusal:
-                    conn.execute("ROLLBACK TO operation")
-                    conn.execute("RELEASE operation")
                     status, body = refusal.status, json_text(refusal.body()).encode()
-                conn.execute(
-                    "UPDATE idempotency_keys SET status = ?, body = ?, claimed_by = NULL "
-                    "WHERE company_id = ? AND key = ?", (status, body, *slot))
+                store_idempotent_response(conn, company_id, idempotency_key, status, body)
                 return status, body, False
         except BaseException:
             # Not done (a server error): let go of the key, so a retry runs the request.
             with self.db.write() as conn:
-                conn.execute("DELETE FROM idempotency_keys WHERE company_id = ? AND key = ? "
-                             "AND claimed_by = ?", (*slot, claimer))
+                release_idempotency_key(conn, company_id, idempotency_key)
             raise
 
 
@@ -3582,7 +3733,7 @@ def _internal_error_page(error):
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. OpenAPI
+# 10. OpenAPI
 # ---------------------------------------------------------------------------------------------
 # OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
 # and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
@@ -4231,7 +4382,7 @@ def openapi_document():
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. Web pages
+# 11. Web pages
 # ---------------------------------------------------------------------------------------------
 # The kit every HTML surface shares: the page registry, forms and their fields, CSRF, the
 # session cookie and the sign-in throttle, the security headers. A page is thin: it parses a
@@ -4640,22 +4791,15 @@ NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products
 @page("GET", "/dashboard/orders")
 def orders_page(visit):
     query = visit.filters()
-    filters, params = order_filters(query)
-    if query.get("search"):
-        clause, values = order_search(visit.conn, visit.company_id, query["search"])
-        filters.append(clause)
-        params += values
-    result = paginate(visit.conn, "orders", visit.company_id, query, filters, params,
-                      lambda conn, rows: rows)
-    customers = names_of(visit.conn, "customers", "email",
-                         [row["customer_id"] for row in result["data"]])
+    result = find_orders(visit.conn, visit.company_id, query, query.get("search"))
+    customers = customer_emails(visit.conn, visit.company_id,
+                                [row["customer_id"] for row in result["data"]])
     rows = [(link(f"/dashboard/orders/{row['id']}", row["id"]), row["created_at"][:16]
              .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
              status_tag(row["status"]), amount_text(money(row["total_cents"])))
             for row in result["data"]]
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
-    choices = [("", "Any customer")] + company_choices(visit.conn, "customers",
-                                                       visit.company_id, "email")
+    choices = [("", "Any customer")] + customer_choices(visit.conn, visit.company_id)
     return listing(visit, "Orders", "order", [
         visit.field("search", "Order ID or start of PO number", query.get("search", "")),
         visit.select("status", "Status", statuses, query.get("status", "")),
@@ -4672,10 +4816,10 @@ LINES_ON_NEW_ORDER = 5
 
 @page("GET", "/dashboard/orders/new")
 def new_order_page(visit):
-    customers = company_choices(visit.conn, "customers", visit.company_id, "email")
-    products = [("", "(none)")] + company_choices(
-        visit.conn, "products", visit.company_id,
-        "name || ' (' || COALESCE(sku, '-') || ', stock ' || stock || ')'", "is_active = 1")
+    customers = customer_choices(visit.conn, visit.company_id)
+    products = [("", "(none)")] + [
+        (product_id, f"{name} ({sku or '-'}, stock {stock})")
+        for product_id, name, sku, stock in product_choices(visit.conn, visit.company_id)]
     lines = join(render('<div class="grid">{product}{quantity}</div>',
                         product=visit.select(f"productId{n}", f"Product {n + 1}", products),
                         quantity=visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "",
@@ -4941,8 +5085,7 @@ RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Ma
 
 @page("GET", "/dashboard/returns")
 def returns_page(visit):
-    result = paginate(visit.conn, "returns", visit.company_id, visit.filters(),
-                      serialize=lambda conn, rows: rows)
+    result = find_returns(visit.conn, visit.company_id, visit.filters())
     rows = []
     for row in result["data"]:
         action = f"/dashboard/returns/{row['id']}"
@@ -5050,8 +5193,7 @@ def toggle_webhook_action(visit, webhook_id):
 @page("POST", "/dashboard/webhooks/<webhook_id>/rotate", refused=webhooks_page)
 def rotate_webhook_action(visit, webhook_id):
     with visit.write() as conn:
-        load_webhook(conn, visit.company_id, webhook_id)
-        rotated = rotate_webhook_secret(conn, webhook_id)
+        rotated = rotate_webhook_secret(conn, visit.company_id, webhook_id)
     visit.notice = render("New signing secret, shown this once: <code>{s}</code>. Until {g} "
                           "deliveries also carry X-Webhook-Signature-Old.",
                           s=rotated["secret"], g=rotated["secretRotationGraceExpiresAt"])
@@ -5094,8 +5236,7 @@ def create_key_action(visit):
 
 @page("POST", "/dashboard/keys/<key_id>/revoke", refused=keys_page)
 def revoke_key_action(visit, key_id):
-    load_row(visit.conn, "api_keys", "API key", visit.company_id, key_id)
-    visit.service.revoke_key(key_id)
+    visit.service.revoke_key(visit.company_id, key_id)
     return redirect("/dashboard/keys")
 
 
@@ -5117,7 +5258,7 @@ def install_dashboard(app):
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. App
+# 12. App
 # ---------------------------------------------------------------------------------------------
 
 def create_app(db_path=None, settings=None, deliver=True, **overrides):
@@ -5166,7 +5307,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# 14. Server
+# 13. Server
 # ---------------------------------------------------------------------------------------------
 
 class OverloadLog:
@@ -5401,7 +5542,7 @@ def _wait_status(status):
 
 
 # ---------------------------------------------------------------------------------------------
-# 15. Commands
+# 14. Commands
 # ---------------------------------------------------------------------------------------------
 
 def _active_flag(text):
@@ -5492,7 +5633,7 @@ def cmd_key_create(conn, args):
 
 
 def cmd_key_revoke(conn, args):
-    return revoke_api_key(conn, args.key_id)
+    return revoke_api_key(conn, company_of(conn, "API key", args.key_id), args.key_id)
 
 
 def cmd_product_create(conn, args):
@@ -5502,7 +5643,7 @@ def cmd_product_create(conn, args):
 
 
 def cmd_product_update(conn, args):
-    company_id = _company_of(conn, "products", "Product", args.id)
+    company_id = company_of(conn, "Product", args.id)
     fields = _product_fields(args)
     if args.active is not None:
         fields["is_active"] = args.active
@@ -5525,29 +5666,21 @@ def cmd_storefront_order(conn, args):
                                   args.notes)
 
 
-def _company_of(conn, table, resource, row_id):
-    """The company a record belongs to: operator commands name records by ID alone."""
-    row = conn.execute(f"SELECT company_id FROM {table} WHERE id = ?", (row_id,)).fetchone()
-    if row is None:
-        raise not_found(resource)
-    return row["company_id"]
-
-
 def cmd_return_open(conn, args):
-    return return_json(open_return(conn, _company_of(conn, "orders", "Order", args.order), args.order,
+    return return_json(open_return(conn, company_of(conn, "Order", args.order), args.order,
                                    args.reason, args.item_count, "staff" if args.staff else None))
 
 
 def cmd_return_approve(conn, args):
-    return return_json(approve_return(conn, _company_of(conn, "returns", "Return", args.id), args.id))
+    return return_json(approve_return(conn, company_of(conn, "Return", args.id), args.id))
 
 
 def cmd_return_receive(conn, args):
-    return return_json(receive_return(conn, _company_of(conn, "returns", "Return", args.id), args.id))
+    return return_json(receive_return(conn, company_of(conn, "Return", args.id), args.id))
 
 
 def cmd_return_refund(conn, args):
-    return refund_return(conn, _company_of(conn, "returns", "Return", args.id), args.id, args.method,
+    return refund_return(conn, company_of(conn, "Return", args.id), args.id, args.method,
                          args.good_units, args.damaged_units, args.subtotal, args.amount)
 
 
@@ -5558,7 +5691,8 @@ def cmd_invoice_paid(conn, args):
 
 
 def cmd_webhook_rotate_secret(conn, args):
-    return rotate_webhook_secret(conn, args.id, args.grace_hours)
+    return rotate_webhook_secret(conn, company_of(conn, "Webhook", args.id), args.id,
+                                 args.grace_hours)
 
 
 def read_password(stream):
@@ -5571,80 +5705,37 @@ def cmd_staff_create(conn, args):
 
 
 def cmd_staff_disable(conn, args):
-    return disable_staff(conn, args.id)
+    return disable_staff(conn, company_of(conn, "Staff account", args.id), args.id)
 
 
 def cmd_deliveries(conn, args):
-    _company_of(conn, "webhooks", "Webhook", args.id)
+    company_of(conn, "Webhook", args.id)
     return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
 
 
-DEMO_SLUG = "demo-wholesale"
-DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
-DEMO_CATALOG = (
-    # name, sku, category, unit, price (cents), stock, low-stock threshold, active
-    ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
-    ("Basmati Rice 10kg", "GR-BASM-10", "Grains", "bag", 2390, 80, 15, True),
-    ("Bread Flour 16kg", "GR-FLOUR-16", "Grains", "bag", 1875, 60, 10, True),
-    ("Extra Virgin Olive Oil 5l", "PA-OIL-5", "Pantry", "tin", 3899, 45, 10, True),
-    ("Sea Salt 1kg", "PA-SALT-1", "Pantry", "each", 320, 200, 30, True),
-    ("Canned Tomatoes 2.5kg", "PA-TOM-25", "Pantry", "case", 2160, 3, 5, True),
-    ("Black Tea 500g", "BV-TEA-500", "Beverages", "each", 1150, 90, 10, True),
-    ("Espresso Beans 1kg", "BV-ESP-1", "Beverages", "each", 2475, 70, 10, True),
-    ("Sparkling Water 24x330ml", "BV-WAT-24", "Beverages", "case", 1399, 150, 20, True),
-    ("Paper Napkins 1000", "SU-NAP-1000", "Supplies", "case", 2799, 40, 5, True),
-    ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
-    ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
-)
-
-
 def demo(settings):
-    """A demo company with a small catalog, two customers and a staff account (made once),
-    and on every run a new key with all seven scopes and a new staff password."""
+    """Prepare the demo (see prepare_demo) and say how to try it."""
     db = Database(settings.db_path, settings)
     with db.write() as conn:
-        company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
-        if company is None:
-            company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
-            for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG:
-                create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
-                               price_cents=price, stock=stock, low_stock_threshold=threshold,
-                               is_active=active)
-            for email, name in (("orders@corner-cafe.example", "Corner Cafe"),
-                                ("buyer@harbour-bistro.example", "Harbour Bistro")):
-                create_customer(conn, company_id, {"email": email, "name": name})
-        else:
-            company_id = company["id"]
-        key = create_api_key(conn, company_id, list(SCOPES))
-        password = secrets.token_urlsafe(12)
-        staff = conn.execute("SELECT id FROM staff WHERE company_id = ? AND email_key = ?",
-                             (company_id, DEMO_STAFF_EMAIL)).fetchone()
-        if staff is None:
-            create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
-        else:
-            set_staff_password(conn, staff["id"], password)
-        customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
-                                "LIMIT 1", (company_id,)).fetchone()
-        product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
-                               "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
+        made = prepare_demo(conn)
     base = f"http://{settings.host}:{settings.port}/api/v1"
     start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
                                     else f" --db {shlex.quote(settings.db_path)}")
-    header = f'-H "Authorization: Bearer {key["key"]}"'
-    order = json_text({"customerId": customer["id"],
-                       "items": [{"productId": product["id"], "quantity": 2}]})
+    header = f'-H "Authorization: Bearer {made["key"]}"'
+    order = json_text({"customerId": made["customerId"],
+                       "items": [{"productId": made["productId"], "quantity": 2}]})
     return "\n".join([
-        f"Demo company Demo Wholesale ({company_id}) in {describe_db(settings)}: "
+        f"Demo company Demo Wholesale ({made['companyId']}) in {describe_db(settings)}: "
         f"{len(DEMO_CATALOG)} products, 2 customers.",
         "API key with all seven scopes (shown once):",
-        key["key"],
+        made["key"],
         f"Start the server ({start}), then try:",
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
         f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
         f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
-        password,
+        made["password"],
     ])
 
 

@@ -463,7 +463,7 @@ def test_expired_key_is_invalid(api, tenant):
 def test_revoked_key_is_invalid_at_once_in_this_process(app, api, tenant):
     key = tenant.new_key(ALL_SCOPES)
     api.get("/api/v1/products", headers=auth(key), status=200)
-    assert app.service.revoke_key(key["id"]) == {"id": key["id"], "revoked": True}
+    assert app.service.revoke_key(tenant.id, key["id"]) == {"id": key["id"], "revoked": True}
     assert api.get("/api/v1/products", headers=auth(key), status=401).json == {"error": INVALID}
 
 
@@ -475,7 +475,7 @@ def test_a_key_revoked_by_another_process_is_refused_once_the_cache_lapses(db_pa
         api.get("/api/v1/products", headers=tenant.headers, status=200)
         other_process = ordering.Database(str(db_path))
         with other_process.write() as conn:
-            ordering.revoke_api_key(conn, tenant.key["id"])
+            ordering.revoke_api_key(conn, tenant.id, tenant.key["id"])
         other_process.close()
         assert_error(api.get("/api/v1/products", headers=tenant.headers, status=401), 401,
                      INVALID)
@@ -2321,7 +2321,7 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
     customer = tenant.customer(email="buyer@example.com", name="Corner Cafe")
     revoked = tenant.new_key(ALL_SCOPES)
     with tenant.db.write() as conn:
-        ordering.revoke_api_key(conn, revoked["id"])
+        ordering.revoke_api_key(conn, tenant.id, revoked["id"])
         staff = ordering.create_staff(conn, tenant.id, "staff@acme.example",
                                       "a long staff password")
         # Session keys are random hashes, so their rows seldom lie in key order.
@@ -4159,7 +4159,7 @@ def test_secret_rotation_signs_with_new_and_old_secret(api, tenant, receiver, da
     old = hook["secret"]
     before = int(time.time() * 1000)
     with tenant.db.write() as conn:
-        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=1)
+        rotated = ordering.rotate_webhook_secret(conn, tenant.id, hook["id"], grace_hours=1)
     after = int(time.time() * 1000)
     new = rotated["secret"]
     assert SECRET_FORMAT.match(new) and new != old
@@ -4185,7 +4185,7 @@ def test_secret_rotation_signs_with_new_and_old_secret(api, tenant, receiver, da
 def test_secret_rotation_without_grace_drops_old_signature(api, tenant, receiver, database):
     hook = subscribe(api, tenant, receiver.url, ["customer.created"])
     with tenant.db.write() as conn:
-        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=0)
+        rotated = ordering.rotate_webhook_secret(conn, tenant.id, hook["id"], grace_hours=0)
     assert rotated["secretRotationGraceExpiresAt"] is None
     api.post_json("/api/v1/customers", {"email": "nograce@example.com"},
                   headers=tenant.headers, status=201)
@@ -4199,7 +4199,7 @@ def test_secret_rotation_without_grace_drops_old_signature(api, tenant, receiver
 def test_after_the_grace_window_only_the_new_secret_signs(api, tenant, receiver, database):
     hook = subscribe(api, tenant, receiver.url, ["customer.created"])
     with tenant.db.write() as conn:
-        rotated = ordering.rotate_webhook_secret(conn, hook["id"], grace_hours=1)
+        rotated = ordering.rotate_webhook_secret(conn, tenant.id, hook["id"], grace_hours=1)
         # The window has ended: the old secret is still stored, its expiry is past.
         conn.execute("UPDATE webhooks SET grace_expires_at = ? WHERE id = ?",
                      (ordering.iso(int(time.time() * 1000) - 1), hook["id"]))
@@ -6235,7 +6235,7 @@ def test_key_revocation_reaches_another_process_within_the_key_cache_time(store)
         second.service.clock = lambda: now[0]
         other = webtest.TestApp(second)
         other.get("/api/v1/products", headers=auth(key), status=200)
-        first.service.revoke_key(key["id"])
+        first.service.revoke_key(company, key["id"])
         now[0] += first.service.settings.key_cache_seconds - 0.01
         other.get("/api/v1/products", headers=auth(key), status=200)  # still trusted, as said
         now[0] += 0.02
