@@ -128,7 +128,7 @@ class Settings:
     delivery_workers: int = 4
     #: Webhook delivery: seconds between looks at the outbox for work from other processes.
     delivery_poll_interval: float = 1.0
-    #: Days events and delivery-log entries are kept (each webhook keeps its 5 most recent
+    #: Days events and delivery-log entries are kept (each webhook keeps its most recent
     #: deliveries whatever their age; undelivered work is never removed); 0 keeps everything.
     retention_days: float = 30.0
     #: Allow webhook URLs that resolve to loopback, private or reserved addresses.
@@ -1332,7 +1332,7 @@ dl.facts dd { margin: 0; }
 
 class ApiError(Exception):
     """Every refusal the API makes: an HTTP status and the spec's message, character for
-    character. details (field and rule) is added for the generic 'Validation failed.'."""
+    character. details (field and rule) is added for the generic VALIDATION_FAILED."""
 
     def __init__(self, status, message, details=None, extra=None, headers=None):
         super().__init__(message)
@@ -1358,31 +1358,91 @@ def invalid(field, rule):
 
 
 def not_found(resource):
-    return ApiError(404, f"{resource} not found.")
+    return ApiError(404, NOT_FOUND.format(resource=resource))
 
 
 # The spec's messages, enumerations and limits ------------------------------------------------
 
+# Each message appears here once, character for character as the spec gives it, and is used
+# by the validators, the OpenAPI document and the pages alike. {Placeholders} are filled in
+# where the message is raised; the OpenAPI document shows them as they are.
+
+INVALID_JSON = "Invalid JSON body."
+INVALID_CONTENT_LENGTH = "Invalid Content-Length header."
+BODY_TOO_LARGE = "Request body too large."
+UNKNOWN_PATH = "Not found."
+METHOD_NOT_ALLOWED = "Method not allowed."
+NOT_FOUND = "{resource} not found."
 RATE_LIMITED = "Rate limit exceeded. Try again shortly."
 MISSING_AUTH = "Missing or invalid Authorization header. Use: Bearer <api_key>"
 INVALID_KEY = "Invalid, expired, or revoked API key."
+MISSING_SCOPE = 'Insufficient permissions. This key lacks the "{scope}" scope.'
+IDEMPOTENCY_KEY_REUSED = "Idempotency-Key has already been used with a different request."
+IDEMPOTENCY_KEY_IN_PROGRESS = "A request with this Idempotency-Key is still in progress."
+CUSTOMER_ID_REQUIRED = "customerId is required"
+ITEMS_REQUIRED = "At least one item is required"
+PRODUCT_ID_REQUIRED = "productId is required"
+QUANTITY_NOT_A_NUMBER = "quantity must be a number"
+QUANTITY_NOT_WHOLE = "quantity must be a whole number"
+QUANTITY_TOO_SMALL = "quantity must be at least 1"
+PRODUCT_UNAVAILABLE = 'Product "{id}" not found or is inactive.'
+INSUFFICIENT_STOCK = 'Insufficient stock for product "{name}". Available: {N}, requested: {M}.'
+INVALID_ORDER_STATUS = "Invalid order status."
+TRACKING_ONLY_WHEN_SHIPPED = "Tracking info is only valid when status is SHIPPED."
+TRACKING_URL_REQUIRED = "Tracking URL is required when carrier is OTHER."
+ORDER_CANCELLED = "Cannot update a cancelled order."
+EMAIL_REQUIRED = "Email is required."
+INVALID_EMAIL = "Invalid email address."
+CUSTOMER_EXISTS = "A customer with this email already exists."
+INVALID_STATUS = "Invalid status."
+URL_REQUIRED = "URL is required."
+INVALID_URL = "Invalid URL."
+EVENTS_REQUIRED = "At least one event is required."
+UNKNOWN_EVENT = 'Unknown event: "{name}".'
 
-
-CREDIT_LIMIT_MESSAGE = "Credit limit must be between 0 and 100000000."
-TAX_RATE_MESSAGE = "Tax rate override must be between 0 and 0.3."
 SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
           "webhooks:read", "webhooks:write")
 ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
 CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
-CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
+#: Every status a customer is stored with; PENDING (awaiting approval) is never set through
+#: the API, which sets the others.
+CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED", "PENDING")
+SETTABLE_CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
+REFUND_METHODS = ("CREDIT", "MANUAL")
 
+#: Page sizes of the list endpoints: the default, and the most a page holds.
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 100
 MAX_ORDER_LINES = 100
 MAX_QUANTITY = 1_000_000_000
 MAX_PO_NUMBER = 100
 MAX_ORDER_NOTES = 2000
+MAX_CUSTOMER_NAME = 200
+MAX_CUSTOMER_NOTES = 2000
+MAX_EMAIL = 254
+#: A customer's credit limit, in currency units, and its tax rate override.
+MAX_CREDIT_LIMIT = 100_000_000
+MAX_TAX_RATE = 0.3
+#: A tracking number's length after trimming, and a return reason's.
+TRACKING_NUMBER_LENGTH = (3, 64)
+RETURN_REASON_LENGTH = (3, 2000)
+MAX_URL = 2048
 MAX_WEBHOOKS = 10
+MAX_IDEMPOTENCY_KEY = 255
+#: Hours the old secret of a rotated webhook still signs, unless told otherwise.
+WEBHOOK_SECRET_GRACE_HOURS = 24
+#: Requests per minute of a new API key, unless told otherwise.
+DEFAULT_KEY_RATE_LIMIT = 60
+#: Delivery attempts shown per webhook (and kept, however old: see retention).
+DELIVERIES_SHOWN = 5
 MAX_CENTS = 2 ** 63 - 1
 MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
+
+CREDIT_LIMIT_MESSAGE = f"Credit limit must be between 0 and {MAX_CREDIT_LIMIT}."
+TAX_RATE_MESSAGE = f"Tax rate override must be between 0 and {MAX_TAX_RATE}."
+TOO_MANY_WEBHOOKS = f"Maximum of {MAX_WEBHOOKS} webhooks per company."
+IDEMPOTENCY_KEY_INVALID = (f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
+                           "characters.")
 
 
 # Validators ----------------------------------------------------------------------------------
@@ -1436,7 +1496,7 @@ _EMAIL = re.compile(r"[^@\s\x00-\x1f\x7f\"(),:;<>\[\]\\]+@[^@\s\x00-\x1f\x7f\"()
 
 
 def valid_email(email):
-    if len(email) > 254 or not _EMAIL.fullmatch(email):
+    if len(email) > MAX_EMAIL or not _EMAIL.fullmatch(email):
         return False
     local, domain = email.rsplit("@", 1)
     labels = domain.split(".")
@@ -1481,7 +1541,7 @@ _HTTP_URL = re.compile(HTTP_URL_PATTERN)
 
 
 def valid_http_url(url):
-    return isinstance(url, str) and len(url) <= 2048 and _HTTP_URL.fullmatch(url) is not None
+    return isinstance(url, str) and len(url) <= MAX_URL and _HTTP_URL.fullmatch(url) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1817,18 +1877,18 @@ def _customer_changes(body):
     """The validated fields of a create or update body that it actually sends."""
     changes = {}
     if "name" in body:
-        changes["name"] = optional_text(body, "name", 200, min_length=1, strip=True)
+        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
     if "notes" in body:
-        changes["notes"] = optional_text(body, "notes", 2000)
+        changes["notes"] = optional_text(body, "notes", MAX_CUSTOMER_NOTES)
     if "creditLimit" in body:
-        changes["credit_limit_cents"] = optional_money(body, "creditLimit", 0, 100_000_000,
+        changes["credit_limit_cents"] = optional_money(body, "creditLimit", 0, MAX_CREDIT_LIMIT,
                                                        CREDIT_LIMIT_MESSAGE)
     if "taxRateOverride" in body:
-        changes["tax_rate_override"] = optional_bounded_number(body, "taxRateOverride", 0, 0.3,
+        changes["tax_rate_override"] = optional_bounded_number(body, "taxRateOverride", 0, MAX_TAX_RATE,
                                                                TAX_RATE_MESSAGE)
     if "status" in body:
-        if body["status"] not in CUSTOMER_STATUSES:
-            raise ApiError(400, "Invalid status.")
+        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
+            raise ApiError(400, INVALID_STATUS)
         changes["status"] = body["status"]
     return changes
 
@@ -1840,14 +1900,14 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
         raise invalid("email", "must be a string")
     email = (email or "").strip()
     if not email:
-        raise ApiError(400, "Email is required.")
+        raise ApiError(400, EMAIL_REQUIRED)
     if not valid_email(email):
-        raise ApiError(400, "Invalid email address.")
+        raise ApiError(400, INVALID_EMAIL)
     fields = _customer_changes(body)
     email_key = email.casefold()
     if conn.execute("SELECT 1 FROM customers WHERE company_id = ? AND email_key = ?",
                     (company_id, email_key)).fetchone():
-        raise ApiError(409, "A customer with this email already exists.")
+        raise ApiError(409, CUSTOMER_EXISTS)
     customer_id, at = new_id_at("cus")
     row = {"id": customer_id, "company_id": company_id, "email": email, "email_key": email_key,
            "status": "ACTIVE", "created_at": at, "updated_at": at,
@@ -1939,14 +1999,14 @@ def parse_order_request(body):
     require_object(body)
     customer_id = body.get("customerId")
     if customer_id is None or customer_id == "":
-        raise ApiError(400, "customerId is required")
+        raise ApiError(400, CUSTOMER_ID_REQUIRED)
     if not isinstance(customer_id, str):
         raise invalid("customerId", "must be a string")
     items = body.get("items")
     if items is not None and not isinstance(items, list):
         raise invalid("items", "must be an array")
     if not items:
-        raise ApiError(400, "At least one item is required")
+        raise ApiError(400, ITEMS_REQUIRED)
     if len(items) > MAX_ORDER_LINES:
         raise invalid("items", f"at most {MAX_ORDER_LINES} items")
     lines = []
@@ -1954,18 +2014,18 @@ def parse_order_request(body):
         require_object(item, f"items[{index}]")
         product_id = item.get("productId")
         if product_id is None or product_id == "":
-            raise ApiError(400, "productId is required")
+            raise ApiError(400, PRODUCT_ID_REQUIRED)
         if not isinstance(product_id, str):
             raise invalid(f"items[{index}].productId", "must be a string")
         quantity = item.get("quantity")
         if not is_number(quantity):
-            raise ApiError(400, "quantity must be a number")
+            raise ApiError(400, QUANTITY_NOT_A_NUMBER)
         if isinstance(quantity, float) and not math.isinf(quantity):
             if not quantity.is_integer():
-                raise ApiError(400, "quantity must be a whole number")
+                raise ApiError(400, QUANTITY_NOT_WHOLE)
             quantity = int(quantity)
         if quantity < 1:
-            raise ApiError(400, "quantity must be at least 1")
+            raise ApiError(400, QUANTITY_TOO_SMALL)
         if quantity > MAX_QUANTITY:
             raise invalid(f"items[{index}].quantity", f"must be at most {MAX_QUANTITY}")
         lines.append((product_id, quantity))
@@ -1992,12 +2052,12 @@ def place_order(conn, company_id, body, source="api"):
         if row["company_id"] == company_id and row["is_active"]}
     for product_id in ids:
         if product_id not in products:
-            raise ApiError(400, f'Product "{product_id}" not found or is inactive.')
+            raise ApiError(400, PRODUCT_UNAVAILABLE.format(id=product_id))
     for product_id, quantity in wanted.items():
         product = products[product_id]
         if product["stock"] < quantity:
-            raise ApiError(400, f'Insufficient stock for product "{product["name"]}". '
-                                f'Available: {max(product["stock"], 0)}, requested: {quantity}.')
+            raise ApiError(400, INSUFFICIENT_STOCK.format(
+                name=product["name"], N=max(product["stock"], 0), M=quantity))
     total = sum(products[product_id]["price_cents"] * quantity for product_id, quantity in lines)
     if total > MAX_CENTS:
         raise invalid("items", "order total is too large")
@@ -2048,27 +2108,28 @@ def parse_status_update(body, templates):
     require_object(body)
     status = body.get("status")
     if status not in ORDER_STATUSES:
-        raise ApiError(400, "Invalid order status.")
+        raise ApiError(400, INVALID_ORDER_STATUS)
     tracking = body.get("tracking")
     if tracking is None:
         return status, None
     if status != "SHIPPED":
-        raise ApiError(400, "Tracking info is only valid when status is SHIPPED.")
+        raise ApiError(400, TRACKING_ONLY_WHEN_SHIPPED)
     require_object(tracking, "tracking")
     carrier = tracking.get("carrier")
     if carrier not in CARRIERS:
         raise invalid("tracking.carrier", f"must be one of {', '.join(CARRIERS)}")
     number = tracking.get("number")
-    if not isinstance(number, str) or not 3 <= len(number.strip()) <= 64:
-        raise invalid("tracking.number", "must be 3 to 64 characters")
+    shortest, longest = TRACKING_NUMBER_LENGTH
+    if not isinstance(number, str) or not shortest <= len(number.strip()) <= longest:
+        raise invalid("tracking.number", f"must be {shortest} to {longest} characters")
     number = number.strip()
     url = tracking.get("url")
     if url is None or url == "":
         if carrier == "OTHER":
-            raise ApiError(400, "Tracking URL is required when carrier is OTHER.")
+            raise ApiError(400, TRACKING_URL_REQUIRED)
         url = templates[carrier].format(number=urllib.parse.quote(number, safe=""))
     elif not valid_http_url(url):
-        raise invalid("tracking.url", "must be an http or https URL of at most 2048 characters")
+        raise invalid("tracking.url", f"must be an http or https URL of at most {MAX_URL} characters")
     return status, {"carrier": carrier, "number": number, "url": url}
 
 
@@ -2077,7 +2138,7 @@ def update_order_status(conn, company_id, order_id, status, tracking=None):
     stays through later transitions. Cancelling touches neither stock nor returns."""
     before = load_order(conn, company_id, order_id)
     if before["status"] == "CANCELLED":
-        raise ApiError(422, "Cannot update a cancelled order.")
+        raise ApiError(422, ORDER_CANCELLED)
     at = now_iso()
     if tracking:
         conn.execute(
@@ -2108,7 +2169,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
     current = load_order(conn, company_id, order_id)["status"]
     if current == "CANCELLED" or not dashboard_allows(current, status):
         if current == "CANCELLED":
-            raise ApiError(422, "Cannot update a cancelled order.")
+            raise ApiError(422, ORDER_CANCELLED)
         raise ApiError(422, f"The dashboard does not move an order from {current} to {status}.")
     return update_order_status(conn, company_id, order_id, status, tracking)
 
@@ -2123,8 +2184,9 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None)
     """A return opened by a customer (actor None) or from the dashboard (actor 'staff')."""
     order = load_order(conn, company_id, order_id)
     reason = (reason or "").strip()
-    if not 3 <= len(reason) <= 2000:
-        raise invalid("reason", "must be 3 to 2000 characters")
+    shortest, longest = RETURN_REASON_LENGTH
+    if not shortest <= len(reason) <= longest:
+        raise invalid("reason", f"must be {shortest} to {longest} characters")
     if actor not in (None, "staff"):
         raise invalid("actor", "must be staff or absent")
     lines = conn.execute("SELECT COUNT(*) FROM order_items WHERE order_id = ?",
@@ -2171,8 +2233,8 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
                   subtotal_cents, amount_cents=None):
     """The refund row that moves a return RECEIVED to REFUNDED; amount defaults to the
     subtotal and may be overridden."""
-    if method not in ("CREDIT", "MANUAL"):
-        raise invalid("method", "must be CREDIT or MANUAL")
+    if method not in REFUND_METHODS:
+        raise invalid("method", f"must be {' or '.join(REFUND_METHODS)}")
     for field, value in (("goodUnits", good_units), ("damagedUnits", damaged_units),
                          ("subtotal", subtotal_cents)):
         if not isinstance(value, int) or value < 0:
@@ -2255,21 +2317,21 @@ def _webhook_changes(body, creating):
     if creating or "url" in body:
         url = body.get("url")
         if creating and (url is None or url == ""):
-            raise ApiError(400, "URL is required.")
+            raise ApiError(400, URL_REQUIRED)
         if not valid_http_url(url):
-            raise ApiError(400, "Invalid URL.")
+            raise ApiError(400, INVALID_URL)
         changes["url"] = url
     if creating or "events" in body:
         events = body.get("events")
         if events is not None and not isinstance(events, list):
             raise invalid("events", "must be an array of event names")
         if not events:
-            raise ApiError(400, "At least one event is required.")
+            raise ApiError(400, EVENTS_REQUIRED)
         for name in events:
             if not isinstance(name, str):
                 raise invalid("events", "must be an array of event names")
             if name not in EVENT_CATALOG:
-                raise ApiError(400, f'Unknown event: "{name}".')
+                raise ApiError(400, UNKNOWN_EVENT.format(name=name))
         changes["events"] = json_text(list(dict.fromkeys(events)))
     if "isActive" in body:
         if not isinstance(body["isActive"], bool):
@@ -2283,7 +2345,7 @@ def create_webhook(conn, company_id, body):
     count = conn.execute("SELECT COUNT(*) FROM webhooks WHERE company_id = ?",
                          (company_id,)).fetchone()[0]
     if count >= MAX_WEBHOOKS:
-        raise ApiError(409, f"Maximum of {MAX_WEBHOOKS} webhooks per company.")
+        raise ApiError(409, TOO_MANY_WEBHOOKS)
     webhook_id, at = new_id_at("wh")
     conn.execute(
         "INSERT INTO webhooks (id, company_id, url, events, is_active, secret, created_at, "
@@ -2312,7 +2374,7 @@ def delete_webhook(conn, company_id, webhook_id):
     return {"id": webhook_id, "deleted": True}
 
 
-def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=24):
+def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=WEBHOOK_SECRET_GRACE_HOURS):
     """A new secret; for grace_hours the old one still signs X-Webhook-Signature-Old."""
     row = load_webhook(conn, company_id, webhook_id)
     if not isinstance(grace_hours, (int, float)) or not 0 <= grace_hours <= 24 * 30:
@@ -2325,7 +2387,7 @@ def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=24):
     return {"id": webhook_id, "secret": secret, "secretRotationGraceExpiresAt": grace}
 
 
-def recent_deliveries(conn, webhook_id, count=5):
+def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
     """The delivery log as the dashboard shows it: the most recent attempts first."""
     return [delivery_json(row) for row in conn.execute(
         "SELECT d.*, e.name AS event, e.body FROM deliveries d JOIN events e ON e.id = d.event_id "
@@ -2340,7 +2402,7 @@ def key_expired(expires_at, now):
     return bool(expires_at) and expires_at <= now
 
 
-def create_api_key(conn, company_id, scopes, rate_limit=60, expires_at=None):
+def create_api_key(conn, company_id, scopes, rate_limit=DEFAULT_KEY_RATE_LIMIT, expires_at=None):
     """A new key; the returned "key" is shown this once and only its hash is kept."""
     load_company(conn, company_id)
     unknown = [scope for scope in scopes if scope not in SCOPES]
@@ -2381,11 +2443,10 @@ def claim_idempotency_key(conn, company_id, key, fingerprint, expires_at):
         (company_id, key, now_iso())).fetchone()
     if stored is not None and stored["claimed_by"] is None:
         if stored["fingerprint"] != fingerprint:
-            raise ApiError(409, "Idempotency-Key has already been used with a "
-                                "different request.")
+            raise ApiError(409, IDEMPOTENCY_KEY_REUSED)
         return stored["status"], bytes(stored["body"])
     if stored is not None and claimer_alive(stored["claimed_by"]):
-        raise ApiError(409, "A request with this Idempotency-Key is still in progress.")
+        raise ApiError(409, IDEMPOTENCY_KEY_IN_PROGRESS)
     conn.execute(
         "INSERT INTO idempotency_keys (company_id, key, fingerprint, status, body, "
         "expires_at, claimed_by) VALUES (?, ?, ?, 0, ?, ?, ?) "
@@ -2458,7 +2519,7 @@ def create_staff(conn, company_id, email, password):
     load_company(conn, company_id)
     email = (email or "").strip()
     if not valid_email(email):
-        raise ApiError(400, "Invalid email address.")
+        raise ApiError(400, INVALID_EMAIL)
     if len(password) < STAFF_PASSWORD_MIN:
         raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
     if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
@@ -2568,7 +2629,7 @@ def end_session(conn, token_hash):
 def page_limit(text):
     """limit as the spec reads it: parseInt, default 50 when not a number, clamped to 1..100."""
     number = js_parse_int(text)
-    return 50 if number is None else min(100, max(1, number))
+    return DEFAULT_PAGE_SIZE if number is None else min(MAX_PAGE_SIZE, max(1, number))
 
 
 def paginate(conn, table, company_id, query, filters=(), params=()):
@@ -2632,8 +2693,8 @@ def find_customers(conn, company_id, query):
     filters, params = [], []
     status = query.get("status")
     if status:
-        if status not in ("ACTIVE", "BLOCKED", "PENDING"):
-            raise ApiError(400, "Invalid status.")
+        if status not in CUSTOMER_STATUSES:
+            raise ApiError(400, INVALID_STATUS)
         filters.append("status = ?")
         params.append(status)
     if query.get("search"):
@@ -2665,7 +2726,7 @@ def order_filters(query):
     status = query.get("status")
     if status:
         if status not in ORDER_STATUSES:
-            raise ApiError(400, "Invalid order status.")
+            raise ApiError(400, INVALID_ORDER_STATUS)
         filters.append("status = ?")
         params.append(status)
     if query.get("customerId"):
@@ -3122,9 +3183,6 @@ class Outbox:
 # One attempt per delivery, as the spec says: the outbox's claims make sure an attempt is
 # never forgotten, and receivers dedupe a repeat on X-Webhook-Id.
 
-#: Delivery-log entries each webhook keeps whatever their age (what `deliveries` shows).
-KEEP_DELIVERIES = 5
-
 USER_AGENT = f"ordering-webhooks/{__version__}"
 MAX_LOGGED_BODY = 2000
 
@@ -3260,7 +3318,7 @@ def describe_failure(error, timeout):
 
 def prune_history(conn, before, batch=PRUNE_BATCH):
     """One batch of retention: delivery-log entries attempted before `before` (ISO text) except
-    each webhook's KEEP_DELIVERIES most recent, then events created before it that no delivery
+    each webhook's DELIVERIES_SHOWN most recent, then events created before it that no delivery
     refers to any more (an event still pending or being sent keeps its row). Returns the
     number of rows deleted; 0 when nothing is left to prune."""
     deleted = 0
@@ -3268,7 +3326,7 @@ def prune_history(conn, before, batch=PRUNE_BATCH):
         kept = conn.execute(
             "SELECT attempted_at, id FROM deliveries WHERE webhook_id = ? AND state = 'done' "
             "ORDER BY attempted_at DESC, id DESC LIMIT 1 OFFSET ?",
-            (webhook_id, KEEP_DELIVERIES - 1)).fetchone()
+            (webhook_id, DELIVERIES_SHOWN - 1)).fetchone()
         if kept is None:
             continue
         deleted += conn.execute(
@@ -3406,10 +3464,10 @@ def parse_json_body(raw):
         value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
                            parse_int=_json_int, parse_float=JsonFloat)
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ApiError(400, "Invalid JSON body.") from None
+        raise ApiError(400, INVALID_JSON) from None
     # A \ud800-style escape decodes to a lone surrogate, which is not text: no UTF-8 form.
     if b"\\u" in raw and _has_lone_surrogate(value):
-        raise ApiError(400, "Invalid JSON body.")
+        raise ApiError(400, INVALID_JSON)
     return value
 
 
@@ -3630,8 +3688,7 @@ class Service:
             key = self.authenticate(environ)
             headers.update(self.check_key_rate(key))
             if found.scope not in key.scopes:
-                raise ApiError(403, f'Insufficient permissions. This key lacks the '
-                                    f'"{found.scope}" scope.')
+                raise ApiError(403, MISSING_SCOPE.format(scope=found.scope))
             text = environ.get("QUERY_STRING")
             # The first value of a repeated parameter wins, as URLSearchParams.get() has it.
             query = dict(urllib.parse.parse_qsl(text, keep_blank_values=True)[::-1]) if text else {}
@@ -3661,9 +3718,9 @@ class Service:
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
-            raise ApiError(400, "Invalid Content-Length header.") from None
+            raise ApiError(400, INVALID_CONTENT_LENGTH) from None
         if length > self.settings.max_body_bytes:
-            raise ApiError(413, "Request body too large.")
+            raise ApiError(413, BODY_TOO_LARGE)
         return environ["wsgi.input"].read(length) if length > 0 else b""
 
     def respond_once(self, found, url_args, company_id, idempotency_key, query, raw, environ):
@@ -3704,8 +3761,8 @@ def parse_idempotency_key(header):
     value = header.strip()
     if len(value) >= 2 and value[0] == value[-1] == '"':
         value = value[1:-1]
-    if not 1 <= len(value) <= 255 or not all(32 <= ord(ch) < 127 for ch in value):
-        raise ApiError(400, "Idempotency-Key must be 1 to 255 printable ASCII characters.")
+    if not 1 <= len(value) <= MAX_IDEMPOTENCY_KEY or not all(32 <= ord(ch) < 127 for ch in value):
+        raise ApiError(400, IDEMPOTENCY_KEY_INVALID)
     return value
 
 
@@ -3791,7 +3848,7 @@ def integer_schema(minimum=None, maximum=None):
 
 def money_schema(maximum=None, exact=False):
     """A JSON number of currency units (12.5 is 12.50). exact: a client's amount, which may not
-    have more than two decimal places (400 Validation failed.)."""
+    have more than two decimal places (400, VALIDATION_FAILED)."""
     schema = {"type": "number", "minimum": 0}
     if maximum is not None:
         schema["maximum"] = maximum
@@ -3805,14 +3862,17 @@ ID_SCHEMA = string_schema(1)
 TIMESTAMP_SCHEMA = {"type": "string", "format": "date-time",
                     "description": "ISO 8601 UTC with milliseconds: 2026-11-22T14:33:54.123Z"}
 #: A URL the service accepted: http or https, no credentials, no spaces, ASCII.
-URL_SCHEMA = string_schema(1, 2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
+URL_SCHEMA = string_schema(1, MAX_URL, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[!-~]+$")
 #: A URL a client sends: exactly what the service accepts.
 URL_INPUT_SCHEMA = string_schema(
-    1, 2048, pattern=HTTP_URL_PATTERN,
-    description="An http or https URL, at most 2048 characters, without credentials; the host "
+    1, MAX_URL, pattern=HTTP_URL_PATTERN,
+    description=f"An http or https URL, at most {MAX_URL} characters, without credentials; the host "
                 "a DNS name or an IPv6 address in brackets.")
-CUSTOMER_STATUS_VALUES = (*CUSTOMER_STATUSES, "PENDING")    # PENDING is stored, never set
-TAX_RATE = {"type": "number", "minimum": 0, "maximum": 0.3}
+TAX_RATE = {"type": "number", "minimum": 0, "maximum": MAX_TAX_RATE}
+CREDIT_LIMIT = money_schema(MAX_CREDIT_LIMIT)
+CUSTOMER_NAME = string_schema(1, MAX_CUSTOMER_NAME)
+CUSTOMER_NOTES = string_schema(0, MAX_CUSTOMER_NOTES)
+TRACKING_NUMBER = string_schema(*TRACKING_NUMBER_LENGTH)
 EVENT_NAMES = enum_schema(EVENT_CATALOG)
 
 _ORDER_FIELDS = {
@@ -3829,10 +3889,10 @@ _ORDER_FIELDS = {
 }
 _CUSTOMER_INPUT = {
     "name": nullable(string_schema(1, 200, pattern=r"\S", description="Trimmed.")),
-    "notes": nullable(string_schema(0, 2000)),
-    "creditLimit": nullable(money_schema(100_000_000, exact=True)),
+    "notes": nullable(CUSTOMER_NOTES),
+    "creditLimit": nullable(money_schema(MAX_CREDIT_LIMIT, exact=True)),
     "taxRateOverride": nullable(dict(TAX_RATE, description="null: the company's rate.")),
-    "status": enum_schema(CUSTOMER_STATUSES),
+    "status": enum_schema(SETTABLE_CUSTOMER_STATUSES),
 }
 _WEBHOOK_INPUT = {
     "url": URL_INPUT_SCHEMA,
@@ -3866,7 +3926,7 @@ COMPONENT_SCHEMAS = {
         "description": nullable(string_schema()),
         "category": nullable(string_schema()),
         "unit": string_schema(1, description="Free text such as each, case, lb, kg."),
-        "price": money_schema(10_000_000_000),
+        "price": money_schema(money(MAX_AMOUNT_CENTS)),
         "stock": integer_schema(0, MAX_QUANTITY),
         "imageUrl": nullable(URL_SCHEMA),
         "isActive": BOOLEAN,
@@ -3883,17 +3943,17 @@ COMPONENT_SCHEMAS = {
     }),
     "Tracking": object_schema({
         "carrier": enum_schema(CARRIERS),
-        "number": string_schema(3, 64),
+        "number": TRACKING_NUMBER,
         "url": nullable(string_schema()),
     }),
     "Order": object_schema(_ORDER_FIELDS),
     "Customer": object_schema({
         "id": ID_SCHEMA,
-        "email": string_schema(3, 254),
-        "name": nullable(string_schema(1, 200)),
-        "status": enum_schema(CUSTOMER_STATUS_VALUES),
-        "notes": nullable(string_schema(0, 2000)),
-        "creditLimit": nullable(money_schema(100_000_000)),
+        "email": string_schema(3, MAX_EMAIL),
+        "name": nullable(CUSTOMER_NAME),
+        "status": enum_schema(CUSTOMER_STATUSES),
+        "notes": nullable(CUSTOMER_NOTES),
+        "creditLimit": nullable(CREDIT_LIMIT),
         "taxRateOverride": nullable(TAX_RATE),
         "emailVerified": BOOLEAN,
         "createdAt": TIMESTAMP_SCHEMA,
@@ -3922,7 +3982,7 @@ COMPONENT_SCHEMAS = {
     }, optional=("poNumber", "notes"), closed=False),
     "TrackingInput": object_schema({
         "carrier": enum_schema(CARRIERS),
-        "number": string_schema(3, 64, pattern=r"\S[\s\S]+\S",
+        "number": string_schema(*TRACKING_NUMBER_LENGTH, pattern=r"\S[\s\S]+\S",
                                 description="Stripped; 3 to 64 characters without the "
                                             "surrounding whitespace."),
         "url": nullable(dict(URL_INPUT_SCHEMA, description=(
@@ -3939,7 +3999,7 @@ COMPONENT_SCHEMAS = {
         "if": {"required": ["tracking"], "properties": {"tracking": {"type": "object"}}},
         "then": {"properties": {"status": {"const": "SHIPPED"}}}}),
     "CustomerCreate": object_schema({
-        "email": string_schema(3, 254, format="email", description=(
+        "email": string_schema(3, MAX_EMAIL, format="email", description=(
             "Trimmed; unique within the company, ignoring case (409).")),
         **_CUSTOMER_INPUT,
     }, optional=tuple(_CUSTOMER_INPUT), closed=False),
@@ -3981,14 +4041,14 @@ EVENT_PAYLOADS = {
     "order.shipped": _order_summary(tracking=nullable(schema_ref("Tracking"))),
     "order.cancelled": _order_summary(),
     "customer.created": {"oneOf": [
-        object_schema({**_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
+        object_schema({**_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUSES),
                        "source": {"const": "api"}}),
         object_schema({**_CUSTOMER_NAMES, "storeSlug": string_schema(1),
                        "source": {"const": "storefront"}}),
     ]},
     "customer.updated": object_schema({
-        **_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUS_VALUES),
-        "previousStatus": enum_schema(CUSTOMER_STATUS_VALUES),
+        **_CUSTOMER_NAMES, "status": enum_schema(CUSTOMER_STATUSES),
+        "previousStatus": enum_schema(CUSTOMER_STATUSES),
     }, optional=("previousStatus",), description="previousStatus: when the status changed."),
     "product.updated": {"oneOf": [
         object_schema({**_PRODUCT_NAMES, "price": money_schema(), "stock": integer_schema(0),
@@ -4005,14 +4065,14 @@ EVENT_PAYLOADS = {
         "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
         "periodEnd": TIMESTAMP_SCHEMA}),
     "return.created": object_schema({
-        **_RETURN_NAMES, "itemCount": integer_schema(1), "reason": string_schema(3, 2000),
+        **_RETURN_NAMES, "itemCount": integer_schema(1), "reason": string_schema(*RETURN_REASON_LENGTH),
         "status": {"const": "REQUESTED"}, "actor": {"const": "staff"},
     }, optional=("actor",), description="actor: only when opened from the dashboard."),
     "return.approved": object_schema({**_RETURN_NAMES, "status": {"const": "APPROVED"}}),
     "refund.processed": object_schema({
         "id": ID_SCHEMA, "returnId": ID_SCHEMA, "orderId": ID_SCHEMA,
         "customerId": nullable(ID_SCHEMA), "amount": money_schema(),
-        "method": enum_schema(("CREDIT", "MANUAL")),
+        "method": enum_schema(REFUND_METHODS),
         "breakdown": object_schema({"goodUnits": integer_schema(0),
                                     "damagedUnits": integer_schema(0),
                                     "subtotal": money_schema()})}),
@@ -4060,15 +4120,24 @@ BODY_ERRORS = (400, 413)
 PAGE_QUERY = (
     # No minimum or maximum: the server clamps rather than refuses (101 is read as 100).
     # Any text is read (parseInt), so the parameter is an integer or any string.
-    query_param("limit", {"anyOf": [integer_schema(), string_schema()], "default": 50},
-                "Page size, clamped to 1 to 100 (0 or less is 1, more than 100 is 100). Read "
-                "like JavaScript's parseInt (10abc is 10); 50 when it is not a number."),
+    query_param("limit", {"anyOf": [integer_schema(), string_schema()],
+                          "default": DEFAULT_PAGE_SIZE},
+                f"Page size, clamped to 1 to {MAX_PAGE_SIZE} (0 or less is 1, more than "
+                f"{MAX_PAGE_SIZE} is {MAX_PAGE_SIZE}). Read like JavaScript's parseInt (10abc "
+                f"is 10); {DEFAULT_PAGE_SIZE} when it is not a number."),
     query_param("cursor", string_schema(),
                 "nextCursor of the previous page; one that matches no record gives an empty "
                 "last page."),
 )
 DATE_QUERY = string_schema(pattern=DATE_PATTERN)
-_VALIDATION = "Invalid JSON body. / Validation failed."
+
+
+def either(*messages):
+    """The messages one status may carry, as the OpenAPI document lists them."""
+    return " / ".join(messages)
+
+
+_VALIDATION = either(INVALID_JSON, VALIDATION_FAILED)
 
 OPERATIONS = {
     ("GET", "/api/v1/products"): api_operation(
@@ -4080,7 +4149,8 @@ OPERATIONS = {
             query_param("active", string_schema(),
                         "true or false: filter on isActive; another value is ignored."))),
     ("GET", "/api/v1/products/<product_id>"): api_operation(
-        single("Product"), AUTH_ERRORS + (404,), messages={404: "Product not found."}),
+        single("Product"), AUTH_ERRORS + (404,),
+        messages={404: NOT_FOUND.format(resource="Product")}),
     ("GET", "/api/v1/orders"): api_operation(
         list_of("Order"), AUTH_ERRORS + (400,), query=(
             *PAGE_QUERY,
@@ -4092,94 +4162,90 @@ OPERATIONS = {
                         "month, or an ISO 8601 date-time (UTC when it has no offset)."),
             query_param("until", DATE_QUERY, "createdAt <= until (inclusive), read as since.")),
         description="Newest first, each element the full Order (items and tracking included).",
-        messages={400: "Invalid order status. / Validation failed. (since, until)"}),
+        messages={400: either(INVALID_ORDER_STATUS, f"{VALIDATION_FAILED} (since, until)")}),
     ("GET", "/api/v1/orders/<order_id>"): api_operation(
-        single("Order"), AUTH_ERRORS + (404,), messages={404: "Order not found."}),
+        single("Order"), AUTH_ERRORS + (404,), messages={404: NOT_FOUND.format(resource="Order")}),
     ("POST", "/api/v1/orders"): api_operation(
         single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 409), body="OrderCreate",
         description="Checks the customer, then the products (active, of the company) and their "
                     "stock, and in the same transaction decrements the stock and stores the "
                     "order, SUBMITTED, at the catalog prices. Emits order.created.",
-        messages={400: f"{_VALIDATION} / customerId is required / At least one item is "
-                       "required / productId is required / quantity must be a number / "
-                       "quantity must be a whole number / quantity must be at least 1 / "
-                       "Product \"{id}\" not found or is inactive. / Insufficient stock for "
-                       "product \"{name}\". Available: {N}, requested: {M}.",
-                  404: "Customer not found."}),
+        messages={400: either(_VALIDATION, CUSTOMER_ID_REQUIRED, ITEMS_REQUIRED,
+                              PRODUCT_ID_REQUIRED, QUANTITY_NOT_A_NUMBER, QUANTITY_NOT_WHOLE,
+                              QUANTITY_TOO_SMALL, PRODUCT_UNAVAILABLE, INSUFFICIENT_STOCK),
+                  404: NOT_FOUND.format(resource="Customer")}),
     ("PATCH", "/api/v1/orders/<order_id>"): api_operation(
         single("Order"), AUTH_ERRORS + BODY_ERRORS + (404, 422), body="OrderUpdate",
         description="Any status may follow any other, except after CANCELLED. Emits "
                     "order.status_changed, and order.shipped or order.cancelled.",
-        messages={400: f"{_VALIDATION} / Invalid order status. / Tracking info is only valid "
-                       "when status is SHIPPED. / Tracking URL is required when carrier is "
-                       "OTHER.",
-                  404: "Order not found.", 422: "Cannot update a cancelled order."}),
+        messages={400: either(_VALIDATION, INVALID_ORDER_STATUS, TRACKING_ONLY_WHEN_SHIPPED,
+                              TRACKING_URL_REQUIRED),
+                  404: NOT_FOUND.format(resource="Order"), 422: ORDER_CANCELLED}),
     ("GET", "/api/v1/customers"): api_operation(
         list_of("Customer"), AUTH_ERRORS + (400,), description="Newest first.", query=(
             *PAGE_QUERY,
-            query_param("status", enum_schema((*CUSTOMER_STATUS_VALUES, "")),
+            query_param("status", enum_schema((*CUSTOMER_STATUSES, "")),
                         "Exact match; empty is no filter."),
             query_param("search", string_schema(),
                         "Substring of email or name, ignoring case (Unicode folding).")),
-        messages={400: "Invalid status."}),
+        messages={400: INVALID_STATUS}),
     ("GET", "/api/v1/customers/<customer_id>"): api_operation(
-        single("Customer"), AUTH_ERRORS + (404,), messages={404: "Customer not found."}),
+        single("Customer"), AUTH_ERRORS + (404,),
+        messages={404: NOT_FOUND.format(resource="Customer")}),
     ("POST", "/api/v1/customers"): api_operation(
         single("Customer"), AUTH_ERRORS + BODY_ERRORS + (409,), body="CustomerCreate",
         description="emailVerified is false. Emits customer.created (source api).",
-        messages={400: f"{_VALIDATION} / Email is required. / Invalid email address. / "
-                       f"{CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / Invalid status.",
-                  409: "A customer with this email already exists."}),
+        messages={400: either(_VALIDATION, EMAIL_REQUIRED, INVALID_EMAIL, CREDIT_LIMIT_MESSAGE,
+                              TAX_RATE_MESSAGE, INVALID_STATUS),
+                  409: CUSTOMER_EXISTS}),
     ("PATCH", "/api/v1/customers/<customer_id>"): api_operation(
         single("Customer"), AUTH_ERRORS + BODY_ERRORS + (404,), body="CustomerUpdate",
         description="Emits customer.updated when something changed.",
-        messages={400: f"{_VALIDATION} / {CREDIT_LIMIT_MESSAGE} / {TAX_RATE_MESSAGE} / "
-                       "Invalid status.",
-                  404: "Customer not found."}),
+        messages={400: either(_VALIDATION, CREDIT_LIMIT_MESSAGE, TAX_RATE_MESSAGE,
+                              INVALID_STATUS),
+                  404: NOT_FOUND.format(resource="Customer")}),
     ("GET", "/api/v1/webhooks"): api_operation(
         all_of("Webhook"), AUTH_ERRORS,
         description=f"Not paginated (at most {MAX_WEBHOOKS}). Never includes the secret."),
     ("GET", "/api/v1/webhooks/<webhook_id>"): api_operation(
-        single("Webhook"), AUTH_ERRORS + (404,), messages={404: "Webhook not found."}),
+        single("Webhook"), AUTH_ERRORS + (404,),
+        messages={404: NOT_FOUND.format(resource="Webhook")}),
     ("POST", "/api/v1/webhooks"): api_operation(
         single("WebhookWithSecret"), AUTH_ERRORS + BODY_ERRORS + (409,), body="WebhookCreate",
         description="The only response that carries the secret.",
-        messages={400: f"{_VALIDATION} / URL is required. / Invalid URL. / At least one event "
-                       "is required. / Unknown event: \"{name}\".",
-                  409: f"Maximum of {MAX_WEBHOOKS} webhooks per company."}),
+        messages={400: either(_VALIDATION, URL_REQUIRED, INVALID_URL, EVENTS_REQUIRED,
+                              UNKNOWN_EVENT),
+                  409: TOO_MANY_WEBHOOKS}),
     ("PATCH", "/api/v1/webhooks/<webhook_id>"): api_operation(
         single("Webhook"), AUTH_ERRORS + BODY_ERRORS + (404,), body="WebhookUpdate",
-        messages={400: f"{_VALIDATION} / Invalid URL. / At least one event is required. / "
-                       "Unknown event: \"{name}\".",
-                  404: "Webhook not found."}),
+        messages={400: either(_VALIDATION, INVALID_URL, EVENTS_REQUIRED, UNKNOWN_EVENT),
+                  404: NOT_FOUND.format(resource="Webhook")}),
     ("DELETE", "/api/v1/webhooks/<webhook_id>"): api_operation(
         single("WebhookDeleted"), AUTH_ERRORS + (404,),
         description="Also removes its delivery log and pending deliveries; no undo.",
-        messages={404: "Webhook not found."}),
+        messages={404: NOT_FOUND.format(resource="Webhook")}),
 }
 
 
 # Responses, headers and parameters every operation shares ------------------------------------
 
 ERROR_RESPONSES = {
-    400: ("BadRequest", "Malformed JSON, failed validation (Validation failed. with details), "
+    400: ("BadRequest", f"Malformed JSON, failed validation ({VALIDATION_FAILED} with details), "
                         "or a bad Content-Length or Idempotency-Key header."),
-    401: ("Unauthorized", "Missing or invalid Authorization header. Use: Bearer <api_key> / "
-                          "Invalid, expired, or revoked API key."),
-    403: ("Forbidden", "Insufficient permissions. This key lacks the \"<scope>\" scope."),
+    401: ("Unauthorized", either(MISSING_AUTH, INVALID_KEY)),
+    403: ("Forbidden", MISSING_SCOPE.format(scope="<scope>")),
     404: ("NotFound", "Not found: also a record of another company, a malformed ID, or an "
-                      "unknown path (Not found.)."),
-    405: ("MethodNotAllowed", "Method not allowed. (a known path, another method)"),
+                      f"unknown path ({UNKNOWN_PATH})."),
+    405: ("MethodNotAllowed", f"{METHOD_NOT_ALLOWED} (a known path, another method)"),
     409: ("Conflict", "Conflict."),
-    413: ("ContentTooLarge", "Request body too large. (over 1 MiB, refused before reading)"),
+    413: ("ContentTooLarge", f"{BODY_TOO_LARGE} (over 1 MiB, refused before reading)"),
     422: ("UnprocessableContent", "Refused by a business rule."),
-    429: ("TooManyRequests", "Rate limit exceeded. Try again shortly. Per key, or per client "
-                             "address before authentication; retryAfter is the Retry-After."),
+    429: ("TooManyRequests", f"{RATE_LIMITED} Per key, or per client address before "
+                             "authentication; retryAfter is the Retry-After."),
 }
 _POST_MESSAGES = {
-    400: "Idempotency-Key must be 1 to 255 printable ASCII characters.",
-    409: "Idempotency-Key has already been used with a different request. / A request with "
-         "this Idempotency-Key is still in progress.",
+    400: IDEMPOTENCY_KEY_INVALID,
+    409: either(IDEMPOTENCY_KEY_REUSED, IDEMPOTENCY_KEY_IN_PROGRESS),
 }
 
 
@@ -4315,7 +4381,7 @@ _UNAUTHENTICATED = {
     }},
 }
 
-API_DESCRIPTION = """\
+API_DESCRIPTION = f"""\
 A multi-tenant wholesale ordering service: products (read only), orders, customers and \
 webhook subscriptions; the events it delivers are under `webhooks`.
 
@@ -4323,12 +4389,12 @@ Every operation but the two under `meta` needs `Authorization: Bearer <API key>`
 belongs to one company, which every read and write is limited to (another company's records \
 are 404), and must hold the operation's scope (`x-required-scope`).
 
-Errors are JSON `{"error": message}`; failed validation adds `details` ([{field, rule}]) and \
-429 adds `retryAfter`. They are checked in this order: per-address rate limit, \
+Errors are JSON `{{"error": message}}`; failed validation adds `details` ([{{field, rule}}]) \
+and 429 adds `retryAfter`. They are checked in this order: per-address rate limit, \
 authentication (401), per-key rate limit (429), scope (403), body validation (400), \
 existence (404), business rules (409, 422). Any unknown path is 404 \
-`{"error": "Not found."}` and a known path with another method 405 \
-`{"error": "Method not allowed."}`. A server failure is 500 with the plain text \
+`{{"error": "{UNKNOWN_PATH}"}}` and a known path with another method 405 \
+`{{"error": "{METHOD_NOT_ALLOWED}"}}`. A server failure is 500 with the plain text \
 `Internal Server Error`.
 
 Money is a JSON number of currency units with at most two decimal places. Timestamps are \
@@ -4367,12 +4433,13 @@ def openapi_document():
                           for status, (name, _) in ERROR_RESPONSES.items()},
             "parameters": {"IdempotencyKey": {
                 "name": "Idempotency-Key", "in": "header", "required": False,
-                "description": "Makes a POST safe to retry. 1 to 255 printable ASCII "
+                "description": f"Makes a POST safe to retry. 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
                                "characters, bare or in double quotes. Within 24 hours a retry "
                                "with the same key and request gets the stored response "
                                "(Idempotent-Replayed: true) and nothing is done again; the "
                                "same key with another request is 409.",
-                "schema": string_schema(1, 255, pattern=r"^[!-~]([ -~]*[!-~])?$")}},
+                "schema": string_schema(1, MAX_IDEMPOTENCY_KEY,
+                                        pattern=r"^[!-~]([ -~]*[!-~])?$")}},
             "securitySchemes": {"bearer": {
                 "type": "http", "scheme": "bearer",
                 "description": "An API key (sk_...). The scope each operation needs is in its "
@@ -4403,20 +4470,24 @@ SECURITY_HEADERS = {
 }
 
 
-#: Form field each field-less message of the operations belongs to.
+#: Form field each field-less message of the operations belongs to (a message with
+#: {placeholders} matches whatever fills them).
 FIELD_OF_MESSAGE = {
-    "Email is required.": "email", "Invalid email address.": "email",
-    "A customer with this email already exists.": "email",
+    EMAIL_REQUIRED: "email", INVALID_EMAIL: "email",
+    CUSTOMER_EXISTS: "email",
     CREDIT_LIMIT_MESSAGE: "creditLimit", TAX_RATE_MESSAGE: "taxRateOverride",
-    "Invalid status.": "status", "Invalid order status.": "status",
-    "customerId is required": "customerId", "Customer not found.": "customerId",
-    "At least one item is required": "items", "productId is required": "items",
-    "quantity must be a number": "items", "quantity must be a whole number": "items",
-    "quantity must be at least 1": "items",
-    "Tracking URL is required when carrier is OTHER.": "tracking.url",
-    "URL is required.": "url", "Invalid URL.": "url",
-    "At least one event is required.": "events",
+    INVALID_STATUS: "status", INVALID_ORDER_STATUS: "status",
+    CUSTOMER_ID_REQUIRED: "customerId", NOT_FOUND.format(resource="Customer"): "customerId",
+    ITEMS_REQUIRED: "items", PRODUCT_ID_REQUIRED: "items",
+    QUANTITY_NOT_A_NUMBER: "items", QUANTITY_NOT_WHOLE: "items",
+    QUANTITY_TOO_SMALL: "items",
+    TRACKING_URL_REQUIRED: "tracking.url",
+    URL_REQUIRED: "url", INVALID_URL: "url",
+    EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
+    PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
 }
+_FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
+                    for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
 
 
 def form_errors(error):
@@ -4424,10 +4495,9 @@ def form_errors(error):
     if error.details:
         return {detail["field"].split("[")[0]: detail["rule"] for detail in error.details}
     field = FIELD_OF_MESSAGE.get(error.message)
-    if field is None and error.message.startswith(("Product ", "Insufficient stock")):
-        field = "items"
-    if field is None and error.message.startswith("Unknown event"):
-        field = "events"
+    if field is None:
+        field = next((field for pattern, field in _FILLED_MESSAGES
+                      if pattern.fullmatch(error.message)), None)
     return {field or "form": error.message}
 
 
@@ -4895,7 +4965,8 @@ def order_page(visit, order_id):
                               s=order["status"]))
     open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
         render("<h3>Open a return</h3>"),
-        visit.field("reason", "Reason (3 to 2000 characters)", kind="textarea"),
+        visit.field("reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
+                    kind="textarea"),
         visit.field("itemCount", "Line items returned (default: all)", kind="number", min="1"),
         render('<button type="submit" class="secondary">Open return</button>')]))
     body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}</div>',
@@ -5009,7 +5080,8 @@ def customers_page(visit):
             for c in result["data"]]
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
-        visit.select("status", "Status", [("", "Any")] + [(s, s) for s in CUSTOMER_STATUSES],
+        visit.select("status", "Status",
+                     [("", "Any")] + [(s, s) for s in SETTABLE_CUSTOMER_STATUSES],
                      query.get("status"))],
         table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
               numeric=("Credit limit",)), result)
@@ -5028,7 +5100,7 @@ def customer_fields(visit, customer):
                   n=visit.field("name", "Name", customer.get("name")),
                   c=visit.field("creditLimit", "Credit limit", "" if credit is None else
                                 f"{credit // 100}.{credit % 100:02d}", inputmode="decimal"),
-                  t=visit.field("taxRateOverride", "Tax rate override (0 to 0.3)",
+                  t=visit.field("taxRateOverride", f"Tax rate override (0 to {MAX_TAX_RATE})",
                                 customer.get("tax_rate_override"), inputmode="decimal"),
                   notes=visit.field("notes", "Internal notes", customer.get("notes"),
                                     kind="textarea"))
@@ -5095,8 +5167,9 @@ def returns_page(visit):
         elif row["status"] == "RECEIVED":
             form = visit.for_form(f"{action}/refund", row["id"])
             next_step = form.form_tag(f"{action}/refund", join([
-                form.select("method", "Method", [("CREDIT", "CREDIT (credit note)"),
-                                                 ("MANUAL", "MANUAL (out of band)")]),
+                form.select("method", "Method", [
+                    (method, f"{method} ({meaning})") for method, meaning in
+                    zip(REFUND_METHODS, ("credit note", "out of band"))]),
                 form.field("goodUnits", "Good units", "0", kind="number", min="0"),
                 form.field("damagedUnits", "Damaged units", "0", kind="number", min="0"),
                 form.field("subtotal", "Subtotal", inputmode="decimal"),
@@ -5159,7 +5232,8 @@ def webhooks_page(visit):
             if hook["secretRotationGraceExpiresAt"] else "",
             toggle=visit.button(f"{action}/toggle", "Deactivate" if hook["isActive"]
                                 else "Activate", "secondary"),
-            rotate=visit.button(f"{action}/rotate", "Rotate secret (24 h grace)", "secondary"),
+            rotate=visit.button(f"{action}/rotate", f"Rotate secret ({WEBHOOK_SECRET_GRACE_HOURS} h grace)",
+                                "secondary"),
             deliveries=deliveries))
     create = visit.form_tag("/dashboard/webhooks", join([
         render("<h2>New webhook</h2>"),
@@ -5212,7 +5286,8 @@ def keys_page(visit):
     create = visit.form_tag("/dashboard/keys", join([
         render("<h2>New key</h2>"), visit.checks("scopes", SCOPES, SCOPES),
         render('<div class="grid">{b}{e}</div>',
-               b=visit.field("rateLimit", "Requests per minute", 60, kind="number", min="1"),
+               b=visit.field("rateLimit", "Requests per minute", DEFAULT_KEY_RATE_LIMIT,
+                                 kind="number", min="1"),
                e=visit.field("expiresAt", "Expires (date or ISO 8601 time, empty: never)")),
         render('<div><button type="submit">Create key</button></div>')]))
     return visit.page("API keys", join([
@@ -5299,8 +5374,8 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
     install_dashboard(app)
     app.error_handler.update({
-        404: _error_page(404, "Not found."),
-        405: _error_page(405, "Method not allowed."),
+        404: _error_page(404, UNKNOWN_PATH),
+        405: _error_page(405, METHOD_NOT_ALLOWED),
         500: _internal_error_page,
     })
     return app
@@ -5778,7 +5853,8 @@ def build_parser():
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")
     sub.add_argument("--scopes", required=True, help="comma-separated, e.g. orders:read,orders:write")
-    sub.add_argument("--rate-limit", type=_positive, default=60, help="requests per minute (60)")
+    sub.add_argument("--rate-limit", type=_positive, default=DEFAULT_KEY_RATE_LIMIT,
+                     help=f"requests per minute ({DEFAULT_KEY_RATE_LIMIT})")
     sub.add_argument("--expires-at", type=_moment, help="ISO 8601 expiry (may be in the past)")
 
     sub = command("key-revoke", cmd_key_revoke, "revoke an API key")
@@ -5815,7 +5891,8 @@ def build_parser():
 
     sub = command("return-open", cmd_return_open, "open a return on an order (return.created)")
     sub.add_argument("--order", required=True, help="order ID")
-    sub.add_argument("--reason", required=True, help="3 to 2000 characters")
+    sub.add_argument("--reason", required=True,
+                     help="{} to {} characters".format(*RETURN_REASON_LENGTH))
     sub.add_argument("--item-count", type=_positive, help="line items returned (default: all)")
     sub.add_argument("--staff", action="store_true", help="opened from the dashboard")
 
@@ -5828,7 +5905,7 @@ def build_parser():
     sub = command("return-refund", cmd_return_refund,
                   "refund a RECEIVED return (refund.processed)")
     sub.add_argument("id", metavar="RETURN_ID")
-    sub.add_argument("--method", required=True, choices=("CREDIT", "MANUAL"))
+    sub.add_argument("--method", required=True, choices=REFUND_METHODS)
     sub.add_argument("--good-units", type=_non_negative, required=True)
     sub.add_argument("--damaged-units", type=_non_negative, required=True)
     sub.add_argument("--subtotal", type=_amount, required=True, help="e.g. 40.00")
@@ -5849,7 +5926,8 @@ def build_parser():
                   "give a webhook a new secret (printed once); the old one signs "
                   "X-Webhook-Signature-Old during the grace window")
     sub.add_argument("id", metavar="WEBHOOK_ID")
-    sub.add_argument("--grace-hours", type=float, default=24.0, help="grace window (24)")
+    sub.add_argument("--grace-hours", type=float, default=float(WEBHOOK_SECRET_GRACE_HOURS),
+                     help=f"grace window ({WEBHOOK_SECRET_GRACE_HOURS})")
 
     command("demo", None, "create a demo company, catalog and customers (once) and print a "
                           "new key with all seven scopes and curl commands to try")
@@ -5859,7 +5937,8 @@ def build_parser():
                                    "postgresql://...), and verify the copy; stop the server first")
     sub.add_argument("target", metavar="TARGET", type=_non_empty)
 
-    sub = command("deliveries", cmd_deliveries, "the 5 most recent delivery attempts of a webhook")
+    sub = command("deliveries", cmd_deliveries,
+                  f"the {DELIVERIES_SHOWN} most recent delivery attempts of a webhook")
     sub.add_argument("id", metavar="WEBHOOK_ID")
 
     sub = command("staff-create", cmd_staff_create,
