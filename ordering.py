@@ -62,6 +62,7 @@ import signal
 import socket
 import sqlite3
 import ssl
+import string
 import struct
 import sys
 import threading
@@ -1205,7 +1206,26 @@ def escape(value):
     return Markup(html.escape("" if value is None else str(value), quote=True))
 
 
+class Template:
+    """Markup with {placeholders}, each one declared: a template whose text and declared names
+    differ stops the module from loading, and render() refuses a value missing or too many,
+    so that a misspelt placeholder fails the tests rather than a request."""
+
+    def __init__(self, names, text):
+        self.names = frozenset(names.split())
+        found = {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
+        if found != self.names:
+            raise ValueError(f"template declares {sorted(self.names)} but holds {sorted(found)}")
+        self.text = text
+
+
 def render(template, **values):
+    """template (a Template, or a short piece of markup written where it is used) with every
+    value escaped that is not Markup already."""
+    if isinstance(template, Template):
+        if set(values) != template.names:
+            raise TypeError(f"template takes {sorted(template.names)}, not {sorted(values)}")
+        template = template.text
     return Markup(template.format(**{name: escape(value) for name, value in values.items()}))
 
 
@@ -1219,13 +1239,13 @@ def amount_text(number):
 
 # Templates -----------------------------------------------------------------------------------
 
-LAYOUT = """<!doctype html>
+_PAGE = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title} - ordering</title>
-<link rel="stylesheet" href="/dashboard/style.css">
+<link rel="stylesheet" href="{prefix}/style.css">
 </head>
 <body>
 <a class="skip" href="#main">Skip to content</a>
@@ -1237,19 +1257,38 @@ LAYOUT = """<!doctype html>
 </body>
 </html>
 """
+#: A page of a surface, for a signed-in visitor (header: navigation and sign-out).
+LAYOUT = Template("prefix title header notice body", _PAGE)
+#: A page for a visitor who is not signed in.
+BARE_LAYOUT = Template("prefix title notice body", _PAGE.replace("<header>{header}</header>\n", ""))
 
-HEADER = """<nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
-<form class="account" method="post" action="/dashboard/sign-out">{csrf}<span>{email}</span>
-<button type="submit">Sign out</button></form>"""
+HEADER = Template("company links prefix csrf email", """\
+<nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
+<form class="account" method="post" action="{prefix}/sign-out">{csrf}<span>{email}</span>
+<button type="submit">Sign out</button></form>""")
 
-SIGN_IN_FORM = """<form class="card narrow" method="post" action="/dashboard/sign-in">
+SIGN_IN_FORM = Template("prefix error email", """\
+<form class="card narrow" method="post" action="{prefix}/sign-in">
 {error}
 <label for="email">Email</label>
 <input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
 <label for="password">Password</label>
 <input id="password" name="password" type="password" autocomplete="current-password" required>
 <button type="submit">Sign in</button>
-</form>"""
+</form>""")
+
+SIGNED_OUT = Template("prefix", """\
+<p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
+
+ORDER_FACTS = Template("status customer po notes created updated tracking", """\
+<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
+<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
+<dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
+<dd>{tracking}</dd></dl></div>""")
+
+WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
+<section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}\
+<p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>""")
 
 STYLESHEET = """\
 :root { --ink: #1d2430; --muted: #5b6575; --line: #d7dce3; --paper: #ffffff;
@@ -1944,12 +1983,6 @@ def update_customer(conn, company_id, customer_id, body):
     return after
 
 
-def hash_password(password):
-    salt = secrets.token_bytes(16)
-    digest = hashlib.pbkdf2_hmac("sha256", password.encode("utf-8"), salt, 200_000)
-    return "pbkdf2_sha256$200000$" + salt.hex() + "$" + digest.hex()
-
-
 def storefront_register(conn, store_slug, email, name=None, password=None):
     """Self-registration on /store/{slug}: customer.created with source storefront."""
     company = company_by_slug(conn, store_slug)
@@ -2482,7 +2515,8 @@ def company_api_keys(conn, company_id):
 
 # Accounts and sessions -----------------------------------------------------------------------
 
-STAFF_PASSWORD_MIN = 12
+#: The shortest password an account may have.
+PASSWORD_MIN = 12
 #: scrypt cost (16 MiB of memory and some 50 ms per hash); the salt is the account's own.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
 #: Failed sign-ins per email and per address that cost nothing; then each further try waits
@@ -2494,14 +2528,20 @@ SIGN_IN_LOCKOUT_SECONDS = 15 * 60
 SIGN_IN_REFUSED = "Wrong email or password."
 
 
-def hash_staff_password(password, salt=None):
+def hash_password(password, salt=None):
+    """The one password scheme of every kind of account: scrypt with a salt of its own."""
     salt = salt or secrets.token_bytes(16)
     digest = hashlib.scrypt(password.encode("utf-8"), salt=salt, n=SCRYPT_N, r=SCRYPT_R,
                             p=SCRYPT_P, dklen=32)
     return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${salt.hex()}${digest.hex()}"
 
 
-def staff_password_matches(password, stored):
+def password_matches(password, stored):
+    """Whether password is the one stored. Anything but a scrypt hash matches nothing: a
+    customer's hash from an earlier release (PBKDF2, which nothing ever read) is no password,
+    and its customer sets one through the storefront's reset flow (see README)."""
+    if not stored or not stored.startswith("scrypt$"):
+        return False
     _, n, r, p, salt, digest = stored.split("$")
     candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n),
                                r=int(r), p=int(p), dklen=len(digest) // 2)
@@ -2512,7 +2552,27 @@ def staff_password_matches(password, stored):
 def _stand_in_hash():
     """Checked against when no account has the email, so that a wrong email takes as long to
     refuse as a wrong password."""
-    return hash_staff_password(secrets.token_urlsafe(16))
+    return hash_password(secrets.token_urlsafe(16))
+
+
+def check_password(password):
+    if len(password) < PASSWORD_MIN:
+        raise invalid("password", f"must be at least {PASSWORD_MIN} characters")
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounts:
+    """One kind of account that signs in to a web surface: its table, the table of its
+    sessions and the column there that names the account, and the condition an account must
+    meet to sign in. Every function below serves any kind; staff are the first."""
+    noun: str
+    table: str
+    sessions: str
+    account_column: str
+    enabled: str
+
+
+STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "disabled = 0")
 
 
 def create_staff(conn, company_id, email, password):
@@ -2520,33 +2580,31 @@ def create_staff(conn, company_id, email, password):
     email = (email or "").strip()
     if not valid_email(email):
         raise ApiError(400, INVALID_EMAIL)
-    if len(password) < STAFF_PASSWORD_MIN:
-        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
+    check_password(password)
     if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
                     (company_id, email.casefold())).fetchone():
         raise ApiError(409, "A staff account with this email already exists in the company.")
     staff_id, at = new_id_at("stf")
     row = {"id": staff_id, "company_id": company_id, "email": email,
-           "email_key": email.casefold(), "password_hash": hash_staff_password(password),
+           "email_key": email.casefold(), "password_hash": hash_password(password),
            "created_at": at}
     insert_row(conn, "staff", row)
     return staff_json(row)
 
 
-def set_staff_password(conn, staff_id, password):
-    """A new password (and an end to the account's sessions)."""
-    if len(password) < STAFF_PASSWORD_MIN:
-        raise invalid("password", f"must be at least {STAFF_PASSWORD_MIN} characters")
-    conn.execute("UPDATE staff SET password_hash = ? WHERE id = ?",
-                 (hash_staff_password(password), staff_id))
-    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+def set_password(conn, accounts, account_id, password):
+    """A new password, and an end to every session of the account."""
+    check_password(password)
+    conn.execute(f"UPDATE {accounts.table} SET password_hash = ? WHERE id = ?",
+                 (hash_password(password), account_id))
+    end_sessions(conn, accounts, account_id)
 
 
 def disable_staff(conn, company_id, staff_id):
     """Ends the account and every session of it at once."""
-    load_row(conn, "staff", "Staff account", company_id, staff_id)
+    load_row(conn, "staff", STAFF.noun, company_id, staff_id)
     conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,))
-    conn.execute("DELETE FROM staff_sessions WHERE staff_id = ?", (staff_id,))
+    end_sessions(conn, STAFF, staff_id)
     return {"id": staff_id, "disabled": True}
 
 
@@ -2583,44 +2641,60 @@ def record_sign_in_failure(conn, subjects, now_ms):
             (subject, at, forgotten))
 
 
-def find_staff(conn, email, password):
-    """The enabled account with this email and password, or None. An email may belong to
-    staff of several companies: the password picks the account."""
-    rows = conn.execute("SELECT * FROM staff WHERE email_key = ? AND disabled = 0 "
-                        "ORDER BY created_at, id", (email.strip().casefold(),)).fetchall()
+def find_account(conn, accounts, email, password):
+    """The account of this kind with this email and password that may sign in, or None. An
+    email may belong to accounts of several companies: the password picks the account."""
+    rows = conn.execute(f"SELECT * FROM {accounts.table} WHERE email_key = ? AND "
+                        f"{accounts.enabled} ORDER BY created_at, id",
+                        (email.strip().casefold(),)).fetchall()
     if not rows:
-        staff_password_matches(password, _stand_in_hash())
-    return next((row for row in rows if staff_password_matches(password, row["password_hash"])),
+        password_matches(password, _stand_in_hash())
+    return next((row for row in rows if password_matches(password, row["password_hash"])),
                 None)
 
 
-def start_session(conn, staff, subjects, now_ms, idle_seconds):
+def start_session(conn, accounts, account, subjects, now_ms, idle_seconds):
     """A new session for a successful sign-in; returns the cookie value (kept only hashed).
     Sessions left idle past the limit by browsers that never came back end here."""
     conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
-    conn.execute("DELETE FROM staff_sessions WHERE last_seen_at < ?",
+    conn.execute(f"DELETE FROM {accounts.sessions} WHERE last_seen_at < ?",
                  (iso(now_ms - idle_seconds * 1000),))
     token = secrets.token_urlsafe(32)
-    conn.execute("INSERT INTO staff_sessions (token_hash, staff_id, created_at, last_seen_at) "
-                 "VALUES (?, ?, ?, ?)", (hash_key(token), staff["id"], iso(now_ms), iso(now_ms)))
+    conn.execute(f"INSERT INTO {accounts.sessions} (token_hash, {accounts.account_column}, "
+                 f"created_at, last_seen_at) VALUES (?, ?, ?, ?)",
+                 (hash_key(token), account["id"], iso(now_ms), iso(now_ms)))
     return token
 
 
-def load_session(conn, token):
+def load_session(conn, accounts, token):
+    """The session of this cookie value with its account's ID, email and company, while the
+    account may sign in; None otherwise."""
     return conn.execute(
-        "SELECT s.token_hash, s.last_seen_at, t.id AS staff_id, t.email, t.company_id, "
-        "c.name AS company_name FROM staff_sessions s JOIN staff t ON t.id = s.staff_id "
-        "JOIN companies c ON c.id = t.company_id WHERE s.token_hash = ? AND t.disabled = 0",
-        (hash_key(token),)).fetchone()
+        f"SELECT s.token_hash, s.last_seen_at, a.id AS account_id, a.email, a.company_id, "
+        f"c.name AS company_name FROM {accounts.sessions} s JOIN {accounts.table} a "
+        f"ON a.id = s.{accounts.account_column} JOIN companies c ON c.id = a.company_id "
+        f"WHERE s.token_hash = ? AND a.{accounts.enabled}", (hash_key(token),)).fetchone()
 
 
-def touch_session(conn, token_hash, now_ms):
-    conn.execute("UPDATE staff_sessions SET last_seen_at = ? WHERE token_hash = ?",
+def touch_session(conn, accounts, token_hash, now_ms):
+    conn.execute(f"UPDATE {accounts.sessions} SET last_seen_at = ? WHERE token_hash = ?",
                  (iso(now_ms), token_hash))
 
 
-def end_session(conn, token_hash):
-    conn.execute("DELETE FROM staff_sessions WHERE token_hash = ?", (token_hash,))
+def end_session(conn, accounts, token_hash):
+    conn.execute(f"DELETE FROM {accounts.sessions} WHERE token_hash = ?", (token_hash,))
+
+
+def end_sessions(conn, accounts, account_id):
+    """Every session of an account ends at once."""
+    conn.execute(f"DELETE FROM {accounts.sessions} WHERE {accounts.account_column} = ?",
+                 (account_id,))
+
+
+def staff_account(conn, company_id, email):
+    """The company's staff account with this email, or None."""
+    return conn.execute("SELECT * FROM staff WHERE company_id = ? AND email_key = ?",
+                        (company_id, email.strip().casefold())).fetchone()
 
 
 # Queries -------------------------------------------------------------------------------------
@@ -2828,12 +2902,11 @@ def prepare_demo(conn):
         company_id = company["id"]
     key = create_api_key(conn, company_id, list(SCOPES))
     password = secrets.token_urlsafe(12)
-    staff = conn.execute("SELECT id FROM staff WHERE company_id = ? AND email_key = ?",
-                         (company_id, DEMO_STAFF_EMAIL)).fetchone()
+    staff = staff_account(conn, company_id, DEMO_STAFF_EMAIL)
     if staff is None:
         create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
     else:
-        set_staff_password(conn, staff["id"], password)
+        set_password(conn, STAFF, staff["id"], password)
     customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
                             "LIMIT 1", (company_id,)).fetchone()
     product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
@@ -4502,12 +4575,13 @@ def form_errors(error):
 
 
 class Visit:
-    """What a page gets: the signed-in staff member, the query and form, and what a refused
-    form left behind to show again (errors by field, the values sent)."""
+    """What a page gets: the signed-in account, the query and form, and what a refused form
+    left behind to show again (errors by field, the values sent)."""
 
-    def __init__(self, service, session, token):
-        self.settings = service.settings
-        self.service = service
+    def __init__(self, surface, session, token):
+        self.surface = surface
+        self.settings = surface.service.settings
+        self.service = surface.service
         self.session = session
         self.company_id = session["company_id"]
         self.csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
@@ -4604,9 +4678,9 @@ class Visit:
         here = bottle.request.path
         links = join(render('<li><a href="{href}"{current}>{text}</a></li>', href=href, text=text,
                             current=Markup(' aria-current="page"') if here.startswith(href)
-                            else "") for text, href in NAVIGATION)
+                            else "") for text, href in self.surface.navigation)
         header = render(HEADER, company=self.session["company_name"], links=links,
-                        email=self.session["email"],
+                        email=self.session["email"], prefix=self.surface.prefix,
                         csrf=render('<input type="hidden" name="csrf" value="{c}">', c=self.csrf))
         notice = render('<div class="notice" role="status">{n}</div>', n=self.notice) \
             if self.notice else ""
@@ -4614,7 +4688,8 @@ class Visit:
             notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
                                           m=self.errors.get("form", "see the messages below."))])
         bottle.response.status = status
-        return render(LAYOUT, title=title, header=header, notice=notice, body=body)
+        return render(LAYOUT, prefix=self.surface.prefix, title=title, header=header,
+                      notice=notice, body=body)
 
     def refusal(self, error):
         title = "Not found" if error.status == 404 else "Refused"
@@ -4719,13 +4794,32 @@ def form_text(form, field):
     return (form.get(field) or "").strip() or None
 
 
-class Dashboard:
-    """The pages bound to one app's service. clock() gives the time sessions and the sign-in
+class Surface:
+    """One HTML surface of the app: the pages of PAGES under its prefix, the kind of accounts
+    that sign in to it (at prefix/sign-in, out at prefix/sign-out), and their sessions in a
+    cookie of its own, scoped to its path. clock() gives the time sessions and the sign-in
     throttle go by (tests move it)."""
 
-    def __init__(self, service):
+    def __init__(self, service, prefix, cookie, accounts, home, navigation):
         self.service = service
+        self.prefix = prefix
+        self.cookie = cookie
+        self.accounts = accounts
+        self.home = home
+        self.navigation = navigation
         self.clock = time.time
+
+    def install(self, app):
+        def bind(handler, refused):
+            return lambda **url_args: self.serve(handler, refused, url_args)
+        for method, path, handler, refused in PAGES:
+            if path.startswith(self.prefix + "/"):
+                app.route(path, method, bind(handler, refused))
+        app.route(self.prefix + "/style.css", "GET", self.stylesheet)
+        app.route(self.prefix + "/sign-in", "GET", lambda: self.sign_in_page())
+        app.route(self.prefix + "/sign-in", "POST", self.sign_in)
+        app.route(self.prefix + "/sign-out", "POST", self.sign_out)
+        app.route(self.prefix, "GET", lambda: redirect(self.home))
 
     def now_ms(self):
         return int(self.clock() * 1000)
@@ -4738,43 +4832,44 @@ class Dashboard:
     def set_session_cookie(self, token, **expiry):
         """A browser-session cookie: the server ends idle sessions, the browser need not."""
         bottle.response.set_cookie(
-            SESSION_COOKIE, token, path="/dashboard", httponly=True, samesite="lax",
+            self.cookie, token, path=self.prefix, httponly=True, samesite="lax",
             secure=self.secure_request(bottle.request.environ), **expiry)
 
     def session(self):
         """(session row, token) of the signed-in browser, or (None, None); an idle session
         ends here."""
-        token = bottle.request.get_cookie(SESSION_COOKIE)
+        token = bottle.request.get_cookie(self.cookie)
         if not token:
             return None, None
         db = self.service.db
-        found = load_session(db.conn, token)
+        found = load_session(db.conn, self.accounts, token)
         if found is None:
             return None, None
         now_ms = self.now_ms()
         idle_since = iso(now_ms - self.service.settings.session_idle_seconds * 1000)
         if found["last_seen_at"] < idle_since:
             with db.write() as conn:
-                end_session(conn, found["token_hash"])
+                end_session(conn, self.accounts, found["token_hash"])
             return None, None
         if found["last_seen_at"] < iso(now_ms - SESSION_TOUCH_SECONDS * 1000):
             with db.write() as conn:
-                touch_session(conn, found["token_hash"], now_ms)
+                touch_session(conn, self.accounts, found["token_hash"], now_ms)
         return found, token
 
-    def serve(self, handler, refused, url_args):
+    def headers(self, content_type="text/html; charset=utf-8"):
         for name, value in SECURITY_HEADERS.items():
             bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/html; charset=utf-8"
+        bottle.response.content_type = content_type
+
+    def serve(self, handler, refused, url_args):
+        self.headers()
         found, token = self.session()
         if found is None:
             if bottle.request.method == "POST":
                 bottle.response.status = 403
-                return self.bare_page("Signed out", render(
-                    '<p class="card narrow">Your session has ended. <a href="/dashboard/sign-in">'
-                    'Sign in again</a>.</p>'))
-            return redirect("/dashboard/sign-in")
-        visit = Visit(self.service, found, token)
+                return self.bare_page("Signed out", render(SIGNED_OUT, prefix=self.prefix))
+            return redirect(self.prefix + "/sign-in")
+        visit = Visit(self, found, token)
         if bottle.request.method == "POST" and not visit.csrf_matches():
             return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
         try:
@@ -4792,15 +4887,12 @@ class Dashboard:
             return body
 
     def bare_page(self, title, body):
-        return render(LAYOUT.replace("<header>{header}</header>\n", ""), title=title,
-                      notice="", body=body)
+        return render(BARE_LAYOUT, prefix=self.prefix, title=title, notice="", body=body)
 
     def sign_in_page(self, error="", email=""):
-        for name, value in SECURITY_HEADERS.items():
-            bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/html; charset=utf-8"
+        self.headers()
         return self.bare_page("Sign in", render(
-            SIGN_IN_FORM, email=email,
+            SIGN_IN_FORM, prefix=self.prefix, email=email,
             error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
 
     def sign_in(self):
@@ -4815,37 +4907,34 @@ class Dashboard:
             bottle.response.set_header("Retry-After", str(math.ceil(wait)))
             return self.sign_in_page(f"Too many failed sign-ins. Try again in "
                                      f"{math.ceil(wait)} seconds.", email)
-        staff = find_staff(db.conn, email, password)
+        account = find_account(db.conn, self.accounts, email, password)
         with db.write() as conn:
-            if staff is None:
+            if account is None:
                 record_sign_in_failure(conn, subjects, now_ms)
             else:
-                token = start_session(conn, staff, subjects, now_ms,
+                token = start_session(conn, self.accounts, account, subjects, now_ms,
                                       self.service.settings.session_idle_seconds)
-        if staff is None:
+        if account is None:
             bottle.response.status = 401
             return self.sign_in_page(SIGN_IN_REFUSED, email)
         self.set_session_cookie(token)
-        return redirect("/dashboard/orders")
+        return redirect(self.home)
 
     def sign_out(self):
         found, token = self.session()
         if found is not None:
-            visit = Visit(self.service, found, token)
+            visit = Visit(self, found, token)
             if not visit.csrf_matches():
-                for name, value in SECURITY_HEADERS.items():
-                    bottle.response.set_header(name, value)
+                self.headers()
                 return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED),
                                   403)
             with self.service.db.write() as conn:
-                end_session(conn, found["token_hash"])
+                end_session(conn, self.accounts, found["token_hash"])
         self.set_session_cookie("", max_age=0)
-        return redirect("/dashboard/sign-in")
+        return redirect(self.prefix + "/sign-in")
 
     def stylesheet(self):
-        for name, value in SECURITY_HEADERS.items():
-            bottle.response.set_header(name, value)
-        bottle.response.content_type = "text/css; charset=utf-8"
+        self.headers("text/css; charset=utf-8")
         bottle.response.set_header("Cache-Control", "max-age=3600")
         return STYLESHEET
 
@@ -4923,10 +5012,7 @@ def order_page(visit, order_id):
     customer = order["customerId"] and load_customer(visit.conn, visit.company_id,
                                                      order["customerId"])
     facts = render(
-        '<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>'
-        '<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>'
-        '<dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>'
-        '<dd>{tracking}</dd></dl></div>', status=status_tag(order["status"]),
+        ORDER_FACTS, status=status_tag(order["status"]),
         customer=link(f"/dashboard/customers/{customer['id']}",
                       f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
@@ -5223,9 +5309,7 @@ def webhooks_page(visit):
                              render("<code>{b}</code>", b=(d["responseBody"] or "")[:300]))
                             for d in recent_deliveries(visit.conn, hook["id"])])
         sections.append(render(
-            '<section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}'
-            '<p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>',
-            url=hook["url"], state=status_tag("active" if hook["isActive"] else "inactive"),
+            WEBHOOK_CARD, url=hook["url"], state=status_tag("active" if hook["isActive"] else "inactive"),
             events=", ".join(hook["events"]),
             grace=render('<p class="muted">Old secret still signs X-Webhook-Signature-Old '
                          'until {g}.</p>', g=hook["secretRotationGraceExpiresAt"])
@@ -5318,17 +5402,9 @@ def revoke_key_action(visit, key_id):
 def install_dashboard(app):
     if not app.service.settings.dashboard:
         return
-    dashboard = app.dashboard = Dashboard(app.service)
-
-    def bind(handler, refused):
-        return lambda **url_args: dashboard.serve(handler, refused, url_args)
-    for method, path, handler, refused in PAGES:
-        app.route(path, method, bind(handler, refused))
-    app.route("/dashboard/style.css", "GET", dashboard.stylesheet)
-    app.route("/dashboard/sign-in", "GET", lambda: dashboard.sign_in_page())
-    app.route("/dashboard/sign-in", "POST", dashboard.sign_in)
-    app.route("/dashboard/sign-out", "POST", dashboard.sign_out)
-    app.route("/dashboard", "GET", lambda: redirect("/dashboard/orders"))
+    app.dashboard = Surface(app.service, "/dashboard", SESSION_COOKIE, STAFF,
+                            "/dashboard/orders", NAVIGATION)
+    app.dashboard.install(app)
     app.route("/", "GET", lambda: redirect("/dashboard"))
 
 
@@ -5943,7 +6019,7 @@ def build_parser():
 
     sub = command("staff-create", cmd_staff_create,
                   "create a dashboard staff account; the password (at least "
-                  f"{STAFF_PASSWORD_MIN} characters) is read from standard input")
+                  f"{PASSWORD_MIN} characters) is read from standard input")
     sub.add_argument("--company", required=True, help="company ID")
     sub.add_argument("--email", required=True)
     sub.add_argument("--password-stdin", action="store_true", required=True,
