@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import pathlib
 import random
 import re
 import signal
@@ -5594,16 +5595,16 @@ GENERATED_CLIENT_SCRIPT = """
 import json, sys, urllib.request
 import models
 from ordering_client import AuthenticatedClient
-from ordering_client.api.customers import post_customer
-from ordering_client.api.orders import get_order, list_orders, post_order
+from ordering_client.api.customers import create_customer
+from ordering_client.api.orders import create_order, get_order, list_orders
 from ordering_client.models import (CustomerCreate, ListOrdersStatus, OrderCreate,
                                     OrderCreateItemsItem)
 
 base, key, product_id = sys.argv[1:4]
 client = AuthenticatedClient(base_url=base, token=key, raise_on_unexpected_status=True)
-customer = post_customer.sync(client=client, body=CustomerCreate(
+customer = create_customer.sync(client=client, body=CustomerCreate(
     email="generated@example.com", credit_limit=99999999.99)).data
-order = post_order.sync(client=client, idempotency_key="generated-1", body=OrderCreate(
+order = create_order.sync(client=client, idempotency_key="generated-1", body=OrderCreate(
     customer_id=customer.id, items=[OrderCreateItemsItem(product_id=product_id, quantity=3)],
     po_number="PO-GEN")).data
 fetched = get_order.sync(client=client, order_id=order.id).data
@@ -7459,3 +7460,122 @@ def test_browser_creates_and_revokes_a_key(visitor):
     visitor.submit(visitor.form(f"/{key_id}/revoke").find_element("css selector", "button"))
     assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer) == (
         401, {"error": INVALID})
+
+
+# ---------------------------------------------------------------------------------------------
+# The module's layout: its table of contents, where SQL lives, one text per rule, templates
+# ---------------------------------------------------------------------------------------------
+
+MODULE_SOURCE = pathlib.Path(HERE, "ordering.py").read_text(encoding="utf-8")
+
+
+def module_sections():
+    """[(number, title, [sub-banner titles], [(line number, line)])] of ordering.py."""
+    sections = []
+    lines = MODULE_SOURCE.split("\n")
+    for number, line in enumerate(lines, 1):
+        banner = re.fullmatch(r"# (\d+)\. (.+)", line)
+        if banner and lines[number - 2].startswith("# ---") and lines[number].startswith("# ---"):
+            sections.append((int(banner.group(1)), banner.group(2), [], []))
+        elif sections:
+            sub = re.fullmatch(r"# (\S.*?) -{3,}", line)
+            if sub:
+                sections[-1][2].append(sub.group(1))
+            sections[-1][3].append((number, line))
+    return sections
+
+
+def test_the_table_of_contents_matches_the_banners():
+    contents = re.findall(r"^ *(\d+)\. (\S+(?: \S+)*?)(?: {2,}|$)(.*(?:\n {19}.*)*)",
+                          ordering.__doc__, re.MULTILINE)
+    sections = module_sections()
+    assert [(int(n), title) for n, title, _ in contents] == \
+        [(number, title) for number, title, _, _ in sections]
+    for (_, _, text), (_, title, subs, _) in zip(contents, sections):
+        described = " ".join(text.split()).lower()
+        for sub in subs:
+            assert sub.lower() in described, f"{title}: {sub!r} is not in the table of contents"
+
+
+SQL_TEXT = re.compile(r"""["'](SELECT|INSERT INTO|UPDATE \w+ SET|DELETE FROM|SAVEPOINT|RELEASE|"""
+                      r"""ROLLBACK|PRAGMA|CREATE TABLE)\b|\bFROM \w+ WHERE\b""")
+TABLE_ARGUMENT = re.compile(r"""\(\w+(\.\w+)?, "(companies|api_keys|products|customers|orders|"""
+                            r"""order_items|returns|refunds|invoices|webhooks|events|deliveries|"""
+                            r"""idempotency_keys|staff|staff_sessions|sign_in_failures)"[,)]""")
+
+
+def test_sql_lives_only_in_storage_operations_and_the_outbox():
+    found = {}
+    for _, title, _, lines in module_sections():
+        if title in ("Storage", "Operations", "Outbox"):
+            continue
+        for number, line in lines:
+            if SQL_TEXT.search(line) or TABLE_ARGUMENT.search(line):
+                found.setdefault(title, []).append(number)
+    assert found == {}
+    # and the check finds what it looks for
+    assert SQL_TEXT.search('conn.execute("SELECT id FROM orders WHERE id = ?")')
+    assert TABLE_ARGUMENT.search('paginate(visit.conn, "orders", company_id, query)')
+
+
+def test_each_spec_message_and_limit_is_written_once():
+    messages = {name: value for name, value in vars(ordering).items()
+                if name.isupper() and isinstance(value, str) and " " in value
+                and not value.startswith(("http", "<", ":", "\\"))}
+    assert len(messages) >= 35
+    for name, text in messages.items():
+        assert MODULE_SOURCE.count(text) <= 1, name
+    for limit in ("100_000_000", "100000000", r"0\.3\b", "2048", r"\(3, 64\)", r"\(3, 2000\)",
+                  r"(?<!{)\b254\b"):
+        assert len(re.findall(rf"(?<!maxsize=){limit}", MODULE_SOURCE)) <= 1, limit
+    assert ordering.CREDIT_LIMIT_MESSAGE == "Credit limit must be between 0 and 100000000."
+    assert ordering.TAX_RATE_MESSAGE == "Tax rate override must be between 0 and 0.3."
+    assert ordering.TOO_MANY_WEBHOOKS == "Maximum of 10 webhooks per company."
+    assert ordering.IDEMPOTENCY_KEY_INVALID == \
+        "Idempotency-Key must be 1 to 255 printable ASCII characters."
+
+
+def test_every_template_renders_and_declares_its_placeholders():
+    templates = {name: value for name, value in vars(ordering).items()
+                 if isinstance(value, ordering.Template)}
+    assert {"LAYOUT", "BARE_LAYOUT", "HEADER", "SIGN_IN_FORM", "SIGNED_OUT", "ORDER_FACTS",
+            "WEBHOOK_CARD"} <= set(templates)
+    for name, template in templates.items():
+        page = ordering.render(template, **{field: f"<{field}>" for field in template.names})
+        for field in template.names:
+            assert f"&lt;{field}&gt;" in page, (name, field)
+    with pytest.raises(ValueError, match=r"declares \['name'\] but holds \['nmae'\]"):
+        ordering.Template("name", "<p>{nmae}</p>")
+    with pytest.raises(TypeError, match=r"takes \['prefix'\], not \['perfix'\]"):
+        ordering.render(ordering.SIGNED_OUT, perfix="/dashboard")
+
+
+def test_the_declared_public_surface_and_the_readme_agree():
+    assert all(hasattr(ordering, name) for name in ordering.__all__)
+    readme = pathlib.Path(HERE, "README.md").read_text(encoding="utf-8")
+    embedding = readme[readme.index("## Embedding"):]
+    used = set(re.findall(r"\bordering\.([A-Za-z]\w*)", embedding))
+    assert used and used <= set(ordering.__all__)
+    assert ordering.hash_staff_password is ordering.hash_password
+    assert ordering.staff_password_matches is ordering.password_matches
+    assert ordering.STAFF_PASSWORD_MIN == ordering.PASSWORD_MIN == 12
+
+
+def test_operation_ids_are_the_route_functions_named_as_operations():
+    document = ordering.openapi_document()
+    ids = sorted(operation["operationId"] for path in document["paths"].values()
+                 for operation in path.values())
+    assert ids == sorted([
+        "list_products", "get_product", "list_orders", "get_order", "create_order",
+        "update_order", "list_customers", "get_customer", "create_customer", "update_customer",
+        "list_webhooks", "get_webhook", "create_webhook", "update_webhook", "delete_webhook",
+        "openapi_document", "health"])
+    assert ordering.Api.create_customer is not ordering.create_customer
+
+
+def test_an_earlier_releases_customer_password_hash_matches_nothing():
+    earlier = ("pbkdf2_sha256$200000$00112233445566778899aabbccddeeff$"
+               "0000000000000000000000000000000000000000000000000000000000000000")
+    assert ordering.password_matches("anything at all", earlier) is False
+    assert ordering.password_matches("anything at all", None) is False
+    assert ordering.password_matches("a long password", ordering.hash_password("a long password"))
