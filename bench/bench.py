@@ -3,6 +3,11 @@
     python bench/bench.py                  # full run: 3 rounds of 10 s per measurement
     python bench/bench.py --smoke          # a few seconds, tiny database: checks it all works
 
+Figures mean something only on a quiet machine: the run refuses to start while the load
+average (one minute) is above 1, unless --busy is given, and then the report says so at its
+top. The load average before and after the run is printed with the figures (the run itself
+keeps both cores busy, so the figure after it is about 2 whatever else ran).
+
 Needs wrk (Debian: apt-get install wrk). Prints a table of req/s, p50 and p99 for each
 measurement, the ratio of each to its ceiling, the server's peak RSS and the WAL size. The
 storage ceilings are raw sqlite3 committing one order per transaction, at synchronous = FULL
@@ -29,6 +34,8 @@ sys.path.insert(0, ROOT)
 import ordering  # noqa: E402
 
 TWO_CORES = (os.cpu_count() or 1) >= 2
+#: The one-minute load average above which a run is refused (see the module's docstring).
+QUIET_LOAD = 1.0
 
 
 # Building the database through the module's own functions --------------------------------
@@ -347,13 +354,25 @@ def main():
     parser.add_argument("--threads", type=int, default=4, help="server threads (both servers; the service default)")
     parser.add_argument("--storage-orders", type=int, default=3000)
     parser.add_argument("--smoke", action="store_true", help="tiny and quick: checks the bench")
+    parser.add_argument("--busy", action="store_true",
+                        help="run although the load average is above 1 (the report says so)")
     args = parser.parse_args()
+    before = os.getloadavg()[0]
+    if before > QUIET_LOAD and not (args.busy or args.smoke):
+        sys.exit(f"load average {before:.2f} is above {QUIET_LOAD}: other work would be measured "
+                 "too. Wait for a quiet machine (nothing else running), or pass --busy to run "
+                 "anyway with the report marked.")
     if args.smoke:
         args.orders, args.seconds, args.rounds, args.storage_orders = 2000, 1, 1, 200
     if not shutil.which("wrk"):
         sys.exit("wrk is needed: apt-get install wrk")
     with tempfile.TemporaryDirectory() as workdir:
         results, rss, wal, walk = measure(args, workdir)
+    after = os.getloadavg()[0]
+    if before > QUIET_LOAD:
+        print(f"**NOT A QUIET MACHINE: load average {before:.2f} before the run (above "
+              f"{QUIET_LOAD}); these figures include other work.**\n")
+    print(f"load average (1 min): {before:.2f} before the run, {after:.2f} after it\n")
     print(report(results, rss, wal, walk, args))
 
 
