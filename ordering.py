@@ -91,7 +91,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older files are migrated up to it at start.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -155,6 +155,11 @@ class Settings:
     #: URL templates for the named carriers; {number} is replaced by the tracking number.
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
+    #: Stripe's webhook signing secrets (whsec_...): one, or two during a secret roll (either
+    #: signature passes). POST /billing/stripe/webhook is served only when one is set.
+    stripe_webhook_secrets: tuple = ()
+    #: Seconds a Stripe-Signature timestamp stays acceptable (Stripe's own libraries: 300).
+    stripe_webhook_tolerance: int = 300
 
     @classmethod
     def from_environment(cls, environ=os.environ, **overrides):
@@ -174,6 +179,9 @@ class Settings:
             "ORDERING_KEY_CACHE_SECONDS": ("key_cache_seconds", float),
             "ORDERING_PROXY_ADDRESS": ("proxy_address", proxy_address),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
+            "ORDERING_STRIPE_WEBHOOK_SECRET": ("stripe_webhook_secrets", stripe_webhook_secrets),
+            "ORDERING_STRIPE_WEBHOOK_TOLERANCE": ("stripe_webhook_tolerance",
+                                                  stripe_webhook_tolerance),
         }
         for variable, (field, parse) in readers.items():
             if environ.get(variable, "") != "":
@@ -193,6 +201,8 @@ class Settings:
             raise ValueError(f"synchronous (ORDERING_SYNCHRONOUS) must be one of "
                              f"{', '.join(SYNCHRONOUS_LEVELS)}, not {self.synchronous!r}")
         self.synchronous = level
+        self.stripe_webhook_secrets = stripe_webhook_secrets(self.stripe_webhook_secrets)
+        self.stripe_webhook_tolerance = stripe_webhook_tolerance(self.stripe_webhook_tolerance)
 
 
 #: The PRAGMA synchronous levels accepted; see README, Storage and durability.
@@ -208,6 +218,30 @@ def _non_negative_float(text):
     if not 0 <= value < math.inf:
         raise ValueError(f"must be a number 0 or more, not {text!r}")
     return value
+
+
+def stripe_webhook_secrets(value):
+    """Stripe webhook secrets, from text (separated by a comma) or a sequence, as a tuple: none,
+    one, or two during a roll. The refusal never repeats a secret (it would reach logs)."""
+    parts = [str(part).strip() for part in (value.split(",") if isinstance(value, str)
+                                            else value)]
+    if parts in ([], [""]):
+        return ()
+    if len(parts) > 2 or not all(re.fullmatch(r"whsec_[!-~]+", part)
+                                           for part in parts):
+        raise ValueError("Stripe webhook secret (ORDERING_STRIPE_WEBHOOK_SECRET, serve "
+                         "--stripe-webhook-secret) must be one whsec_... secret, or two "
+                         "separated by a comma during a roll")
+    return tuple(parts)
+
+
+def stripe_webhook_tolerance(value):
+    """Whole seconds, 1 or more, from text or a number."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:
+        raise ValueError(f"Stripe webhook tolerance (ORDERING_STRIPE_WEBHOOK_TOLERANCE) must be "
+                         f"a whole number of seconds, 1 or more, not {value!r}")
+    return int(text)
 
 
 def proxy_address(text):
@@ -415,11 +449,15 @@ _emitted = threading.local()
 # Schema and migrations -----------------------------------------------------------------------
 
 def apply_schema(conn):
-    """Create what is missing, then migrate by the schema version the engine keeps."""
+    """Create what is missing, then migrate by the schema version the engine keeps. Tables are
+    made before the migrations and everything else after them, so that an index may name a
+    column that a migration adds to an older file."""
     engine = conn.engine
     fresh = not engine.has_tables(conn)
-    for statement in engine.schema_statements():
-        conn.execute(statement)
+    statements = engine.schema_statements()
+    for statement in statements:
+        if "CREATE TABLE" in statement:
+            conn.execute(statement)
     # schema.sql makes a new database current: only older files take the migrations.
     version = SCHEMA_VERSION if fresh else engine.schema_version(conn)
     if version > SCHEMA_VERSION:
@@ -427,6 +465,9 @@ def apply_schema(conn):
                            f"({SCHEMA_VERSION}); upgrade ordering")
     for target in range(version + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS.get(target, ()):
+            conn.execute(statement)
+    for statement in statements:
+        if "CREATE TABLE" not in statement:
             conn.execute(statement)
     engine.set_schema_version(conn, SCHEMA_VERSION)
 
@@ -448,6 +489,16 @@ MIGRATIONS = {
     1: (),
     2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
         "ALTER TABLE idempotency_keys ADD COLUMN claimed_by TEXT"),
+    # Billing: a company's Stripe customer; invoice amounts in their currency's minor unit
+    # (the invoice-paid command used to store cents of every currency). The currencies are
+    # Stripe's zero- and three-decimal lists as this version found them.
+    3: ("ALTER TABLE companies ADD COLUMN stripe_customer_id TEXT",
+        "ALTER TABLE invoices RENAME COLUMN amount_paid_cents TO amount_paid_minor",
+        "UPDATE invoices SET amount_paid_minor = amount_paid_minor / 100 WHERE currency IN "
+        "('bif', 'clp', 'djf', 'gnf', 'jpy', 'kmf', 'krw', 'mga', 'pyg', 'rwf', 'ugx', 'vnd', "
+        "'vuv', 'xaf', 'xof', 'xpf')",
+        "UPDATE invoices SET amount_paid_minor = amount_paid_minor * 10 WHERE currency IN "
+        "('bhd', 'jod', 'kwd', 'omr', 'tnd')"),
 }
 
 
@@ -1170,6 +1221,42 @@ def json_text(value):
     return _JSON.encode(value)
 
 
+# Billing: amounts in their currency's minor unit ---------------------------------------------
+# Stripe counts an amount in its currency's minor unit, and not every currency has two
+# decimals. The lists are Stripe's published ones (docs.stripe.com/currencies); every other
+# currency has two in Stripe's amounts, its special cases ISK, HUF and TWD included.
+
+#: Decimal places of the currencies whose minor unit is not a hundredth, by lower-case code.
+CURRENCY_DECIMALS = {
+    **dict.fromkeys(("bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf", "ugx",
+                     "vnd", "vuv", "xaf", "xof", "xpf"), 0),
+    **dict.fromkeys(("bhd", "jod", "kwd", "omr", "tnd"), 3),
+}
+
+
+def currency_decimals(currency):
+    return CURRENCY_DECIMALS.get(currency, 2)
+
+
+def money_in(amount, currency):
+    """An amount in the currency's minor unit to the JSON number the API shows, as money() does
+    for cents: 1250 usd is 12.5, 1200 jpy is 1200, 12345 kwd is 12.345. The true division of
+    two integers gives the double nearest the exact amount, whose shortest text (the one JSON
+    writes) is that amount's decimals for every amount below 10**15 minor units."""
+    scale = 10 ** currency_decimals(currency)
+    return amount // scale if amount % scale == 0 else amount / scale
+
+
+def minor_units_from_text(text, currency):
+    """'12.345' in kwd to 12345, for the command line; None when the text is not a plain
+    amount or has more decimals than the currency."""
+    match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*", text or "")
+    decimals = currency_decimals(currency)
+    if not match or len(match.group(2) or "") > decimals:
+        return None
+    return int(match.group(1) + (match.group(2) or "").ljust(decimals, "0"))
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Text and markup
 # ---------------------------------------------------------------------------------------------
@@ -1364,6 +1451,7 @@ MAX_ORDER_NOTES = 2000
 MAX_WEBHOOKS = 10
 MAX_CENTS = 2 ** 63 - 1
 MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
+                            # (an invoice's: in its currency's minor unit)
 
 
 # Validators ----------------------------------------------------------------------------------
@@ -2165,9 +2253,11 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     return payload
 
 
-def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, currency,
+def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, currency,
                         hosted_invoice_url, number, period_start, period_end):
-    """A paid invoice of the company's own subscription, as the billing provider reports it."""
+    """A paid invoice of the company's own subscription, as the billing provider reports it;
+    amount_paid is in the currency's minor unit (see money_in). Stripe's webhook and the
+    invoice-paid command both record through here."""
     load_company(conn, company_id)
     for field, value in (("stripeInvoiceId", stripe_invoice_id), ("number", number)):
         if not value:
@@ -2176,8 +2266,10 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
         raise invalid("currency", "must be a three-letter lower-case code")
     if not valid_http_url(hosted_invoice_url):
         raise invalid("hostedInvoiceUrl", "must be an http or https URL")
-    if not isinstance(amount_paid_cents, int) or amount_paid_cents < 0:
-        raise invalid("amountPaid", "must be an amount >= 0")
+    if not (isinstance(amount_paid, int) and not isinstance(amount_paid, bool)
+            and 0 <= amount_paid <= MAX_AMOUNT_CENTS):
+        raise invalid("amountPaid", f"must be a whole number of minor units from 0 to "
+                                    f"{MAX_AMOUNT_CENTS}")
     period = []
     for field, value in (("periodStart", period_start), ("periodEnd", period_end)):
         ms = js_parse_date(value)
@@ -2189,12 +2281,12 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
         raise ApiError(409, f'Invoice "{stripe_invoice_id}" was already recorded.')
     invoice_id, at = new_id_at("inv")
     conn.execute(
-        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_cents, currency, "
+        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, currency, "
         "hosted_invoice_url, number, period_start, period_end, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (invoice_id, company_id, stripe_invoice_id, amount_paid_cents, currency,
+        (invoice_id, company_id, stripe_invoice_id, amount_paid, currency,
          hosted_invoice_url, number, period[0], period[1], at))
-    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money(amount_paid_cents),
+    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money_in(amount_paid, currency),
                "currency": currency, "hostedInvoiceUrl": hosted_invoice_url, "number": number,
                "periodStart": period[0], "periodEnd": period[1]}
     emit(conn, company_id, "invoice.paid", payload)
@@ -3778,7 +3870,10 @@ EVENT_PAYLOADS = {
         **_PRODUCT_NAMES, "currentStock": integer_schema(), "threshold": integer_schema(0),
         "triggeringOrderId": nullable(ID_SCHEMA)}),
     "invoice.paid": object_schema({
-        "stripeInvoiceId": string_schema(1), "amountPaid": money_schema(),
+        "stripeInvoiceId": string_schema(1),
+        "amountPaid": dict(money_schema(), description=(
+            "In the invoice's currency, as many decimals as its minor unit has: 49 for 49.00 "
+            "usd, 1200 for 1200 jpy, 12.345 for 12.345 kwd.")),
         "currency": string_schema(pattern="^[a-z]{3}$"), "hostedInvoiceUrl": URL_SCHEMA,
         "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
         "periodEnd": TIMESTAMP_SCHEMA}),
@@ -5349,6 +5444,16 @@ def _amount(text):
     return cents
 
 
+def _invoice_amount(text):
+    """A plain amount with up to three decimals; how many its currency allows is checked once
+    the currency is known (cmd_invoice_paid)."""
+    if not re.fullmatch(r"\s*\d+(\.\d{1,3})?\s*", text):
+        raise argparse.ArgumentTypeError("must be an amount such as 12.50")
+    if decimal.Decimal(text) > money(MAX_AMOUNT_CENTS):
+        raise argparse.ArgumentTypeError(f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
+    return text
+
+
 def _proxy_address(text):
     try:
         return proxy_address(text)
@@ -5481,7 +5586,11 @@ def cmd_return_refund(conn, args):
 
 
 def cmd_invoice_paid(conn, args):
-    return record_invoice_paid(conn, args.company, args.invoice_id, args.amount_paid,
+    amount_paid = minor_units_from_text(args.amount_paid, args.currency)
+    if amount_paid is None:
+        raise invalid("amountPaid", f"must have at most {currency_decimals(args.currency)} "
+                                    f"decimal places in {args.currency}")
+    return record_invoice_paid(conn, args.company, args.invoice_id, amount_paid,
                                args.currency, args.hosted_invoice_url, args.number,
                                args.period_start, args.period_end)
 
@@ -5676,7 +5785,8 @@ def build_parser():
                   "record a paid invoice of the company's subscription (invoice.paid)")
     sub.add_argument("--company", required=True, help="company ID")
     sub.add_argument("--invoice-id", required=True, help="billing provider's invoice ID")
-    sub.add_argument("--amount-paid", type=_amount, required=True)
+    sub.add_argument("--amount-paid", type=_invoice_amount, required=True,
+                     help="in the currency: 49.00 usd, 4900 jpy, 12.345 kwd")
     sub.add_argument("--currency", required=True, help="lower-case code, e.g. usd")
     sub.add_argument("--hosted-invoice-url", required=True)
     sub.add_argument("--number", required=True)

@@ -2345,7 +2345,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
     result = cli_json(db_path, "copy-to", url)
 
     expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1, "orders": 2,
-                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0, "webhooks": 1,
+                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0,
+                "stripe_events": 0, "webhooks": 1,
                 "events": 2, "deliveries": 2, "idempotency_keys": 1, "staff": 1,
                 "staff_sessions": 2, "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
@@ -2377,7 +2378,7 @@ def test_copy_to_matches_columns_by_name(db_path, postgres_server):
     # A table made by an older schema keeps its own order of columns.
     source = sqlite3.connect(db_path)
     source.execute("CREATE TABLE companies (slug TEXT NOT NULL UNIQUE, created_at TEXT NOT NULL, "
-                   "name TEXT NOT NULL, id TEXT PRIMARY KEY)")
+                   "stripe_customer_id TEXT, name TEXT NOT NULL, id TEXT PRIMARY KEY)")
     source.execute(f"PRAGMA user_version = {ordering.SCHEMA_VERSION}")
     source.close()
     seed_company(db_path, 1, 5, 1)
@@ -7185,6 +7186,87 @@ def test_key_form_refuses_no_scopes_and_a_bad_expiry(app, tenant, browser):
     create["expiresAt"] = ""
     assert "must be some of" in create.submit(status=400).text
     assert snapshot(app.service.db) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Billing: Stripe's signed webhooks become invoice.paid; the company's Stripe customer
+# (company-update, the Settings page); the Billing page; amounts in their currency's minor unit
+# ---------------------------------------------------------------------------------------------
+
+def stored_amounts(database):
+    """(currency, amount_paid_minor) of every invoice, by currency."""
+    conn = read_db(database)
+    try:
+        return sorted(tuple(row) for row in conn.execute(
+            "SELECT currency, amount_paid_minor FROM invoices"))
+    finally:
+        conn.close()
+
+
+def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(database):
+    db = ordering.Database(str(database))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Acme Wholesale")
+        other = ordering.create_company(conn, "Other Company")
+        for number, (currency, cents) in enumerate((("usd", 4900), ("jpy", 120000),
+                                                     ("kwd", 1250))):
+            conn.execute(
+                "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, "
+                "currency, hosted_invoice_url, number, period_start, period_end, created_at) "
+                "VALUES (?, ?, ?, ?, ?, 'https://billing.example/i', 'N', "
+                "'2026-01-01T00:00:00.000Z', '2026-02-01T00:00:00.000Z', "
+                "'2026-02-01T00:00:00.000Z')",
+                (f"inv_{number}", company["id"], f"in_{number}", cents, currency))
+        # Back to version 2: no Stripe customer, no Stripe events, amounts in cents of every
+        # currency (as the invoice-paid command stored them).
+        for statement in ("DROP INDEX companies_by_stripe_customer",
+                          "DROP INDEX invoices_by_company_newest", "DROP TABLE stripe_events",
+                          "ALTER TABLE companies DROP COLUMN stripe_customer_id",
+                          "ALTER TABLE invoices RENAME COLUMN amount_paid_minor TO "
+                          "amount_paid_cents"):
+            conn.execute(statement)
+        conn.engine.set_schema_version(conn, 2)
+    db.close()
+
+    db = ordering.Database(str(database))
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 3
+        assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
+        with db.write() as conn:
+            conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
+                         (company["id"],))
+        with pytest.raises(sqlite3.DatabaseError):
+            with db.write() as conn:
+                conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
+                             (other["id"],))
+        assert db.conn.execute("SELECT COUNT(*) FROM stripe_events").fetchone()[0] == 0
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("currency, text, shown", [
+    ("usd", "49.5", 49.5), ("jpy", "1200", 1200), ("kwd", "12.345", 12.345), ("kwd", "7", 7)])
+def test_cli_invoice_paid_takes_the_amount_in_its_currency(quiet_tenant, db_path, currency,
+                                                          text, shown):
+    printed = cli_json(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id",
+                       "in_cli", "--amount-paid", text, "--currency", currency,
+                       "--hosted-invoice-url", "https://billing.example/in_cli", "--number",
+                       "INV-1", "--period-start", "2026-03-01", "--period-end", "2026-04-01")
+    assert printed["amountPaid"] == shown and type(printed["amountPaid"]) is type(shown)
+    stored = ordering.minor_units_from_text(text, currency)
+    assert stored_amounts(db_path) == [(currency, stored)]
+
+
+@pytest.mark.parametrize("currency, text, places", [("jpy", "1200.5", 0), ("usd", "49.505", 2)])
+def test_cli_invoice_paid_refuses_more_decimals_than_its_currency_has(quiet_tenant, db_path,
+                                                                      currency, text, places):
+    cli_refuses(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_cli",
+                "--amount-paid", text, "--currency", currency, "--hosted-invoice-url",
+                "https://billing.example/in_cli", "--number", "INV-1", "--period-start",
+                "2026-03-01", "--period-end", "2026-04-01",
+                message=f"Validation failed.\n  amountPaid: must have at most {places} decimal "
+                        f"places in {currency}")
+    assert stored_amounts(db_path) == []
 
 
 # ---------------------------------------------------------------------------------------------
