@@ -1454,6 +1454,14 @@ MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator comma
                             # (an invoice's: in its currency's minor unit)
 
 
+# Billing: messages of the company's Stripe customer and of Stripe's webhook -----------------
+
+#: A Stripe customer ID as Stripe writes them: cus_ and letters and digits, 255 at most.
+STRIPE_CUSTOMER_PATTERN = r"cus_[A-Za-z0-9]{1,251}"
+STRIPE_CUSTOMER_RULE = "must be a Stripe customer ID such as cus_NffrFeUfNV2Hib, or empty"
+STRIPE_CUSTOMER_TAKEN = "This Stripe customer ID is already another company's."
+
+
 # Validators ----------------------------------------------------------------------------------
 
 def is_number(value):
@@ -1663,6 +1671,11 @@ def staff_json(row):
     return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
 
 
+def company_json(row):
+    return {"id": row["id"], "name": row["name"], "slug": row["slug"],
+            "stripeCustomerId": row["stripe_customer_id"]}
+
+
 def orders_json(conn, order_rows):
     """Orders with their items in two queries, however many orders there are."""
     if not order_rows:
@@ -1768,6 +1781,39 @@ def create_company(conn, name, slug=None):
     conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
                  (company_id, name, slug, at))
     return {"id": company_id, "name": name, "slug": slug}
+
+
+def _stripe_customer(value):
+    value = (value or "").strip() or None
+    if value is not None and not re.fullmatch(STRIPE_CUSTOMER_PATTERN, value):
+        raise invalid("stripeCustomerId", STRIPE_CUSTOMER_RULE)
+    return value
+
+
+#: The company's settings update_company changes: column, and the check that returns the value
+#: to store (None clears it). A new setting is a column and a line here.
+COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer}
+
+
+def update_company(conn, company_id, changes):
+    """Change some of a company's settings ({column of COMPANY_SETTINGS: value}); returns the
+    company. A Stripe customer is at most one company's (its paid invoices are that
+    company's invoice.paid)."""
+    unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
+    if unknown:
+        raise invalid(unknown[0], "is not a company setting")
+    checked = {column: COMPANY_SETTINGS[column](value) for column, value in changes.items()}
+    before = load_company(conn, company_id)
+    customer = checked.get("stripe_customer_id")
+    if customer is not None and conn.execute(
+            "SELECT 1 FROM companies WHERE stripe_customer_id = ? AND id <> ?",
+            (customer, company_id)).fetchone():
+        raise ApiError(409, STRIPE_CUSTOMER_TAKEN)
+    changed = {column: value for column, value in checked.items() if before[column] != value}
+    if changed:
+        conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in changed)} "
+                     "WHERE id = ?", [*changed.values(), company_id])
+    return load_company(conn, company_id)
 
 
 def company_by_slug(conn, store_slug):
@@ -5520,6 +5566,16 @@ def cmd_company_create(conn, args):
     return create_company(conn, args.name, args.slug)
 
 
+#: company-update's options and the company settings they change.
+_COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"),)
+
+
+def cmd_company_update(conn, args):
+    changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
+               if getattr(args, option) is not None}
+    return company_json(update_company(conn, args.id, changes))
+
+
 def cmd_key_create(conn, args):
     scopes = [scope.strip() for scope in args.scopes.split(",") if scope.strip()]
     return create_api_key(conn, args.company, scopes, args.rate_limit, args.expires_at)
@@ -5721,6 +5777,13 @@ def build_parser():
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
     sub.add_argument("--slug", help="storefront slug (default: from the name)")
+
+    sub = command("company-update", cmd_company_update,
+                  "change a company's settings and print the company")
+    sub.add_argument("id", metavar="COMPANY_ID")
+    sub.add_argument("--stripe-customer", metavar="CUSTOMER_ID",
+                     help="the company's Stripe customer (cus_...), whose paid invoices Stripe's "
+                          "webhook turns into invoice.paid; '' removes it")
 
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")

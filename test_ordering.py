@@ -7269,6 +7269,51 @@ def test_cli_invoice_paid_refuses_more_decimals_than_its_currency_has(quiet_tena
     assert stored_amounts(db_path) == []
 
 
+# The company's Stripe customer -------------------------------------------------------------
+
+def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
+    printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
+                       "cus_NffrFeUfNV2Hib")
+    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib")
+    assert cli_json(db_path, "company-update", company["id"]) == printed
+    assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
+        company, stripeCustomerId=None)
+
+
+def test_company_update_refuses_and_writes_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
+    other = cli_json(db_path, "company-create", "--name", "Other Company")
+    cli_json(db_path, "company-update", other["id"], "--stripe-customer", "cus_Other1")
+    for value in ("cus_", "sub_1", "cus_1 2", "cus_<script>", "cus_" + "a" * 252):
+        cli_refuses(db_path, "company-update", company["id"], "--stripe-customer", value,
+                    message="Validation failed.\n  stripeCustomerId: "
+                            + ordering.STRIPE_CUSTOMER_RULE)
+    cli_refuses(db_path, "company-update", company["id"], "--stripe-customer", "cus_Other1",
+                message=ordering.STRIPE_CUSTOMER_TAKEN)
+    cli_refuses(db_path, "company-update", "co_nope", "--stripe-customer", "cus_1",
+                message="Company not found.")
+    assert cli_json(db_path, "company-update", company["id"])["stripeCustomerId"] is None
+
+
+def test_a_stripe_customer_is_at_most_one_companys(app, tenant, other):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"stripe_customer_id": " cus_Acme1 "})
+        assert ordering.update_company(conn, tenant.id, {"stripe_customer_id": "cus_Acme1"})[
+            "stripe_customer_id"] == "cus_Acme1"
+    with pytest.raises(ordering.ApiError) as taken:
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, other.id, {"stripe_customer_id": "cus_Acme1"})
+    assert (taken.value.status, taken.value.message) == (409, ordering.STRIPE_CUSTOMER_TAKEN)
+    with pytest.raises(ordering.ApiError) as unknown:
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, tenant.id, {"name": "Renamed"})
+    assert unknown.value.details == [{"field": "name", "rule": "is not a company setting"}]
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT name, stripe_customer_id FROM companies ORDER BY id")] == [
+        ("Acme Wholesale", "cus_Acme1"), ("Other Company", None)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dashboard in a real browser: headless Chromium driven by Selenium against `ordering.py serve`
 # ---------------------------------------------------------------------------------------------
