@@ -1460,6 +1460,10 @@ MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator comma
 STRIPE_CUSTOMER_PATTERN = r"cus_[A-Za-z0-9]{1,251}"
 STRIPE_CUSTOMER_RULE = "must be a Stripe customer ID such as cus_NffrFeUfNV2Hib, or empty"
 STRIPE_CUSTOMER_TAKEN = "This Stripe customer ID is already another company's."
+STRIPE_SIGNATURE_MISSING = "Missing Stripe-Signature header."
+STRIPE_SIGNATURE_MALFORMED = "Malformed Stripe-Signature header."
+STRIPE_SIGNATURE_MISMATCH = "No v1 signature in Stripe-Signature matches the body."
+STRIPE_SIGNATURE_EXPIRED = "Stripe-Signature timestamp is older than the tolerance."
 
 
 # Validators ----------------------------------------------------------------------------------
@@ -2337,6 +2341,108 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
                "periodStart": period[0], "periodEnd": period[1]}
     emit(conn, company_id, "invoice.paid", payload)
     return payload
+
+
+# Billing: Stripe's events --------------------------------------------------------------------
+# An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
+# transaction: an invoice.paid of a company's Stripe customer is recorded through
+# record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
+# may send one twice, and retries until it is answered) finds the ID and does nothing. Other
+# events, and invoices no company can take, are answered and ignored, and leave no ID behind:
+# Stripe can send them again (its dashboard's "Resend") once the company is mapped.
+
+def parse_stripe_event(body):
+    """The event object of a verified body, checked for what receive_stripe_event reads."""
+    require_object(body, "event")
+    for field in ("id", "type"):
+        if not isinstance(body.get(field), str) or not body[field]:
+            raise invalid(field, "must be a non-empty string")
+    data = body.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("object"), dict):
+        raise invalid("data.object", "must be an object")
+    return body
+
+
+def receive_stripe_event(conn, event):
+    """What became of a Stripe event: {"result": "recorded"}, {"result": "duplicate"}, or
+    {"result": "ignored", "reason": ...}."""
+    if event["type"] != "invoice.paid":
+        return {"result": "ignored", "reason": f"{event['type']} is not acted on"}
+    if conn.execute("SELECT 1 FROM stripe_events WHERE id = ?", (event["id"],)).fetchone():
+        return {"result": "duplicate"}
+    invoice = event["data"]["object"]
+    customer = invoice.get("customer")
+    customer = customer.get("id") if isinstance(customer, dict) else customer
+    company = conn.execute("SELECT id FROM companies WHERE stripe_customer_id = ?",
+                           (customer,)).fetchone() if isinstance(customer, str) else None
+    if company is None:
+        log.warning("Stripe event %s: invoice %s is of Stripe customer %s, which is no "
+                    "company's: map it (company-update COMPANY_ID --stripe-customer %s) and "
+                    "resend the event from Stripe", event["id"], invoice.get("id"), customer,
+                    customer)
+        return {"result": "ignored", "reason": f"Stripe customer {customer} is no company's"}
+    try:
+        start, end = invoice_period(invoice)
+        currency = invoice.get("currency")
+        record_invoice_paid(
+            conn, company["id"], _text(invoice.get("id")), invoice.get("amount_paid"),
+            currency.lower() if isinstance(currency, str) else None,
+            _text(invoice.get("hosted_invoice_url")), _text(invoice.get("number")),
+            iso(start * 1000), iso(end * 1000))
+    except ApiError as refusal:
+        # Nothing is written before a refusal; a retry would be refused alike.
+        reason = "; ".join(f"{d['field']}: {d['rule']}" for d in refusal.details or ()) \
+            or refusal.message
+        log.warning("Stripe event %s: invoice %s not recorded: %s", event["id"],
+                    invoice.get("id"), reason)
+        return {"result": "ignored", "reason": reason}
+    conn.execute("INSERT INTO stripe_events (id, company_id, event_type, received_at) "
+                 "VALUES (?, ?, ?, ?)", (event["id"], company["id"], event["type"], now_iso()))
+    return {"result": "recorded"}
+
+
+def _text(value):
+    return value if isinstance(value, str) else None
+
+
+#: Unix times iso() can write (years 1970 to 9999).
+_LAST_UNIX_SECOND = 253402300799
+
+
+def invoice_period(invoice):
+    """(start, end) in Unix seconds of what a paid invoice paid for: the service period of its
+    subscription lines (the earliest start to the latest end; prorations only when the invoice
+    has nothing else), and the invoice's own period_start and period_end only for an invoice
+    without one. Those two fields bound the invoice items the invoice may take, not the service
+    it charges for: a renewal's are the period that just ended while its line is the one paid
+    in advance, and a subscription's first invoice has the same moment in both. Lines are read
+    as the event carries them."""
+    lines = list(_subscription_lines(invoice))
+    kept = [line for line, proration in lines if not proration] or [line for line, _ in lines]
+    periods = [line.get("period") if isinstance(line.get("period"), dict) else {}
+               for line in kept]
+    starts = [period.get("start") for period in periods] or [invoice.get("period_start")]
+    ends = [period.get("end") for period in periods] or [invoice.get("period_end")]
+    if not all(isinstance(value, int) and not isinstance(value, bool)
+               and 0 <= value <= _LAST_UNIX_SECOND for value in starts + ends):
+        raise invalid("period", "must be Unix times")
+    return min(starts), max(ends)
+
+
+def _subscription_lines(invoice):
+    """(line, whether it is a proration) of each subscription line: in the current shape of
+    Stripe's API (parent.subscription_item_details) and the older one (type "subscription")."""
+    lines = invoice.get("lines")
+    data = lines.get("data") if isinstance(lines, dict) else None
+    for line in data if isinstance(data, list) else ():
+        if not isinstance(line, dict):
+            continue
+        parent = line.get("parent")
+        details = parent.get("subscription_item_details") if isinstance(parent, dict) else None
+        if isinstance(details, dict):
+            yield line, bool(details.get("proration"))
+        elif line.get("type") == "subscription":
+            yield line, bool(line.get("proration"))
 
 
 # Webhook subscriptions -----------------------------------------------------------------------
@@ -3414,6 +3520,73 @@ def patch_webhook(call, webhook_id):
 def remove_webhook(call, webhook_id):
     """Delete a webhook subscription and its delivery log"""
     return {"data": delete_webhook(call.conn, call.company_id, webhook_id)}
+
+
+# Billing: Stripe's webhook -------------------------------------------------------------------
+# POST /billing/stripe/webhook lives beside the API, not in it: no API key (Stripe signs every
+# body instead), no rate limit, not in ROUTES or the OpenAPI document, and no route at all (a
+# 404) unless a Stripe webhook secret is set. The raw body is verified before it is parsed.
+
+STRIPE_WEBHOOK_PATH = "/billing/stripe/webhook"
+
+
+def verify_stripe_signature(secrets_, body, header, now, tolerance):
+    """Refuse (400) a body unless header, Stripe-Signature: t=<Unix time>,v1=<hex>[,v1=...],
+    carries a v1 that is the HMAC-SHA256 of "<t>.<body>" keyed with one of the secrets, each
+    compared in constant time, and t is at most tolerance seconds before now. Other schemes
+    (v0) are ignored, as Stripe's own libraries ignore them."""
+    if not header:
+        raise ApiError(400, STRIPE_SIGNATURE_MISSING)
+    timestamp, signatures = None, []
+    for item in header.split(","):
+        name, equals, value = item.strip().partition("=")
+        if not equals or (name == "t" and (timestamp is not None
+                                           or not re.fullmatch(r"[0-9]{1,15}", value))):
+            raise ApiError(400, STRIPE_SIGNATURE_MALFORMED)
+        if name == "t":
+            timestamp = int(value)
+        elif name == "v1":
+            signatures.append(value.encode("utf-8", "replace"))
+    if timestamp is None:
+        raise ApiError(400, STRIPE_SIGNATURE_MALFORMED)
+    signed = b"%d." % timestamp + body
+    expected = [hmac.new(secret.encode("utf-8"), signed, hashlib.sha256).hexdigest().encode()
+                for secret in secrets_]
+    if not any(hmac.compare_digest(mine, theirs) for mine in expected for theirs in signatures):
+        raise ApiError(400, STRIPE_SIGNATURE_MISMATCH)
+    if timestamp < now - tolerance:
+        raise ApiError(400, STRIPE_SIGNATURE_EXPIRED)
+
+
+def stripe_webhook(service):
+    """200 once an event is acted on or ignored (a repeat too), so that Stripe stops sending
+    it; 400 and nothing recorded for a body not signed as it should be; 413 for one over the
+    size limit; a failure of ours is a 500, which Stripe retries."""
+    environ, settings = bottle.request.environ, service.settings
+    try:
+        raw = service.read_body(environ)
+        verify_stripe_signature(settings.stripe_webhook_secrets, raw,
+                                environ.get("HTTP_STRIPE_SIGNATURE"), service.clock(),
+                                settings.stripe_webhook_tolerance)
+        event = parse_stripe_event(parse_json_body(raw))
+        with service.db.write() as conn:
+            status, body = 200, receive_stripe_event(conn, event)
+    except ApiError as error:
+        status, body = error.status, error.body()
+    except Exception:
+        log.exception("POST %s failed", STRIPE_WEBHOOK_PATH)
+        bottle.response.status = 500
+        bottle.response.content_type = "text/plain; charset=utf-8"
+        return b"Internal Server Error"
+    bottle.response.status = status
+    bottle.response.content_type = "application/json"
+    return json_text(body).encode()
+
+
+def install_stripe_webhook(app):
+    service = app.service
+    if service.settings.stripe_webhook_secrets:
+        app.route(STRIPE_WEBHOOK_PATH, "POST", lambda: stripe_webhook(service))
 
 
 # Serving the API -----------------------------------------------------------------------------
@@ -5226,6 +5399,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
         bottle.response.content_type = "application/json"
         return document
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
+    install_stripe_webhook(app)
     install_dashboard(app)
     app.error_handler.update({
         404: _error_page(404, "Not found."),
@@ -5507,6 +5681,13 @@ def _proxy_address(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _stripe_webhook_secrets(text):
+    try:
+        return stripe_webhook_secrets(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _moment(text):
     moment = moment_text(text)
     if moment is None:
@@ -5773,6 +5954,10 @@ def build_parser():
     serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
                            help="with --trust-proxy: the proxy's IP address, or * for any "
                                 "peer (127.0.0.1)")
+    serve_cmd.add_argument("--stripe-webhook-secret", dest="stripe_webhook_secrets",
+                           type=_stripe_webhook_secrets, default=None, metavar="WHSEC",
+                           help="Stripe's webhook signing secret (two, comma-separated, during "
+                                "a roll): serves POST /billing/stripe/webhook")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
@@ -5910,7 +6095,8 @@ def main(argv=None):
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard"):
+                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard",
+                     "stripe_webhook_secrets"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

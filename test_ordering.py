@@ -33,6 +33,7 @@ import jsonschema
 import openapi_spec_validator
 import pytest
 import schemathesis
+import stripe
 import webtest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
@@ -7267,6 +7268,447 @@ def test_cli_invoice_paid_refuses_more_decimals_than_its_currency_has(quiet_tena
                 message=f"Validation failed.\n  amountPaid: must have at most {places} decimal "
                         f"places in {currency}")
     assert stored_amounts(db_path) == []
+
+
+# Stripe's webhook --------------------------------------------------------------------------
+
+STRIPE_PATH = "/billing/stripe/webhook"
+STRIPE_SECRET = "whsec_" + "Ab1" * 11
+STRIPE_NEXT_SECRET = "whsec_" + "Zy9" * 11
+#: The service's clock in these tests, held still (2026-09-21T14:13:20Z).
+STRIPE_NOW = 1_790_000_000
+JAN_1, JAN_15, JAN_20, FEB_1, MAR_1 = (1767225600, 1768435200, 1768867200, 1769904000,
+                                      1772323200)
+PAID_KEYS = {"stripeInvoiceId", "amountPaid", "currency", "hostedInvoiceUrl", "number",
+             "periodStart", "periodEnd"}
+
+
+def stripe_app(database, deliver=False, secrets=STRIPE_SECRET, **settings):
+    app = build_app(database, deliver=deliver, stripe_webhook_secrets=secrets, **settings)
+    app.service.clock = lambda: STRIPE_NOW
+    return app
+
+
+@pytest.fixture
+def billing(database):
+    app = stripe_app(database)
+    yield app
+    app.service.close(grace=0)
+
+
+def mapped(app, name="Acme Wholesale", customer="cus_Acme1", hook=HOOK):
+    """A company whose Stripe customer is customer, with a webhook on invoice.paid (so that
+    its events are stored)."""
+    tenant = Tenant(app, name)
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"stripe_customer_id": customer})
+    tenant.hook = subscribe(webtest.TestApp(app), tenant, hook, ["invoice.paid"])
+    return tenant
+
+
+@pytest.fixture
+def billed(billing):
+    return mapped(billing)
+
+
+def subscription_line(start=FEB_1, end=MAR_1, proration=False, shape="current"):
+    """An invoice line of a subscription item, in the current shape of Stripe's API or the
+    older one."""
+    if shape == "older":
+        return {"object": "line_item", "type": "subscription", "proration": proration,
+                "subscription": "sub_1", "subscription_item": "si_1",
+                "period": {"start": start, "end": end}}
+    return {"object": "line_item", "period": {"start": start, "end": end},
+            "parent": {"type": "subscription_item_details", "invoice_item_details": None,
+                       "subscription_item_details": {
+                           "subscription": "sub_1", "subscription_item": "si_1",
+                           "proration": proration, "invoice_item": None,
+                           "proration_details": {"credited_items": None}}}}
+
+
+def invoice_item_line(start=JAN_20, end=JAN_20):
+    return {"object": "line_item", "period": {"start": start, "end": end},
+            "parent": {"type": "invoice_item_details", "subscription_item_details": None,
+                       "invoice_item_details": {"invoice_item": "ii_1", "proration": False,
+                                                "proration_details": None,
+                                                "subscription": None}}}
+
+
+def stripe_invoice(invoice_id="in_1Acme", customer="cus_Acme1", amount_paid=4900, currency="usd",
+                   lines=None, **fields):
+    """A renewal invoice as Stripe sends it: its own period the month that ended, its line the
+    month paid for."""
+    return {"id": invoice_id, "object": "invoice", "customer": customer,
+            "amount_paid": amount_paid, "amount_due": amount_paid, "currency": currency,
+            "hosted_invoice_url": f"https://invoice.stripe.com/i/acct_1/{invoice_id}",
+            "number": "ACME-0001", "status": "paid", "billing_reason": "subscription_cycle",
+            "period_start": JAN_1, "period_end": FEB_1,
+            "parent": {"type": "subscription_details",
+                       "subscription_details": {"subscription": "sub_1"}},
+            "lines": {"object": "list", "has_more": False,
+                      "data": [subscription_line()] if lines is None else lines}, **fields}
+
+
+def stripe_event(data_object=None, event_id="evt_1Acme", event_type="invoice.paid"):
+    return {"id": event_id, "object": "event", "api_version": stripe.api_version,
+            "created": STRIPE_NOW, "livemode": False, "pending_webhooks": 1,
+            "request": {"id": None, "idempotency_key": None}, "type": event_type,
+            "data": {"object": stripe_invoice() if data_object is None else data_object}}
+
+
+def stripe_signature(body, secret=STRIPE_SECRET, timestamp=STRIPE_NOW, scheme="v1"):
+    """Stripe-Signature as these tests make it (and Stripe's library accepts: see
+    test_stripe_accepts_the_signatures_these_tests_make)."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},{scheme}={digest.hexdigest()}"
+
+
+def post_stripe(api, event=None, status=200, signature=None, body=None):
+    """POST an event (or a body) to Stripe's webhook; signature None signs it with
+    STRIPE_SECRET at STRIPE_NOW, False sends no Stripe-Signature."""
+    body = json.dumps(stripe_event() if event is None else event).encode() \
+        if body is None else body
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if signature is not False:
+        headers["Stripe-Signature"] = stripe_signature(body) if signature is None else signature
+    return api.post(STRIPE_PATH, body, headers=headers, status=status)
+
+
+def billing_rows(database):
+    """(invoices, Stripe events, invoice.paid events) stored."""
+    conn = read_db(database)
+    try:
+        return tuple(conn.execute(sql).fetchone()[0] for sql in (
+            "SELECT COUNT(*) FROM invoices", "SELECT COUNT(*) FROM stripe_events",
+            "SELECT COUNT(*) FROM events WHERE name = 'invoice.paid'"))
+    finally:
+        conn.close()
+
+
+def paid_events(database):
+    """The stored invoice.paid events: (company ID, the envelope's exact text)."""
+    conn = read_db(database)
+    try:
+        return [tuple(row) for row in conn.execute(
+            "SELECT company_id, body FROM events WHERE name = 'invoice.paid' ORDER BY id")]
+    finally:
+        conn.close()
+
+
+def test_stripes_webhook_is_not_found_without_a_secret_and_not_part_of_the_api(api, tenant):
+    assert_error(post_stripe(api, status=404), 404, "Not found.")
+    assert STRIPE_PATH not in [route.path for route in ordering.ROUTES]
+    assert STRIPE_PATH not in ordering.openapi_document()["paths"]
+
+
+def test_a_signature_made_by_stripes_library_passes(billing, billed, database):
+    body = json.dumps(stripe_event()).encode()
+    header = stripe.WebhookSignature.generate_signature_header(body.decode(), STRIPE_SECRET,
+                                                               timestamp=STRIPE_NOW)
+    answer = post_stripe(webtest.TestApp(billing), body=body, signature=header)
+    assert answer.content_type == "application/json"
+    assert answer.json == {"result": "recorded"}
+    [(company_id, envelope)] = paid_events(database)
+    assert company_id == billed.id
+    assert json.loads(envelope)["data"] == {
+        "stripeInvoiceId": "in_1Acme", "amountPaid": 49, "currency": "usd",
+        "hostedInvoiceUrl": "https://invoice.stripe.com/i/acct_1/in_1Acme",
+        "number": "ACME-0001", "periodStart": "2026-02-01T00:00:00.000Z",
+        "periodEnd": "2026-03-01T00:00:00.000Z"}
+
+
+def test_stripe_accepts_the_signatures_these_tests_make():
+    body = json.dumps(stripe_event()).encode()
+    now = int(time.time())
+    event = stripe.Webhook.construct_event(body, stripe_signature(body, timestamp=now),
+                                           STRIPE_SECRET)
+    assert (event.id, event.type) == ("evt_1Acme", "invoice.paid")
+    with pytest.raises(stripe.SignatureVerificationError):
+        stripe.Webhook.construct_event(body, stripe_signature(body, STRIPE_NEXT_SECRET, now),
+                                       STRIPE_SECRET)
+
+
+def _one_byte_changed(body):
+    return body.replace(b'"amount_paid": 4900', b'"amount_paid": 9900'), stripe_signature(body)
+
+
+UNSIGNED = {
+    "wrong secret": (lambda body: (body, stripe_signature(body, STRIPE_NEXT_SECRET)),
+                     ordering.STRIPE_SIGNATURE_MISMATCH),
+    "body changed by one byte": (_one_byte_changed, ordering.STRIPE_SIGNATURE_MISMATCH),
+    "v0 only": (lambda body: (body, stripe_signature(body, scheme="v0")),
+                ordering.STRIPE_SIGNATURE_MISMATCH),
+    "older than the tolerance": (
+        lambda body: (body, stripe_signature(body, timestamp=STRIPE_NOW - 301)),
+        ordering.STRIPE_SIGNATURE_EXPIRED),
+    "no header": (lambda body: (body, False), ordering.STRIPE_SIGNATURE_MISSING),
+    "empty header": (lambda body: (body, ""), ordering.STRIPE_SIGNATURE_MISSING),
+    "no timestamp": (lambda body: (body, stripe_signature(body).split(",", 1)[1]),
+                     ordering.STRIPE_SIGNATURE_MALFORMED),
+    "two timestamps": (lambda body: (body, f"t={STRIPE_NOW}," + stripe_signature(body)),
+                       ordering.STRIPE_SIGNATURE_MALFORMED),
+    "timestamp not a number": (lambda body: (body, stripe_signature(body).replace(
+        f"t={STRIPE_NOW}", "t=soon")), ordering.STRIPE_SIGNATURE_MALFORMED),
+    "not key=value": (lambda body: (body, "sha256 " + stripe_signature(body)),
+                      ordering.STRIPE_SIGNATURE_MALFORMED),
+    "semicolons": (lambda body: (body, stripe_signature(body).replace(",", ";")),
+                   ordering.STRIPE_SIGNATURE_MALFORMED),
+}
+
+
+@pytest.mark.parametrize("case", UNSIGNED)
+def test_a_body_not_signed_as_stripe_signs_is_400_and_records_nothing(billing, billed, database,
+                                                                      case):
+    make, message = UNSIGNED[case]
+    body, signature = make(json.dumps(stripe_event()).encode())
+    assert_error(post_stripe(webtest.TestApp(billing), body=body, signature=signature,
+                             status=400), 400, message)
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_the_tolerance_bounds_how_old_a_timestamp_may_be(database):
+    app = stripe_app(database, stripe_webhook_tolerance=60)
+    try:
+        mapped(app)
+        api = webtest.TestApp(app)
+        for number, (age, status) in enumerate(((61, 400), (60, 200), (0, 200), (-3600, 200))):
+            event = stripe_event(stripe_invoice(f"in_{number}"), event_id=f"evt_{number}")
+            body = json.dumps(event).encode()
+            post_stripe(api, body=body, status=status,
+                        signature=stripe_signature(body, timestamp=STRIPE_NOW - age))
+        assert billing_rows(database) == (3, 3, 3)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_two_v1_signatures_pass_when_one_matches(billing, billed, database):
+    api = webtest.TestApp(billing)
+    for number, order in enumerate(((STRIPE_NEXT_SECRET, STRIPE_SECRET),
+                                    (STRIPE_SECRET, STRIPE_NEXT_SECRET))):
+        body = json.dumps(stripe_event(stripe_invoice(f"in_{number}"),
+                                       event_id=f"evt_{number}")).encode()
+        signatures = [stripe_signature(body, secret).split(",")[1] for secret in order]
+        header = ",".join([f"t={STRIPE_NOW}", "v0=" + "0" * 64, *signatures])
+        assert post_stripe(api, body=body, signature=header).json == {"result": "recorded"}
+    assert billing_rows(database) == (2, 2, 2)
+
+
+def test_either_secret_of_a_roll_passes(database):
+    app = stripe_app(database, secrets=f"{STRIPE_NEXT_SECRET},{STRIPE_SECRET}")
+    try:
+        mapped(app)
+        api = webtest.TestApp(app)
+        for number, secret in enumerate((STRIPE_SECRET, STRIPE_NEXT_SECRET)):
+            body = json.dumps(stripe_event(stripe_invoice(f"in_{number}"),
+                                           event_id=f"evt_{number}")).encode()
+            post_stripe(api, body=body, signature=stripe_signature(body, secret))
+        body = json.dumps(stripe_event(stripe_invoice("in_2"), event_id="evt_2")).encode()
+        assert_error(post_stripe(api, body=body, status=400, signature=stripe_signature(
+            body, "whsec_" + "Qx7" * 11)), 400, ordering.STRIPE_SIGNATURE_MISMATCH)
+        assert billing_rows(database) == (2, 2, 2)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_the_same_stripe_event_twice_emits_one_invoice_paid(billing, billed, database):
+    api = webtest.TestApp(billing)
+    assert post_stripe(api).json == {"result": "recorded"}
+    assert post_stripe(api).json == {"result": "duplicate"}
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_an_invoice_of_an_unknown_customer_is_logged_ignored_and_recorded_once_mapped(
+        billing, billed, database, caplog):
+    api = webtest.TestApp(billing)
+    event = stripe_event(stripe_invoice(customer="cus_Nobody"))
+    with caplog.at_level(logging.WARNING, logger="ordering"):
+        answer = post_stripe(api, event)
+    assert answer.json == {"result": "ignored",
+                           "reason": "Stripe customer cus_Nobody is no company's"}
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "cus_Nobody" in warning.getMessage() and "company-update" in warning.getMessage()
+    assert billing_rows(database) == (0, 0, 0)
+    # Stripe's "Resend" after the operator maps the customer: the event is acted on now.
+    newcomer = mapped(billing, "Newcomer Ltd", "cus_Nobody")
+    assert post_stripe(api, event).json == {"result": "recorded"}
+    assert [company for company, _ in paid_events(database)] == [newcomer.id]
+
+
+@pytest.mark.parametrize("event_type", ["invoice.payment_succeeded", "invoice.payment_failed",
+                                        "customer.subscription.updated", "charge.succeeded"])
+def test_other_stripe_event_types_are_200_and_ignored(billing, billed, database, event_type):
+    answer = post_stripe(webtest.TestApp(billing), stripe_event(event_type=event_type))
+    assert answer.json == {"result": "ignored", "reason": f"{event_type} is not acted on"}
+    assert billing_rows(database) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("currency, amount_paid, text", [
+    ("usd", 4900, "49"), ("usd", 1250, "12.5"), ("usd", 5, "0.05"), ("jpy", 1200, "1200"),
+    ("krw", 55000, "55000"), ("kwd", 5120, "5.12"), ("kwd", 12345, "12.345"),
+    ("KWD", 1, "0.001")])
+def test_amount_paid_is_read_in_its_currencys_minor_unit(billing, billed, database, currency,
+                                                         amount_paid, text):
+    post_stripe(webtest.TestApp(billing),
+                stripe_event(stripe_invoice(amount_paid=amount_paid, currency=currency)))
+    [(_, envelope)] = paid_events(database)
+    assert f'"amountPaid":{text},"currency":"{currency.lower()}"' in envelope
+    assert stored_amounts(database) == [(currency.lower(), amount_paid)]
+
+
+PERIODS = {
+    "renewal, current shape: the line's month": (
+        stripe_invoice(), (FEB_1, MAR_1)),
+    "renewal, older shape: the line's month": (
+        stripe_invoice(lines=[subscription_line(shape="older")]), (FEB_1, MAR_1)),
+    "prorations beside the new period: the new period": (
+        stripe_invoice(lines=[subscription_line(JAN_15, FEB_1, proration=True),
+                              subscription_line(shape="older"),
+                              subscription_line(JAN_15, FEB_1, proration=True,
+                                                shape="older")]), (FEB_1, MAR_1)),
+    "prorations only: all of them": (
+        stripe_invoice(lines=[subscription_line(JAN_20, FEB_1, proration=True),
+                              subscription_line(JAN_15, FEB_1, proration=True)]),
+        (JAN_15, FEB_1)),
+    "two items: the earliest start to the latest end": (
+        stripe_invoice(lines=[subscription_line(FEB_1, MAR_1), invoice_item_line(),
+                              subscription_line(JAN_15, FEB_1)]), (JAN_15, MAR_1)),
+    "no subscription line: the invoice's own period": (
+        stripe_invoice(lines=[invoice_item_line()], period_start=JAN_20,
+                       period_end=FEB_1), (JAN_20, FEB_1)),
+}
+
+
+@pytest.mark.parametrize("case", PERIODS)
+def test_the_period_is_the_subscription_lines_service_period(billing, billed, database, case):
+    invoice, (start, end) = PERIODS[case]
+    post_stripe(webtest.TestApp(billing), stripe_event(invoice))
+    [(_, envelope)] = paid_events(database)
+    data = json.loads(envelope)["data"]
+    assert (data["periodStart"], data["periodEnd"]) == (ordering.iso(start * 1000),
+                                                        ordering.iso(end * 1000))
+
+
+def test_an_invoice_that_cannot_be_recorded_is_logged_and_ignored(billing, billed, database,
+                                                                  caplog):
+    api = webtest.TestApp(billing)
+    with caplog.at_level(logging.WARNING, logger="ordering"):
+        draft = post_stripe(api, stripe_event(stripe_invoice(number=None, lines=[])))
+        assert draft.json == {"result": "ignored", "reason": "number: is required"}
+        post_stripe(api, stripe_event(stripe_invoice(), event_id="evt_first"))
+        again = post_stripe(api, stripe_event(stripe_invoice(), event_id="evt_other"))
+        assert again.json == {"result": "ignored",
+                              "reason": 'Invoice "in_1Acme" was already recorded.'}
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "Stripe event evt_1Acme: invoice in_1Acme not recorded: number: is required",
+        'Stripe event evt_other: invoice in_1Acme not recorded: Invoice "in_1Acme" was '
+        'already recorded.']
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_a_failure_of_ours_is_500_records_nothing_and_stripes_retry_records(
+        billing, billed, database, monkeypatch, caplog):
+    def outbox_down(*args):
+        raise RuntimeError("outbox down")
+    monkeypatch.setattr(ordering, "emit", outbox_down)
+    failed = post_stripe(webtest.TestApp(billing), status=500)
+    assert (failed.content_type, failed.body) == ("text/plain", b"Internal Server Error")
+    assert "outbox down" in caplog.text and "Traceback" in caplog.text
+    # the invoice was inserted before emit() failed: the event ID went with it
+    assert billing_rows(database) == (0, 0, 0)
+    monkeypatch.undo()
+    assert post_stripe(webtest.TestApp(billing)).json == {"result": "recorded"}
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_a_stripe_body_over_the_size_limit_is_413(billing, billed, database):
+    event = stripe_event(stripe_invoice(description="x" * (1024 * 1024)))
+    assert_error(post_stripe(webtest.TestApp(billing), event, status=413), 413,
+                 "Request body too large.")
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_a_signed_body_that_is_no_stripe_event_is_400(billing, billed, database):
+    api = webtest.TestApp(billing)
+    assert_error(post_stripe(api, body=b"{not json", status=400), 400, "Invalid JSON body.")
+    refused = post_stripe(api, {"id": "evt_1", "data": {"object": {}}}, status=400)
+    assert refused.json == {"error": "Validation failed.",
+                            "details": [{"field": "type", "rule": "must be a non-empty string"}]}
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_a_real_receiver_gets_our_signed_invoice_paid_with_the_specs_keys(database, receiver):
+    app = stripe_app(database, deliver=True)
+    try:
+        tenant = mapped(app, hook=receiver.url)
+        post_stripe(webtest.TestApp(app), stripe_event(stripe_invoice(amount_paid=12345,
+                                                                      currency="kwd")))
+        data = assert_signed(one(receiver, "invoice.paid"), tenant.hook["secret"],
+                             "invoice.paid", database)
+    finally:
+        app.service.close(grace=0)
+    assert set(data) == PAID_KEYS
+    assert data == {"stripeInvoiceId": "in_1Acme", "amountPaid": 12.345, "currency": "kwd",
+                    "hostedInvoiceUrl": "https://invoice.stripe.com/i/acct_1/in_1Acme",
+                    "number": "ACME-0001", "periodStart": "2026-02-01T00:00:00.000Z",
+                    "periodEnd": "2026-03-01T00:00:00.000Z"}
+
+
+def test_serve_takes_the_stripe_secret_and_acts_on_stripes_events(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Served")
+    cli_json(db_path, "company-update", company["id"], "--stripe-customer", "cus_Acme1")
+    process, port = start_server(db_path, "--stripe-webhook-secret", STRIPE_SECRET)
+    try:
+        event = stripe_event()
+        signature = stripe_signature(json.dumps(event).encode(), timestamp=int(time.time()))
+        assert http_request(port, "POST", STRIPE_PATH, event, {"Stripe-Signature": signature}) \
+            == (200, {"result": "recorded"})
+        assert http_request(port, "POST", STRIPE_PATH, event, {"Stripe-Signature": ""}) == (
+            400, {"error": ordering.STRIPE_SIGNATURE_MISSING})
+    finally:
+        stop_server(process)
+    assert stored_amounts(db_path) == [("usd", 4900)]
+
+
+STRIPE_SECRET_REFUSED = ("Stripe webhook secret (ORDERING_STRIPE_WEBHOOK_SECRET, serve "
+                         "--stripe-webhook-secret) must be one whsec_... secret, or two "
+                         "separated by a comma during a roll")
+
+
+@pytest.mark.parametrize("secrets", ["sk_live_51Hx", "whsec_a,whsec_b,whsec_c", "whsec_a,",
+                                     "whsec_a b"])
+def test_bad_stripe_secrets_stop_the_server_at_start_without_showing_them(db_path, secrets):
+    with pytest.raises(ValueError) as refused:
+        ordering.create_app(str(db_path), stripe_webhook_secrets=secrets)
+    assert str(refused.value) == STRIPE_SECRET_REFUSED
+    flag = cli_refuses(db_path, "serve", "--stripe-webhook-secret", secrets,
+                       message="argument --stripe-webhook-secret: " + STRIPE_SECRET_REFUSED)
+    environment = cli_refuses(db_path, "serve", env={"ORDERING_STRIPE_WEBHOOK_SECRET": secrets},
+                              prog="ordering",
+                              message="bad setting in the environment: " + STRIPE_SECRET_REFUSED)
+    assert secrets not in flag + environment
+    assert not db_path.exists()
+
+
+@pytest.mark.parametrize("tolerance", ["0", "-5", "5m", "1.5", ""])
+def test_a_bad_stripe_tolerance_stops_the_server_at_start(db_path, tolerance):
+    message = ("Stripe webhook tolerance (ORDERING_STRIPE_WEBHOOK_TOLERANCE) must be a whole "
+               f"number of seconds, 1 or more, not {tolerance!r}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ordering.Settings(stripe_webhook_tolerance=tolerance)
+    if tolerance:  # an empty variable is no setting
+        cli_refuses(db_path, "serve", env={"ORDERING_STRIPE_WEBHOOK_TOLERANCE": tolerance},
+                    prog="ordering", message="bad setting in the environment: " + message)
+    assert not db_path.exists()
+
+
+def test_stripe_settings_from_the_environment():
+    settings = ordering.Settings.from_environment({
+        "ORDERING_STRIPE_WEBHOOK_SECRET": f" {STRIPE_NEXT_SECRET} , {STRIPE_SECRET} ",
+        "ORDERING_STRIPE_WEBHOOK_TOLERANCE": "60"})
+    assert settings.stripe_webhook_secrets == (STRIPE_NEXT_SECRET, STRIPE_SECRET)
+    assert settings.stripe_webhook_tolerance == 60
+    assert ordering.Settings().stripe_webhook_secrets == ()
+    assert ordering.Settings().stripe_webhook_tolerance == 300
 
 
 # The company's Stripe customer -------------------------------------------------------------
