@@ -1285,6 +1285,12 @@ def amount_text(number):
     return "" if number is None else f"{number:,.2f}"
 
 
+def minor_amount_text(amount, currency):
+    """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
+    decimals = currency_decimals(currency)
+    return f"{decimal.Decimal(amount).scaleb(-decimals):,.{decimals}f} {currency.upper()}"
+
+
 # Templates -----------------------------------------------------------------------------------
 
 LAYOUT = """<!doctype html>
@@ -4508,6 +4514,7 @@ FIELD_OF_MESSAGE = {
     "Tracking URL is required when carrier is OTHER.": "tracking.url",
     "URL is required.": "url", "Invalid URL.": "url",
     "At least one event is required.": "events",
+    STRIPE_CUSTOMER_TAKEN: "stripeCustomerId",
 }
 
 
@@ -4877,7 +4884,8 @@ class Dashboard:
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
-              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
+              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
+              ("Billing", "/dashboard/billing"), ("Settings", "/dashboard/settings"))
 
 
 @page("GET", "/dashboard/orders")
@@ -5340,6 +5348,48 @@ def revoke_key_action(visit, key_id):
     load_row(visit.conn, "api_keys", "API key", visit.company_id, key_id)
     visit.service.revoke_key(key_id)
     return redirect("/dashboard/keys")
+
+
+# Billing and settings ------------------------------------------------------------------------
+# The company's own subscription to the service: its paid invoices, and the Settings page that
+# maps it to its Stripe customer (the settings of update_company).
+
+@page("GET", "/dashboard/billing")
+def billing_page(visit):
+    result = paginate(visit.conn, "invoices", visit.company_id, visit.filters(),
+                      serialize=lambda conn, rows: rows)
+    rows = [(row["number"], f"{row['period_start'][:10]} to {row['period_end'][:10]}",
+             minor_amount_text(row["amount_paid_minor"], row["currency"]),
+             row["created_at"][:16].replace("T", " "),
+             render('<a href="{h}" rel="noreferrer">View invoice</a>', h=row["hosted_invoice_url"]))
+            for row in result["data"]]
+    return visit.page("Billing", join([
+        table(("Number", "Period (UTC)", "Amount", "Recorded (UTC)", "Invoice"), rows,
+              numeric=("Amount",)),
+        pager(visit, result, "/dashboard/billing"),
+        render('<p class="muted">The paid invoices of the company\'s subscription, newest first, '
+               'as Stripe reports them (invoice.paid). Stripe finds the company by its Stripe '
+               'customer ID: see <a href="/dashboard/settings">Settings</a>.</p>')]))
+
+
+@page("GET", "/dashboard/settings")
+def settings_page(visit):
+    company = load_company(visit.conn, visit.company_id)
+    return visit.page("Settings", visit.form_tag("/dashboard/settings", join([
+        render("<h2>Billing</h2>"),
+        visit.field("stripeCustomerId", "Stripe customer ID", company["stripe_customer_id"]),
+        render('<p class="muted">The company as a customer of the service\'s Stripe account '
+               '(cus_...): its paid invoices become invoice.paid and are listed under Billing. '
+               'Empty: none.</p>'),
+        render('<div><button type="submit">Save</button></div>')])))
+
+
+@page("POST", "/dashboard/settings", refused=settings_page)
+def update_settings_action(visit):
+    with visit.write() as conn:
+        update_company(conn, visit.company_id,
+                       {"stripe_customer_id": visit.form.get("stripeCustomerId")})
+    return redirect("/dashboard/settings")
 
 
 def install_dashboard(app):

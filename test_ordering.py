@@ -6632,7 +6632,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
     pages = ["/dashboard/orders/new", f"/dashboard/orders/{order['data']['id']}",
              "/dashboard/products/new", f"/dashboard/products/{product['id']}",
              "/dashboard/customers/new", f"/dashboard/customers/{customer['id']}",
-             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys"]
+             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+             "/dashboard/settings"]
     for path in pages:
         page = browser.get(path)
         posting = [form for form in page.forms.values() if form.method.lower() == "post"]
@@ -6642,7 +6643,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
 
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
-                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys")
+                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+                   "/dashboard/billing", "/dashboard/settings")
 
 
 def test_every_page_sends_the_security_headers_and_no_script(api, browser):
@@ -7754,6 +7756,81 @@ def test_a_stripe_customer_is_at_most_one_companys(app, tenant, other):
     assert [tuple(row) for row in tenant.db.conn.execute(
         "SELECT name, stripe_customer_id FROM companies ORDER BY id")] == [
         ("Acme Wholesale", "cus_Acme1"), ("Other Company", None)]
+
+
+# The dashboard's Settings and Billing pages --------------------------------------------------
+
+def stripe_customer_of(tenant):
+    return tenant.db.conn.execute("SELECT stripe_customer_id FROM companies WHERE id = ?",
+                                  (tenant.id,)).fetchone()[0]
+
+
+def test_settings_page_maps_the_stripe_customer(tenant, browser):
+    page = browser.get("/dashboard/settings")
+    assert page.html.find("a", attrs={"aria-current": "page"}).get_text() == "Settings"
+    form = main_form(page)
+    assert form["stripeCustomerId"].value == ""
+    form["stripeCustomerId"] = "cus_Acme1"
+    assert form.submit(status=303).location.endswith("/dashboard/settings")
+    assert stripe_customer_of(tenant) == "cus_Acme1"
+    form = main_form(browser.get("/dashboard/settings"))
+    assert form["stripeCustomerId"].value == "cus_Acme1"
+    form["stripeCustomerId"] = ""
+    form.submit(status=303)
+    assert stripe_customer_of(tenant) is None
+
+
+def test_settings_form_refusals_show_next_to_the_field_escaped_and_change_nothing(
+        app, tenant, other, browser):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, other.id, {"stripe_customer_id": "cus_Other1"})
+    evil = "<script>alert(1)</script>"
+    form = main_form(browser.get("/dashboard/settings"))
+    form["stripeCustomerId"] = evil
+    refused = form.submit(status=400)
+    assert field_error(refused, "stripeCustomerId") == ordering.STRIPE_CUSTOMER_RULE
+    assert evil not in refused.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in refused.text
+    form = main_form(refused)
+    form["stripeCustomerId"] = "cus_Other1"
+    taken = form.submit(status=409)
+    assert field_error(taken, "stripeCustomerId") == ordering.STRIPE_CUSTOMER_TAKEN
+    form = main_form(taken)
+    form["stripeCustomerId"], form["csrf"] = "cus_Acme1", "forged"
+    assert ordering.CSRF_REFUSED in form.submit(status=403).text
+    assert stripe_customer_of(tenant) is None
+
+
+def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant, other,
+                                                                    browser):
+    evil = "<script>alert(1)</script>"
+    with tenant.db.write() as conn:
+        for number, (currency, amount, start, end) in enumerate((
+                ("usd", 4900, "2026-01-01", "2026-02-01"),
+                ("jpy", 1200, "2026-02-01", "2026-03-01"),
+                ("kwd", 12345, "2026-03-01", "2026-04-01"))):
+            ordering.record_invoice_paid(conn, tenant.id, f"in_{number}", amount, currency,
+                                         f"https://invoice.stripe.com/i/in_{number}?a=1&b=2",
+                                         evil if number == 2 else f"ACME-000{number}", start,
+                                         end)
+        ordering.record_invoice_paid(conn, other.id, "in_other", 100, "usd",
+                                     "https://invoice.stripe.com/i/in_other", "OTHER-1",
+                                     "2026-01-01", "2026-02-01")
+    page = browser.get("/dashboard/billing")
+    assert page.html.find("a", attrs={"aria-current": "page"}).get_text() == "Billing"
+    rows = [[cell.get_text() for cell in row.find_all("td")]
+            for row in page.html.find("tbody").find_all("tr")]
+    assert rows == [
+        [evil, "2026-03-01 to 2026-04-01", "12.345 KWD", rows[0][3], "View invoice"],
+        ["ACME-0001", "2026-02-01 to 2026-03-01", "1,200 JPY", rows[1][3], "View invoice"],
+        ["ACME-0000", "2026-01-01 to 2026-02-01", "49.00 USD", rows[2][3], "View invoice"]]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", row[3]) for row in rows)
+    assert [a["href"] for a in page.html.find("tbody").find_all("a")] == [
+        f"https://invoice.stripe.com/i/in_{n}?a=1&b=2" for n in (2, 1, 0)]
+    assert evil not in page.text and "OTHER-1" not in page.text
+
+
+def test_billing_page_without_invoices_says_so(browser):
+    assert "Nothing here yet." in browser.get("/dashboard/billing").text
 
 
 # ---------------------------------------------------------------------------------------------
