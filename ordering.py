@@ -9,24 +9,28 @@ the ones above it.
   2. Storage       the database and its write transaction (group commit); schema and
                    migrations; claimers (which process holds a claim, and whether it lives);
                    shared rate counters; engines (SQLite, PostgreSQL: all that differs)
-  3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, JSON text
+  3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, JSON text;
+                   billing's amounts in their currency's minor unit
   4. Text and markup   escaping and render(); templates
   5. Errors and validation   ApiError; the spec's messages, enumerations and limits;
                    validators
   6. Records       rows to the JSON the API shows, one function per record type
   7. Events        the catalog, emit() into the outbox
   8. Operations    what the business does, HTTP-free: rows and tenancy (the one "fetch or
-                   404"); companies; products; customers; orders; returns, refunds and
-                   invoices; webhook subscriptions; API keys and idempotency; accounts and
-                   sessions; queries (the paginator, filters, lookups); copies
+                   404"); companies and their settings; products; customers; orders; returns,
+                   refunds and invoices; billing (Stripe's events); webhook subscriptions; API
+                   keys and idempotency; accounts and sessions; queries (the paginator,
+                   filters, lookups); copies
   9. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention;
                    webhooks (signing, address checks, the POST)
- 10. HTTP API      routes (parse, call an operation, wrap); serving the API (auth, scopes,
-                   rate limits, idempotency, error pages)
+ 10. HTTP API      routes (parse, call an operation, wrap); billing (Stripe's signed webhook,
+                   beside the API); serving the API (auth, scopes, rate limits, idempotency,
+                   error pages)
  11. OpenAPI       the document built from the route table: event payloads, operations of
                    the API, responses and parameters every operation shares
  12. Web pages     the kit every HTML surface shares (page registry, forms, CSRF, sessions,
-                   security headers); dashboard (the staff's pages at /dashboard)
+                   security headers); dashboard (the staff's pages at /dashboard; billing and
+                   settings last)
  13. App           create_app() installs every surface
  14. Server        serve and its workers, the access log
  15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to, ...)
@@ -3536,7 +3540,7 @@ def remove_webhook(call, webhook_id):
 STRIPE_WEBHOOK_PATH = "/billing/stripe/webhook"
 
 
-def verify_stripe_signature(secrets_, body, header, now, tolerance):
+def verify_stripe_signature(signing_secrets, body, header, now, tolerance):
     """Refuse (400) a body unless header, Stripe-Signature: t=<Unix time>,v1=<hex>[,v1=...],
     carries a v1 that is the HMAC-SHA256 of "<t>.<body>" keyed with one of the secrets, each
     compared in constant time, and t is at most tolerance seconds before now. Other schemes
@@ -3557,7 +3561,7 @@ def verify_stripe_signature(secrets_, body, header, now, tolerance):
         raise ApiError(400, STRIPE_SIGNATURE_MALFORMED)
     signed = b"%d." % timestamp + body
     expected = [hmac.new(secret.encode("utf-8"), signed, hashlib.sha256).hexdigest().encode()
-                for secret in secrets_]
+                for secret in signing_secrets]
     if not any(hmac.compare_digest(mine, theirs) for mine in expected for theirs in signatures):
         raise ApiError(400, STRIPE_SIGNATURE_MISMATCH)
     if timestamp < now - tolerance:
