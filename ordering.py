@@ -11,26 +11,28 @@ sections run in dependency order: each uses only the ones above it.
                    it lives); shared rate counters; engines (SQLite, PostgreSQL: all that
                    differs between them, one method each)
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, key and
-                   password hashes (one scheme, scrypt), JSON text
+                   password hashes (one scheme, scrypt), JSON text; currencies (amounts in
+                   their minor unit, for billing)
   4. Text and markup   escaping, Template and render(); templates (pages, the stylesheet)
-  5. Errors and validation   ApiError; the spec's messages, enumerations and limits (each
-                   once); validators
+  5. Errors and validation   ApiError; messages, enumerations and limits (the spec's, each
+                   once, and billing's); validators
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
   7. Operations    what the business does, without HTTP: events (the catalog, emit() into
                    the outbox); rows and tenancy (load_row, the one "fetch or 404");
-                   companies; products; customers; orders; returns, refunds and invoices;
-                   webhook subscriptions; API keys and idempotency; accounts and sessions
+                   companies (and their settings); products; customers; orders; returns,
+                   refunds and invoices; billing (Stripe's events); webhook subscriptions; API keys and idempotency; accounts and sessions
                    (any kind of account); queries (the paginator, list filters, lookups); the
                    demo; copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; webhooks (signing, address checks, the POST), its first
-  9. HTTP API      routes (class Api: parse, call an operation, wrap); serving the API (the
-                   Service: auth, scopes, rate limits, idempotency, housekeeping, errors)
+  9. HTTP API      routes (class Api: parse, call an operation, wrap); billing (Stripe's signed
+                   webhook, beside the API); serving the API (the Service: auth, scopes, rate
+                   limits, idempotency, housekeeping, errors)
  10. OpenAPI       the document built from the route table: event payloads, operations of
                    the API, responses, headers and parameters every operation shares
  11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
                    Surface: sign-in, sessions and security headers); dashboard (the staff's
-                   pages at /dashboard)
+                   pages at /dashboard; billing and settings last)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
  14. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
@@ -123,7 +125,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -187,6 +189,11 @@ class Settings:
     #: URL templates for the named carriers; {number} is replaced by the tracking number.
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
+    #: Stripe's webhook signing secrets (whsec_...): one, or two during a secret roll (either
+    #: signature passes). POST /billing/stripe/webhook is served only when one is set.
+    stripe_webhook_secrets: tuple = ()
+    #: Seconds a Stripe-Signature timestamp stays acceptable (Stripe's own libraries: 300).
+    stripe_webhook_tolerance: int = 300
 
     @classmethod
     def from_environment(cls, environ=os.environ, **overrides):
@@ -206,6 +213,9 @@ class Settings:
             "ORDERING_KEY_CACHE_SECONDS": ("key_cache_seconds", float),
             "ORDERING_PROXY_ADDRESS": ("proxy_address", proxy_address),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
+            "ORDERING_STRIPE_WEBHOOK_SECRET": ("stripe_webhook_secrets", stripe_webhook_secrets),
+            "ORDERING_STRIPE_WEBHOOK_TOLERANCE": ("stripe_webhook_tolerance",
+                                                  stripe_webhook_tolerance),
         }
         for variable, (field, parse) in readers.items():
             if environ.get(variable, "") != "":
@@ -225,6 +235,8 @@ class Settings:
             raise ValueError(f"synchronous (ORDERING_SYNCHRONOUS) must be one of "
                              f"{', '.join(SYNCHRONOUS_LEVELS)}, not {self.synchronous!r}")
         self.synchronous = level
+        self.stripe_webhook_secrets = stripe_webhook_secrets(self.stripe_webhook_secrets)
+        self.stripe_webhook_tolerance = stripe_webhook_tolerance(self.stripe_webhook_tolerance)
 
 
 #: The PRAGMA synchronous levels accepted; see README, Storage and durability.
@@ -240,6 +252,30 @@ def _non_negative_float(text):
     if not 0 <= value < math.inf:
         raise ValueError(f"must be a number 0 or more, not {text!r}")
     return value
+
+
+def stripe_webhook_secrets(value):
+    """Stripe webhook secrets, from text (separated by a comma) or a sequence, as a tuple: none,
+    one, or two during a roll. The refusal never repeats a secret (it would reach logs)."""
+    parts = [str(part).strip() for part in (value.split(",") if isinstance(value, str)
+                                            else value)]
+    if parts in ([], [""]):
+        return ()
+    if len(parts) > 2 or not all(re.fullmatch(r"whsec_[!-~]+", part)
+                                           for part in parts):
+        raise ValueError("Stripe webhook secret (ORDERING_STRIPE_WEBHOOK_SECRET, serve "
+                         "--stripe-webhook-secret) must be one whsec_... secret, or two "
+                         "separated by a comma during a roll")
+    return tuple(parts)
+
+
+def stripe_webhook_tolerance(value):
+    """Whole seconds, 1 or more, from text or a number."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:
+        raise ValueError(f"Stripe webhook tolerance (ORDERING_STRIPE_WEBHOOK_TOLERANCE) must be "
+                         f"a whole number of seconds, 1 or more, not {value!r}")
+    return int(text)
 
 
 def proxy_address(text):
@@ -465,11 +501,15 @@ _emitted = threading.local()
 # Schema and migrations -----------------------------------------------------------------------
 
 def apply_schema(conn):
-    """Create what is missing, then migrate by the schema version the engine keeps."""
+    """Create what is missing, then migrate by the schema version the engine keeps. Tables are
+    made before the migrations and everything else after them, so that an index may name a
+    column that a migration adds to an older file."""
     engine = conn.engine
     fresh = not engine.has_tables(conn)
-    for statement in engine.schema_statements():
-        conn.execute(statement)
+    statements = engine.schema_statements()
+    for statement in statements:
+        if "CREATE TABLE" in statement:
+            conn.execute(statement)
     # schema.sql makes a new database current: only older databases take the migrations.
     version = SCHEMA_VERSION if fresh else engine.schema_version(conn)
     if version > SCHEMA_VERSION:
@@ -477,6 +517,9 @@ def apply_schema(conn):
                            f"({SCHEMA_VERSION}); upgrade ordering")
     for target in range(version + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS.get(target, ()):
+            conn.execute(statement)
+    for statement in statements:
+        if "CREATE TABLE" not in statement:
             conn.execute(statement)
     engine.set_schema_version(conn, SCHEMA_VERSION)
 
@@ -497,6 +540,16 @@ def schema_statements():
 MIGRATIONS = {
     2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
         "ALTER TABLE idempotency_keys ADD COLUMN claimed_by TEXT"),
+    # Billing: a company's Stripe customer; invoice amounts in their currency's minor unit
+    # (the invoice-paid command used to store cents of every currency). The currencies are
+    # Stripe's zero- and three-decimal lists as this version found them.
+    3: ("ALTER TABLE companies ADD COLUMN stripe_customer_id TEXT",
+        "ALTER TABLE invoices RENAME COLUMN amount_paid_cents TO amount_paid_minor",
+        "UPDATE invoices SET amount_paid_minor = amount_paid_minor / 100 WHERE currency IN "
+        "('bif', 'clp', 'djf', 'gnf', 'jpy', 'kmf', 'krw', 'mga', 'pyg', 'rwf', 'ugx', 'vnd', "
+        "'vuv', 'xaf', 'xof', 'xpf')",
+        "UPDATE invoices SET amount_paid_minor = amount_paid_minor * 10 WHERE currency IN "
+        "('bhd', 'jod', 'kwd', 'omr', 'tnd')"),
 }
 
 
@@ -1270,6 +1323,42 @@ def json_text(value):
     return _JSON.encode(value)
 
 
+# Currencies ----------------------------------------------------------------------------------
+# Stripe counts an amount in its currency's minor unit, and not every currency has two
+# decimals. The lists are Stripe's published ones (docs.stripe.com/currencies); every other
+# currency has two in Stripe's amounts, its special cases ISK, HUF and TWD included.
+
+#: Decimal places of the currencies whose minor unit is not a hundredth, by lower-case code.
+CURRENCY_DECIMALS = {
+    **dict.fromkeys(("bif", "clp", "djf", "gnf", "jpy", "kmf", "krw", "mga", "pyg", "rwf", "ugx",
+                     "vnd", "vuv", "xaf", "xof", "xpf"), 0),
+    **dict.fromkeys(("bhd", "jod", "kwd", "omr", "tnd"), 3),
+}
+
+
+def currency_decimals(currency):
+    return CURRENCY_DECIMALS.get(currency, 2)
+
+
+def money_in(amount, currency):
+    """An amount in the currency's minor unit to the JSON number the API shows, as money() does
+    for cents: 1250 usd is 12.5, 1200 jpy is 1200, 12345 kwd is 12.345. The true division of
+    two integers gives the double nearest the exact amount, whose shortest text (the one JSON
+    writes) is that amount's decimals for every amount below 10**15 minor units."""
+    scale = 10 ** currency_decimals(currency)
+    return amount // scale if amount % scale == 0 else amount / scale
+
+
+def minor_units_from_text(text, currency):
+    """'12.345' in kwd to 12345, for the command line; None when the text is not a plain
+    amount or has more decimals than the currency."""
+    match = re.fullmatch(r"\s*(\d+)(?:\.(\d+))?\s*", text or "")
+    decimals = currency_decimals(currency)
+    if not match or len(match.group(2) or "") > decimals:
+        return None
+    return int(match.group(1) + (match.group(2) or "").ljust(decimals, "0"))
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. Text and markup
 # ---------------------------------------------------------------------------------------------
@@ -1315,6 +1404,12 @@ def join(pieces):
 
 def amount_text(number):
     return "" if number is None else f"{number:,.2f}"
+
+
+def minor_amount_text(amount, currency):
+    """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
+    decimals = currency_decimals(currency)
+    return f"{decimal.Decimal(amount).scaleb(-decimals):,.{decimals}f} {currency.upper()}"
 
 
 # Templates -----------------------------------------------------------------------------------
@@ -1480,7 +1575,7 @@ def not_found(resource):
     return ApiError(404, NOT_FOUND.format(resource=resource))
 
 
-# The spec's messages, enumerations and limits ------------------------------------------------
+# Messages, enumerations and limits -----------------------------------------------------------
 
 # Each message appears here once, character for character as the spec gives it, and is used
 # by the validators, the OpenAPI document and the pages alike. {Placeholders} are filled in
@@ -1558,6 +1653,16 @@ DEFAULT_KEY_RATE_LIMIT = 60
 DELIVERIES_SHOWN = 5
 MAX_CENTS = 2 ** 63 - 1
 MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
+                            # (an invoice's: in its currency's minor unit)
+
+#: A Stripe customer ID as Stripe writes them: cus_ and letters and digits, 255 at most.
+STRIPE_CUSTOMER_PATTERN = r"cus_[A-Za-z0-9]{1,251}"
+STRIPE_CUSTOMER_RULE = "must be a Stripe customer ID such as cus_NffrFeUfNV2Hib, or empty"
+STRIPE_CUSTOMER_TAKEN = "This Stripe customer ID is already another company's."
+STRIPE_SIGNATURE_MISSING = "Missing Stripe-Signature header."
+STRIPE_SIGNATURE_MALFORMED = "Malformed Stripe-Signature header."
+STRIPE_SIGNATURE_MISMATCH = "No v1 signature in Stripe-Signature matches the body."
+STRIPE_SIGNATURE_EXPIRED = "Stripe-Signature timestamp is older than the tolerance."
 
 CREDIT_LIMIT_MESSAGE = f"Credit limit must be between 0 and {MAX_CREDIT_LIMIT}."
 TAX_RATE_MESSAGE = f"Tax rate override must be between 0 and {MAX_TAX_RATE}."
@@ -1775,6 +1880,11 @@ def staff_json(row):
     return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
 
 
+def company_json(row):
+    return {"id": row["id"], "name": row["name"], "slug": row["slug"],
+            "stripeCustomerId": row["stripe_customer_id"]}
+
+
 def orders_json(order_rows, item_rows):
     """Orders with their items; item_rows are those of all of them, each ending with its
     order's ID, in order."""
@@ -1890,6 +2000,39 @@ def create_company(conn, name, slug=None):
     conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
                  (company_id, name, slug, at))
     return {"id": company_id, "name": name, "slug": slug}
+
+
+def _stripe_customer(value):
+    value = (value or "").strip() or None
+    if value is not None and not re.fullmatch(STRIPE_CUSTOMER_PATTERN, value):
+        raise invalid("stripeCustomerId", STRIPE_CUSTOMER_RULE)
+    return value
+
+
+#: The company's settings update_company changes: column, and the check that returns the value
+#: to store (None clears it). A new setting is a column and a line here.
+COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer}
+
+
+def update_company(conn, company_id, changes):
+    """Change some of a company's settings ({column of COMPANY_SETTINGS: value}); returns the
+    company. A Stripe customer is at most one company's (its paid invoices are that
+    company's invoice.paid)."""
+    unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
+    if unknown:
+        raise invalid(unknown[0], "is not a company setting")
+    checked = {column: COMPANY_SETTINGS[column](value) for column, value in changes.items()}
+    before = load_company(conn, company_id)
+    customer = checked.get("stripe_customer_id")
+    if customer is not None and conn.execute(
+            "SELECT 1 FROM companies WHERE stripe_customer_id = ? AND id <> ?",
+            (customer, company_id)).fetchone():
+        raise ApiError(409, STRIPE_CUSTOMER_TAKEN)
+    changed = {column: value for column, value in checked.items() if before[column] != value}
+    if changed:
+        conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in changed)} "
+                     "WHERE id = ?", [*changed.values(), company_id])
+    return load_company(conn, company_id)
 
 
 def company_by_slug(conn, store_slug):
@@ -2380,9 +2523,11 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     return payload
 
 
-def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, currency,
+def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, currency,
                         hosted_invoice_url, number, period_start, period_end):
-    """A paid invoice of the company's own subscription, as the billing provider reports it."""
+    """A paid invoice of the company's own subscription, as the billing provider reports it;
+    amount_paid is in the currency's minor unit (see money_in). Stripe's webhook and the
+    invoice-paid command both record through here."""
     load_company(conn, company_id)
     for field, value in (("stripeInvoiceId", stripe_invoice_id), ("number", number)):
         if not value:
@@ -2391,8 +2536,10 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
         raise invalid("currency", "must be a three-letter lower-case code")
     if not valid_http_url(hosted_invoice_url):
         raise invalid("hostedInvoiceUrl", "must be an http or https URL")
-    if not isinstance(amount_paid_cents, int) or amount_paid_cents < 0:
-        raise invalid("amountPaid", "must be an amount >= 0")
+    if not (isinstance(amount_paid, int) and not isinstance(amount_paid, bool)
+            and 0 <= amount_paid <= MAX_AMOUNT_CENTS):
+        raise invalid("amountPaid", f"must be a whole number of minor units from 0 to "
+                                    f"{MAX_AMOUNT_CENTS}")
     period = []
     for field, value in (("periodStart", period_start), ("periodEnd", period_end)):
         ms = js_parse_date(value)
@@ -2404,16 +2551,118 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid_cents, 
         raise ApiError(409, f'Invoice "{stripe_invoice_id}" was already recorded.')
     invoice_id, at = new_id_at("inv")
     conn.execute(
-        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_cents, currency, "
+        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, currency, "
         "hosted_invoice_url, number, period_start, period_end, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (invoice_id, company_id, stripe_invoice_id, amount_paid_cents, currency,
+        (invoice_id, company_id, stripe_invoice_id, amount_paid, currency,
          hosted_invoice_url, number, period[0], period[1], at))
-    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money(amount_paid_cents),
+    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money_in(amount_paid, currency),
                "currency": currency, "hostedInvoiceUrl": hosted_invoice_url, "number": number,
                "periodStart": period[0], "periodEnd": period[1]}
     emit(conn, company_id, "invoice.paid", payload)
     return payload
+
+
+# Billing -------------------------------------------------------------------------------------
+# An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
+# transaction: an invoice.paid of a company's Stripe customer is recorded through
+# record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
+# may send one twice, and retries until it is answered) finds the ID and does nothing. Other
+# events, and invoices no company can take, are answered and ignored, and leave no ID behind:
+# Stripe can send them again (its dashboard's "Resend") once the company is mapped.
+
+def parse_stripe_event(body):
+    """The event object of a verified body, checked for what receive_stripe_event reads."""
+    require_object(body, "event")
+    for field in ("id", "type"):
+        if not isinstance(body.get(field), str) or not body[field]:
+            raise invalid(field, "must be a non-empty string")
+    data = body.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("object"), dict):
+        raise invalid("data.object", "must be an object")
+    return body
+
+
+def receive_stripe_event(conn, event):
+    """What became of a Stripe event: {"result": "recorded"}, {"result": "duplicate"}, or
+    {"result": "ignored", "reason": ...}."""
+    if event["type"] != "invoice.paid":
+        return {"result": "ignored", "reason": f"{event['type']} is not acted on"}
+    if conn.execute("SELECT 1 FROM stripe_events WHERE id = ?", (event["id"],)).fetchone():
+        return {"result": "duplicate"}
+    invoice = event["data"]["object"]
+    customer = invoice.get("customer")
+    customer = customer.get("id") if isinstance(customer, dict) else customer
+    company = conn.execute("SELECT id FROM companies WHERE stripe_customer_id = ?",
+                           (customer,)).fetchone() if isinstance(customer, str) else None
+    if company is None:
+        log.warning("Stripe event %s: invoice %s is of Stripe customer %s, which is no "
+                    "company's: map it (company-update COMPANY_ID --stripe-customer %s) and "
+                    "resend the event from Stripe", event["id"], invoice.get("id"), customer,
+                    customer)
+        return {"result": "ignored", "reason": f"Stripe customer {customer} is no company's"}
+    try:
+        start, end = invoice_period(invoice)
+        currency = invoice.get("currency")
+        record_invoice_paid(
+            conn, company["id"], _text(invoice.get("id")), invoice.get("amount_paid"),
+            currency.lower() if isinstance(currency, str) else None,
+            _text(invoice.get("hosted_invoice_url")), _text(invoice.get("number")),
+            iso(start * 1000), iso(end * 1000))
+    except ApiError as refusal:
+        # Nothing is written before a refusal; a retry would be refused alike.
+        reason = "; ".join(f"{d['field']}: {d['rule']}" for d in refusal.details or ()) \
+            or refusal.message
+        log.warning("Stripe event %s: invoice %s not recorded: %s", event["id"],
+                    invoice.get("id"), reason)
+        return {"result": "ignored", "reason": reason}
+    conn.execute("INSERT INTO stripe_events (id, company_id, event_type, received_at) "
+                 "VALUES (?, ?, ?, ?)", (event["id"], company["id"], event["type"], now_iso()))
+    return {"result": "recorded"}
+
+
+def _text(value):
+    return value if isinstance(value, str) else None
+
+
+#: Unix times iso() can write (years 1970 to 9999).
+_LAST_UNIX_SECOND = 253402300799
+
+
+def invoice_period(invoice):
+    """(start, end) in Unix seconds of what a paid invoice paid for: the service period of its
+    subscription lines (the earliest start to the latest end; prorations only when the invoice
+    has nothing else), and the invoice's own period_start and period_end only for an invoice
+    without one. Those two fields bound the invoice items the invoice may take, not the service
+    it charges for: a renewal's are the period that just ended while its line is the one paid
+    in advance, and a subscription's first invoice has the same moment in both. Lines are read
+    as the event carries them."""
+    lines = list(_subscription_lines(invoice))
+    kept = [line for line, proration in lines if not proration] or [line for line, _ in lines]
+    periods = [line.get("period") if isinstance(line.get("period"), dict) else {}
+               for line in kept]
+    starts = [period.get("start") for period in periods] or [invoice.get("period_start")]
+    ends = [period.get("end") for period in periods] or [invoice.get("period_end")]
+    if not all(isinstance(value, int) and not isinstance(value, bool)
+               and 0 <= value <= _LAST_UNIX_SECOND for value in starts + ends):
+        raise invalid("period", "must be Unix times")
+    return min(starts), max(ends)
+
+
+def _subscription_lines(invoice):
+    """(line, whether it is a proration) of each subscription line: in the current shape of
+    Stripe's API (parent.subscription_item_details) and the older one (type "subscription")."""
+    lines = invoice.get("lines")
+    data = lines.get("data") if isinstance(lines, dict) else None
+    for line in data if isinstance(data, list) else ():
+        if not isinstance(line, dict):
+            continue
+        parent = line.get("parent")
+        details = parent.get("subscription_item_details") if isinstance(parent, dict) else None
+        if isinstance(details, dict):
+            yield line, bool(details.get("proration"))
+        elif line.get("type") == "subscription":
+            yield line, bool(line.get("proration"))
 
 
 # Webhook subscriptions -----------------------------------------------------------------------
@@ -2838,6 +3087,11 @@ def find_orders(conn, company_id, query, search=None):
         filters.append(clause)
         params += values
     return paginate(conn, "orders", company_id, query, filters, params)
+
+
+def find_invoices(conn, company_id, query):
+    """A page of the company's paid invoices (rows)."""
+    return paginate(conn, "invoices", company_id, query)
 
 
 def find_returns(conn, company_id, query):
@@ -3694,6 +3948,73 @@ class Api:
         return {"data": delete_webhook(call.conn, call.company_id, webhook_id)}
 
 
+# Billing -------------------------------------------------------------------------------------
+# POST /billing/stripe/webhook lives beside the API, not in it: no API key (Stripe signs every
+# body instead), no rate limit, not in ROUTES or the OpenAPI document, and no route at all (a
+# 404) unless a Stripe webhook secret is set. The raw body is verified before it is parsed.
+
+STRIPE_WEBHOOK_PATH = "/billing/stripe/webhook"
+
+
+def verify_stripe_signature(signing_secrets, body, header, now, tolerance):
+    """Refuse (400) a body unless header, Stripe-Signature: t=<Unix time>,v1=<hex>[,v1=...],
+    carries a v1 that is the HMAC-SHA256 of "<t>.<body>" keyed with one of the secrets, each
+    compared in constant time, and t is at most tolerance seconds before now. Other schemes
+    (v0) are ignored, as Stripe's own libraries ignore them."""
+    if not header:
+        raise ApiError(400, STRIPE_SIGNATURE_MISSING)
+    timestamp, signatures = None, []
+    for item in header.split(","):
+        name, equals, value = item.strip().partition("=")
+        if not equals or (name == "t" and (timestamp is not None
+                                           or not re.fullmatch(r"[0-9]{1,15}", value))):
+            raise ApiError(400, STRIPE_SIGNATURE_MALFORMED)
+        if name == "t":
+            timestamp = int(value)
+        elif name == "v1":
+            signatures.append(value.encode("utf-8", "replace"))
+    if timestamp is None:
+        raise ApiError(400, STRIPE_SIGNATURE_MALFORMED)
+    signed = b"%d." % timestamp + body
+    expected = [hmac.new(secret.encode("utf-8"), signed, hashlib.sha256).hexdigest().encode()
+                for secret in signing_secrets]
+    if not any(hmac.compare_digest(mine, theirs) for mine in expected for theirs in signatures):
+        raise ApiError(400, STRIPE_SIGNATURE_MISMATCH)
+    if timestamp < now - tolerance:
+        raise ApiError(400, STRIPE_SIGNATURE_EXPIRED)
+
+
+def stripe_webhook(service):
+    """200 once an event is acted on or ignored (a repeat too), so that Stripe stops sending
+    it; 400 and nothing recorded for a body not signed as it should be; 413 for one over the
+    size limit; a failure of ours is a 500, which Stripe retries."""
+    environ, settings = bottle.request.environ, service.settings
+    try:
+        raw = service.read_body(environ)
+        verify_stripe_signature(settings.stripe_webhook_secrets, raw,
+                                environ.get("HTTP_STRIPE_SIGNATURE"), service.clock(),
+                                settings.stripe_webhook_tolerance)
+        event = parse_stripe_event(parse_json_body(raw))
+        with service.db.write() as conn:
+            status, body = 200, receive_stripe_event(conn, event)
+    except ApiError as error:
+        status, body = error.status, error.body()
+    except Exception:
+        log.exception("POST %s failed", STRIPE_WEBHOOK_PATH)
+        bottle.response.status = 500
+        bottle.response.content_type = "text/plain; charset=utf-8"
+        return b"Internal Server Error"
+    bottle.response.status = status
+    bottle.response.content_type = "application/json"
+    return json_text(body).encode()
+
+
+def install_stripe_webhook(app):
+    service = app.service
+    if service.settings.stripe_webhook_secrets:
+        app.route(STRIPE_WEBHOOK_PATH, "POST", lambda: stripe_webhook(service))
+
+
 # Serving the API -----------------------------------------------------------------------------
 
 class Service:
@@ -4181,7 +4502,10 @@ EVENT_PAYLOADS = {
         **_PRODUCT_NAMES, "currentStock": integer_schema(), "threshold": integer_schema(0),
         "triggeringOrderId": nullable(ID_SCHEMA)}),
     "invoice.paid": object_schema({
-        "stripeInvoiceId": string_schema(1), "amountPaid": money_schema(),
+        "stripeInvoiceId": string_schema(1),
+        "amountPaid": dict(money_schema(), description=(
+            "In the invoice's currency, as many decimals as its minor unit has: 49 for 49.00 "
+            "usd, 1200 for 1200 jpy, 12.345 for 12.345 kwd.")),
         "currency": string_schema(pattern="^[a-z]{3}$"), "hostedInvoiceUrl": URL_SCHEMA,
         "number": string_schema(1), "periodStart": TIMESTAMP_SCHEMA,
         "periodEnd": TIMESTAMP_SCHEMA}),
@@ -4606,6 +4930,7 @@ FIELD_OF_MESSAGE = {
     URL_REQUIRED: "url", INVALID_URL: "url",
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
+    STRIPE_CUSTOMER_TAKEN: "stripeCustomerId",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
@@ -4988,7 +5313,8 @@ class Surface:
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
-              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
+              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
+              ("Billing", "/dashboard/billing"), ("Settings", "/dashboard/settings"))
 
 
 @page("GET", "/dashboard/orders")
@@ -5445,6 +5771,47 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
+# Billing and settings ------------------------------------------------------------------------
+# The company's own subscription to the service: its paid invoices, and the Settings page that
+# maps it to its Stripe customer (the settings of update_company).
+
+@page("GET", "/dashboard/billing")
+def billing_page(visit):
+    result = find_invoices(visit.conn, visit.company_id, visit.filters())
+    rows = [(row["number"], f"{row['period_start'][:10]} to {row['period_end'][:10]}",
+             minor_amount_text(row["amount_paid_minor"], row["currency"]),
+             row["created_at"][:16].replace("T", " "),
+             render('<a href="{h}" rel="noreferrer">View invoice</a>', h=row["hosted_invoice_url"]))
+            for row in result["data"]]
+    return visit.page("Billing", join([
+        table(("Number", "Period (UTC)", "Amount", "Recorded (UTC)", "Invoice"), rows,
+              numeric=("Amount",)),
+        pager(visit, result, "/dashboard/billing"),
+        render('<p class="muted">The paid invoices of the company\'s subscription, newest first, '
+               'as Stripe reports them (invoice.paid). Stripe finds the company by its Stripe '
+               'customer ID: see <a href="/dashboard/settings">Settings</a>.</p>')]))
+
+
+@page("GET", "/dashboard/settings")
+def settings_page(visit):
+    company = load_company(visit.conn, visit.company_id)
+    return visit.page("Settings", visit.form_tag("/dashboard/settings", join([
+        render("<h2>Billing</h2>"),
+        visit.field("stripeCustomerId", "Stripe customer ID", company["stripe_customer_id"]),
+        render('<p class="muted">The company as a customer of the service\'s Stripe account '
+               '(cus_...): its paid invoices become invoice.paid and are listed under Billing. '
+               'Empty: none.</p>'),
+        render('<div><button type="submit">Save</button></div>')])))
+
+
+@page("POST", "/dashboard/settings", refused=settings_page)
+def update_settings_action(visit):
+    with visit.write() as conn:
+        update_company(conn, visit.company_id,
+                       {"stripe_customer_id": visit.form.get("stripeCustomerId")})
+    return redirect("/dashboard/settings")
+
+
 def install_dashboard(app):
     if not app.service.settings.dashboard:
         return
@@ -5494,6 +5861,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
         bottle.response.content_type = "application/json"
         return document
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
+    install_stripe_webhook(app)
     install_dashboard(app)
     app.error_handler.update({
         404: _error_page(404, UNKNOWN_PATH),
@@ -5758,9 +6126,26 @@ def _amount(text):
     return cents
 
 
+def _invoice_amount(text):
+    """A plain amount with up to three decimals; how many its currency allows is checked once
+    the currency is known (cmd_invoice_paid)."""
+    if not re.fullmatch(r"\s*\d+(\.\d{1,3})?\s*", text):
+        raise argparse.ArgumentTypeError("must be an amount such as 12.50")
+    if decimal.Decimal(text) > money(MAX_AMOUNT_CENTS):
+        raise argparse.ArgumentTypeError(f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
+    return text
+
+
 def _proxy_address(text):
     try:
         return proxy_address(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _stripe_webhook_secrets(text):
+    try:
+        return stripe_webhook_secrets(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -5824,6 +6209,16 @@ def cmd_company_create(conn, args):
     return create_company(conn, args.name, args.slug)
 
 
+#: company-update's options and the company settings they change.
+_COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"),)
+
+
+def cmd_company_update(conn, args):
+    changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
+               if getattr(args, option) is not None}
+    return company_json(update_company(conn, args.id, changes))
+
+
 def cmd_key_create(conn, args):
     scopes = [scope.strip() for scope in args.scopes.split(",") if scope.strip()]
     return create_api_key(conn, args.company, scopes, args.rate_limit, args.expires_at)
@@ -5882,7 +6277,11 @@ def cmd_return_refund(conn, args):
 
 
 def cmd_invoice_paid(conn, args):
-    return record_invoice_paid(conn, args.company, args.invoice_id, args.amount_paid,
+    amount_paid = minor_units_from_text(args.amount_paid, args.currency)
+    if amount_paid is None:
+        raise invalid("amountPaid", f"must have at most {currency_decimals(args.currency)} "
+                                    f"decimal places in {args.currency}")
+    return record_invoice_paid(conn, args.company, args.invoice_id, amount_paid,
                                args.currency, args.hosted_invoice_url, args.number,
                                args.period_start, args.period_end)
 
@@ -5967,10 +6366,21 @@ def build_parser():
     serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
                            help="with --trust-proxy: the proxy's IP address, or * for any "
                                 "peer (127.0.0.1)")
+    serve_cmd.add_argument("--stripe-webhook-secret", dest="stripe_webhook_secrets",
+                           type=_stripe_webhook_secrets, default=None, metavar="WHSEC",
+                           help="Stripe's webhook signing secret (two, comma-separated, during "
+                                "a roll): serves POST /billing/stripe/webhook")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
     sub.add_argument("--slug", help="storefront slug (default: from the name)")
+
+    sub = command("company-update", cmd_company_update,
+                  "change a company's settings and print the company")
+    sub.add_argument("id", metavar="COMPANY_ID")
+    sub.add_argument("--stripe-customer", metavar="CUSTOMER_ID",
+                     help="the company's Stripe customer (cus_...), whose paid invoices Stripe's "
+                          "webhook turns into invoice.paid; '' removes it")
 
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")
@@ -6037,7 +6447,8 @@ def build_parser():
                   "record a paid invoice of the company's subscription (invoice.paid)")
     sub.add_argument("--company", required=True, help="company ID")
     sub.add_argument("--invoice-id", required=True, help="billing provider's invoice ID")
-    sub.add_argument("--amount-paid", type=_amount, required=True)
+    sub.add_argument("--amount-paid", type=_invoice_amount, required=True,
+                     help="in the currency: 49.00 usd, 4900 jpy, 12.345 kwd")
     sub.add_argument("--currency", required=True, help="lower-case code, e.g. usd")
     sub.add_argument("--hosted-invoice-url", required=True)
     sub.add_argument("--number", required=True)
@@ -6100,7 +6511,8 @@ def main(argv=None):
     overrides = {"db_path": args.db}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard"):
+                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard",
+                     "stripe_webhook_secrets"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

@@ -1,16 +1,21 @@
 -- The tables of ordering. Applied at every start; every statement is idempotent.
--- Money columns end in _cents (integers). Times are ISO 8601 UTC strings with milliseconds,
--- which sort as text. IDs begin with their creation time, so they sort by it as well.
+-- Money columns end in _cents (integers), or in _minor for an amount in its own currency's
+-- minor unit (cents, but yen for JPY and fils for KWD, as Stripe counts them). Times are ISO
+-- 8601 UTC strings with milliseconds, which sort as text. IDs begin with their creation time,
+-- so they sort by it as well.
 -- PRAGMA user_version records the schema version; ordering.py migrates older files.
 -- In products, customers and orders the columns the API shows come first, in the order the
 -- serializers of ordering.py (product_json, customer_json, order_json) read them.
 
 CREATE TABLE IF NOT EXISTS companies (
-    id          TEXT PRIMARY KEY,
-    name        TEXT NOT NULL,
-    slug        TEXT NOT NULL UNIQUE,
-    created_at  TEXT NOT NULL
+    id                  TEXT PRIMARY KEY,
+    name                TEXT NOT NULL,
+    slug                TEXT NOT NULL UNIQUE,
+    created_at          TEXT NOT NULL,
+    stripe_customer_id  TEXT                -- the company as Stripe's customer (cus_...)
 );
+-- Stripe's invoice.paid names a customer: it is at most one company's.
+CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
 
 -- Only the SHA-256 of a key is kept; the key itself is shown once, when it is made.
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -133,13 +138,24 @@ CREATE TABLE IF NOT EXISTS invoices (
     id                  TEXT PRIMARY KEY,
     company_id          TEXT NOT NULL REFERENCES companies(id),
     stripe_invoice_id   TEXT NOT NULL UNIQUE,
-    amount_paid_cents   INTEGER NOT NULL,
+    amount_paid_minor   INTEGER NOT NULL,
     currency            TEXT NOT NULL,
     hosted_invoice_url  TEXT NOT NULL,
     number              TEXT NOT NULL,
     period_start        TEXT NOT NULL,
     period_end          TEXT NOT NULL,
     created_at          TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS invoices_by_company_newest    -- the dashboard's Billing page
+    ON invoices (company_id, created_at DESC, id DESC);
+
+-- Stripe events acted on, by Stripe's event ID, written in the transaction of what they did:
+-- Stripe may send an event more than once, and a repeat finds its ID here.
+CREATE TABLE IF NOT EXISTS stripe_events (
+    id           TEXT PRIMARY KEY,          -- Stripe's evt_...
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    event_type   TEXT NOT NULL,
+    received_at  TEXT NOT NULL
 );
 
 -- The webhook secret is the one secret kept in clear: deliveries must be signed with it.

@@ -34,6 +34,7 @@ import jsonschema
 import openapi_spec_validator
 import pytest
 import schemathesis
+import stripe
 import webtest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
@@ -2346,7 +2347,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
     result = cli_json(db_path, "copy-to", url)
 
     expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1, "orders": 2,
-                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0, "webhooks": 1,
+                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0,
+                "stripe_events": 0, "webhooks": 1,
                 "events": 2, "deliveries": 2, "idempotency_keys": 1, "staff": 1,
                 "staff_sessions": 2, "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
@@ -2378,7 +2380,7 @@ def test_copy_to_matches_columns_by_name(db_path, postgres_server):
     # A table made by an older schema keeps its own order of columns.
     source = sqlite3.connect(db_path)
     source.execute("CREATE TABLE companies (slug TEXT NOT NULL UNIQUE, created_at TEXT NOT NULL, "
-                   "name TEXT NOT NULL, id TEXT PRIMARY KEY)")
+                   "stripe_customer_id TEXT, name TEXT NOT NULL, id TEXT PRIMARY KEY)")
     source.execute(f"PRAGMA user_version = {ordering.SCHEMA_VERSION}")
     source.close()
     seed_company(db_path, 1, 5, 1)
@@ -6631,7 +6633,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
     pages = ["/dashboard/orders/new", f"/dashboard/orders/{order['data']['id']}",
              "/dashboard/products/new", f"/dashboard/products/{product['id']}",
              "/dashboard/customers/new", f"/dashboard/customers/{customer['id']}",
-             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys"]
+             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+             "/dashboard/settings"]
     for path in pages:
         page = browser.get(path)
         posting = [form for form in page.forms.values() if form.method.lower() == "post"]
@@ -6641,7 +6644,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
 
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
-                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys")
+                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+                   "/dashboard/billing", "/dashboard/settings")
 
 
 def test_every_page_sends_the_security_headers_and_no_script(api, browser):
@@ -7186,6 +7190,648 @@ def test_key_form_refuses_no_scopes_and_a_bad_expiry(app, tenant, browser):
     create["expiresAt"] = ""
     assert "must be some of" in create.submit(status=400).text
     assert snapshot(app.service.db) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Billing: Stripe's signed webhooks become invoice.paid; the company's Stripe customer
+# (company-update, the Settings page); the Billing page; amounts in their currency's minor unit
+# ---------------------------------------------------------------------------------------------
+
+def stored_amounts(database):
+    """(currency, amount_paid_minor) of every invoice, by currency."""
+    conn = read_db(database)
+    try:
+        return sorted(tuple(row) for row in conn.execute(
+            "SELECT currency, amount_paid_minor FROM invoices"))
+    finally:
+        conn.close()
+
+
+def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(database):
+    db = ordering.Database(str(database))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Acme Wholesale")
+        other = ordering.create_company(conn, "Other Company")
+        for number, (currency, cents) in enumerate((("usd", 4900), ("jpy", 120000),
+                                                     ("kwd", 1250))):
+            conn.execute(
+                "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, "
+                "currency, hosted_invoice_url, number, period_start, period_end, created_at) "
+                "VALUES (?, ?, ?, ?, ?, 'https://billing.example/i', 'N', "
+                "'2026-01-01T00:00:00.000Z', '2026-02-01T00:00:00.000Z', "
+                "'2026-02-01T00:00:00.000Z')",
+                (f"inv_{number}", company["id"], f"in_{number}", cents, currency))
+        # Back to version 2: no Stripe customer, no Stripe events, amounts in cents of every
+        # currency (as the invoice-paid command stored them).
+        for statement in ("DROP INDEX companies_by_stripe_customer",
+                          "DROP INDEX invoices_by_company_newest", "DROP TABLE stripe_events",
+                          "ALTER TABLE companies DROP COLUMN stripe_customer_id",
+                          "ALTER TABLE invoices RENAME COLUMN amount_paid_minor TO "
+                          "amount_paid_cents"):
+            conn.execute(statement)
+        conn.engine.set_schema_version(conn, 2)
+    db.close()
+
+    db = ordering.Database(str(database))
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 3
+        assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
+        with db.write() as conn:
+            conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
+                         (company["id"],))
+        with pytest.raises(sqlite3.DatabaseError):
+            with db.write() as conn:
+                conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
+                             (other["id"],))
+        assert db.conn.execute("SELECT COUNT(*) FROM stripe_events").fetchone()[0] == 0
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("currency, text, shown", [
+    ("usd", "49.5", 49.5), ("jpy", "1200", 1200), ("kwd", "12.345", 12.345), ("kwd", "7", 7)])
+def test_cli_invoice_paid_takes_the_amount_in_its_currency(quiet_tenant, db_path, currency,
+                                                          text, shown):
+    printed = cli_json(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id",
+                       "in_cli", "--amount-paid", text, "--currency", currency,
+                       "--hosted-invoice-url", "https://billing.example/in_cli", "--number",
+                       "INV-1", "--period-start", "2026-03-01", "--period-end", "2026-04-01")
+    assert printed["amountPaid"] == shown and type(printed["amountPaid"]) is type(shown)
+    stored = ordering.minor_units_from_text(text, currency)
+    assert stored_amounts(db_path) == [(currency, stored)]
+
+
+@pytest.mark.parametrize("currency, text, places", [("jpy", "1200.5", 0), ("usd", "49.505", 2)])
+def test_cli_invoice_paid_refuses_more_decimals_than_its_currency_has(quiet_tenant, db_path,
+                                                                      currency, text, places):
+    cli_refuses(db_path, "invoice-paid", "--company", quiet_tenant.id, "--invoice-id", "in_cli",
+                "--amount-paid", text, "--currency", currency, "--hosted-invoice-url",
+                "https://billing.example/in_cli", "--number", "INV-1", "--period-start",
+                "2026-03-01", "--period-end", "2026-04-01",
+                message=f"Validation failed.\n  amountPaid: must have at most {places} decimal "
+                        f"places in {currency}")
+    assert stored_amounts(db_path) == []
+
+
+# Stripe's webhook --------------------------------------------------------------------------
+
+STRIPE_PATH = "/billing/stripe/webhook"
+STRIPE_SECRET = "whsec_" + "Ab1" * 11
+STRIPE_NEXT_SECRET = "whsec_" + "Zy9" * 11
+#: The service's clock in these tests, held still (2026-09-21T14:13:20Z).
+STRIPE_NOW = 1_790_000_000
+JAN_1, JAN_15, JAN_20, FEB_1, MAR_1 = (1767225600, 1768435200, 1768867200, 1769904000,
+                                      1772323200)
+PAID_KEYS = {"stripeInvoiceId", "amountPaid", "currency", "hostedInvoiceUrl", "number",
+             "periodStart", "periodEnd"}
+
+
+def stripe_app(database, deliver=False, secrets=STRIPE_SECRET, **settings):
+    app = build_app(database, deliver=deliver, stripe_webhook_secrets=secrets, **settings)
+    app.service.clock = lambda: STRIPE_NOW
+    return app
+
+
+@pytest.fixture
+def billing(database):
+    app = stripe_app(database)
+    yield app
+    app.service.close(grace=0)
+
+
+def mapped(app, name="Acme Wholesale", customer="cus_Acme1", hook=HOOK):
+    """A company whose Stripe customer is customer, with a webhook on invoice.paid (so that
+    its events are stored)."""
+    tenant = Tenant(app, name)
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"stripe_customer_id": customer})
+    tenant.hook = subscribe(webtest.TestApp(app), tenant, hook, ["invoice.paid"])
+    return tenant
+
+
+@pytest.fixture
+def billed(billing):
+    return mapped(billing)
+
+
+def subscription_line(start=FEB_1, end=MAR_1, proration=False, shape="current"):
+    """An invoice line of a subscription item, in the current shape of Stripe's API or the
+    older one."""
+    if shape == "older":
+        return {"object": "line_item", "type": "subscription", "proration": proration,
+                "subscription": "sub_1", "subscription_item": "si_1",
+                "period": {"start": start, "end": end}}
+    return {"object": "line_item", "period": {"start": start, "end": end},
+            "parent": {"type": "subscription_item_details", "invoice_item_details": None,
+                       "subscription_item_details": {
+                           "subscription": "sub_1", "subscription_item": "si_1",
+                           "proration": proration, "invoice_item": None,
+                           "proration_details": {"credited_items": None}}}}
+
+
+def invoice_item_line(start=JAN_20, end=JAN_20):
+    return {"object": "line_item", "period": {"start": start, "end": end},
+            "parent": {"type": "invoice_item_details", "subscription_item_details": None,
+                       "invoice_item_details": {"invoice_item": "ii_1", "proration": False,
+                                                "proration_details": None,
+                                                "subscription": None}}}
+
+
+def stripe_invoice(invoice_id="in_1Acme", customer="cus_Acme1", amount_paid=4900, currency="usd",
+                   lines=None, **fields):
+    """A renewal invoice as Stripe sends it: its own period the month that ended, its line the
+    month paid for."""
+    return {"id": invoice_id, "object": "invoice", "customer": customer,
+            "amount_paid": amount_paid, "amount_due": amount_paid, "currency": currency,
+            "hosted_invoice_url": f"https://invoice.stripe.com/i/acct_1/{invoice_id}",
+            "number": "ACME-0001", "status": "paid", "billing_reason": "subscription_cycle",
+            "period_start": JAN_1, "period_end": FEB_1,
+            "parent": {"type": "subscription_details",
+                       "subscription_details": {"subscription": "sub_1"}},
+            "lines": {"object": "list", "has_more": False,
+                      "data": [subscription_line()] if lines is None else lines}, **fields}
+
+
+def stripe_event(data_object=None, event_id="evt_1Acme", event_type="invoice.paid"):
+    return {"id": event_id, "object": "event", "api_version": stripe.api_version,
+            "created": STRIPE_NOW, "livemode": False, "pending_webhooks": 1,
+            "request": {"id": None, "idempotency_key": None}, "type": event_type,
+            "data": {"object": stripe_invoice() if data_object is None else data_object}}
+
+
+def stripe_signature(body, secret=STRIPE_SECRET, timestamp=STRIPE_NOW, scheme="v1"):
+    """Stripe-Signature as these tests make it (and Stripe's library accepts: see
+    test_stripe_accepts_the_signatures_these_tests_make)."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},{scheme}={digest.hexdigest()}"
+
+
+def post_stripe(api, event=None, status=200, signature=None, body=None):
+    """POST an event (or a body) to Stripe's webhook; signature None signs it with
+    STRIPE_SECRET at STRIPE_NOW, False sends no Stripe-Signature."""
+    body = json.dumps(stripe_event() if event is None else event).encode() \
+        if body is None else body
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    if signature is not False:
+        headers["Stripe-Signature"] = stripe_signature(body) if signature is None else signature
+    return api.post(STRIPE_PATH, body, headers=headers, status=status)
+
+
+def billing_rows(database):
+    """(invoices, Stripe events, invoice.paid events) stored."""
+    conn = read_db(database)
+    try:
+        return tuple(conn.execute(sql).fetchone()[0] for sql in (
+            "SELECT COUNT(*) FROM invoices", "SELECT COUNT(*) FROM stripe_events",
+            "SELECT COUNT(*) FROM events WHERE name = 'invoice.paid'"))
+    finally:
+        conn.close()
+
+
+def paid_events(database):
+    """The stored invoice.paid events: (company ID, the envelope's exact text)."""
+    conn = read_db(database)
+    try:
+        return [tuple(row) for row in conn.execute(
+            "SELECT company_id, body FROM events WHERE name = 'invoice.paid' ORDER BY id")]
+    finally:
+        conn.close()
+
+
+def test_stripes_webhook_is_not_found_without_a_secret_and_not_part_of_the_api(api, tenant):
+    assert_error(post_stripe(api, status=404), 404, "Not found.")
+    assert STRIPE_PATH not in [route.path for route in ordering.ROUTES]
+    assert STRIPE_PATH not in ordering.openapi_document()["paths"]
+
+
+def test_a_signature_made_by_stripes_library_passes(billing, billed, database):
+    body = json.dumps(stripe_event()).encode()
+    header = stripe.WebhookSignature.generate_signature_header(body.decode(), STRIPE_SECRET,
+                                                               timestamp=STRIPE_NOW)
+    answer = post_stripe(webtest.TestApp(billing), body=body, signature=header)
+    assert answer.content_type == "application/json"
+    assert answer.json == {"result": "recorded"}
+    [(company_id, envelope)] = paid_events(database)
+    assert company_id == billed.id
+    assert json.loads(envelope)["data"] == {
+        "stripeInvoiceId": "in_1Acme", "amountPaid": 49, "currency": "usd",
+        "hostedInvoiceUrl": "https://invoice.stripe.com/i/acct_1/in_1Acme",
+        "number": "ACME-0001", "periodStart": "2026-02-01T00:00:00.000Z",
+        "periodEnd": "2026-03-01T00:00:00.000Z"}
+
+
+def test_stripe_accepts_the_signatures_these_tests_make():
+    body = json.dumps(stripe_event()).encode()
+    now = int(time.time())
+    event = stripe.Webhook.construct_event(body, stripe_signature(body, timestamp=now),
+                                           STRIPE_SECRET)
+    assert (event.id, event.type) == ("evt_1Acme", "invoice.paid")
+    with pytest.raises(stripe.SignatureVerificationError):
+        stripe.Webhook.construct_event(body, stripe_signature(body, STRIPE_NEXT_SECRET, now),
+                                       STRIPE_SECRET)
+
+
+def _one_byte_changed(body):
+    return body.replace(b'"amount_paid": 4900', b'"amount_paid": 9900'), stripe_signature(body)
+
+
+UNSIGNED = {
+    "wrong secret": (lambda body: (body, stripe_signature(body, STRIPE_NEXT_SECRET)),
+                     ordering.STRIPE_SIGNATURE_MISMATCH),
+    "body changed by one byte": (_one_byte_changed, ordering.STRIPE_SIGNATURE_MISMATCH),
+    "v0 only": (lambda body: (body, stripe_signature(body, scheme="v0")),
+                ordering.STRIPE_SIGNATURE_MISMATCH),
+    "older than the tolerance": (
+        lambda body: (body, stripe_signature(body, timestamp=STRIPE_NOW - 301)),
+        ordering.STRIPE_SIGNATURE_EXPIRED),
+    "no header": (lambda body: (body, False), ordering.STRIPE_SIGNATURE_MISSING),
+    "empty header": (lambda body: (body, ""), ordering.STRIPE_SIGNATURE_MISSING),
+    "no timestamp": (lambda body: (body, stripe_signature(body).split(",", 1)[1]),
+                     ordering.STRIPE_SIGNATURE_MALFORMED),
+    "two timestamps": (lambda body: (body, f"t={STRIPE_NOW}," + stripe_signature(body)),
+                       ordering.STRIPE_SIGNATURE_MALFORMED),
+    "timestamp not a number": (lambda body: (body, stripe_signature(body).replace(
+        f"t={STRIPE_NOW}", "t=soon")), ordering.STRIPE_SIGNATURE_MALFORMED),
+    "not key=value": (lambda body: (body, "sha256 " + stripe_signature(body)),
+                      ordering.STRIPE_SIGNATURE_MALFORMED),
+    "semicolons": (lambda body: (body, stripe_signature(body).replace(",", ";")),
+                   ordering.STRIPE_SIGNATURE_MALFORMED),
+}
+
+
+@pytest.mark.parametrize("case", UNSIGNED)
+def test_a_body_not_signed_as_stripe_signs_is_400_and_records_nothing(billing, billed, database,
+                                                                      case):
+    make, message = UNSIGNED[case]
+    body, signature = make(json.dumps(stripe_event()).encode())
+    assert_error(post_stripe(webtest.TestApp(billing), body=body, signature=signature,
+                             status=400), 400, message)
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_the_tolerance_bounds_how_old_a_timestamp_may_be(database):
+    app = stripe_app(database, stripe_webhook_tolerance=60)
+    try:
+        mapped(app)
+        api = webtest.TestApp(app)
+        for number, (age, status) in enumerate(((61, 400), (60, 200), (0, 200), (-3600, 200))):
+            event = stripe_event(stripe_invoice(f"in_{number}"), event_id=f"evt_{number}")
+            body = json.dumps(event).encode()
+            post_stripe(api, body=body, status=status,
+                        signature=stripe_signature(body, timestamp=STRIPE_NOW - age))
+        assert billing_rows(database) == (3, 3, 3)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_two_v1_signatures_pass_when_one_matches(billing, billed, database):
+    api = webtest.TestApp(billing)
+    for number, order in enumerate(((STRIPE_NEXT_SECRET, STRIPE_SECRET),
+                                    (STRIPE_SECRET, STRIPE_NEXT_SECRET))):
+        body = json.dumps(stripe_event(stripe_invoice(f"in_{number}"),
+                                       event_id=f"evt_{number}")).encode()
+        signatures = [stripe_signature(body, secret).split(",")[1] for secret in order]
+        header = ",".join([f"t={STRIPE_NOW}", "v0=" + "0" * 64, *signatures])
+        assert post_stripe(api, body=body, signature=header).json == {"result": "recorded"}
+    assert billing_rows(database) == (2, 2, 2)
+
+
+def test_either_secret_of_a_roll_passes(database):
+    app = stripe_app(database, secrets=f"{STRIPE_NEXT_SECRET},{STRIPE_SECRET}")
+    try:
+        mapped(app)
+        api = webtest.TestApp(app)
+        for number, secret in enumerate((STRIPE_SECRET, STRIPE_NEXT_SECRET)):
+            body = json.dumps(stripe_event(stripe_invoice(f"in_{number}"),
+                                           event_id=f"evt_{number}")).encode()
+            post_stripe(api, body=body, signature=stripe_signature(body, secret))
+        body = json.dumps(stripe_event(stripe_invoice("in_2"), event_id="evt_2")).encode()
+        assert_error(post_stripe(api, body=body, status=400, signature=stripe_signature(
+            body, "whsec_" + "Qx7" * 11)), 400, ordering.STRIPE_SIGNATURE_MISMATCH)
+        assert billing_rows(database) == (2, 2, 2)
+    finally:
+        app.service.close(grace=0)
+
+
+def test_the_same_stripe_event_twice_emits_one_invoice_paid(billing, billed, database):
+    api = webtest.TestApp(billing)
+    assert post_stripe(api).json == {"result": "recorded"}
+    assert post_stripe(api).json == {"result": "duplicate"}
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_an_invoice_of_an_unknown_customer_is_logged_ignored_and_recorded_once_mapped(
+        billing, billed, database, caplog):
+    api = webtest.TestApp(billing)
+    event = stripe_event(stripe_invoice(customer="cus_Nobody"))
+    with caplog.at_level(logging.WARNING, logger="ordering"):
+        answer = post_stripe(api, event)
+    assert answer.json == {"result": "ignored",
+                           "reason": "Stripe customer cus_Nobody is no company's"}
+    [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "cus_Nobody" in warning.getMessage() and "company-update" in warning.getMessage()
+    assert billing_rows(database) == (0, 0, 0)
+    # Stripe's "Resend" after the operator maps the customer: the event is acted on now.
+    newcomer = mapped(billing, "Newcomer Ltd", "cus_Nobody")
+    assert post_stripe(api, event).json == {"result": "recorded"}
+    assert [company for company, _ in paid_events(database)] == [newcomer.id]
+
+
+@pytest.mark.parametrize("event_type", ["invoice.payment_succeeded", "invoice.payment_failed",
+                                        "customer.subscription.updated", "charge.succeeded"])
+def test_other_stripe_event_types_are_200_and_ignored(billing, billed, database, event_type):
+    answer = post_stripe(webtest.TestApp(billing), stripe_event(event_type=event_type))
+    assert answer.json == {"result": "ignored", "reason": f"{event_type} is not acted on"}
+    assert billing_rows(database) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("currency, amount_paid, text", [
+    ("usd", 4900, "49"), ("usd", 1250, "12.5"), ("usd", 5, "0.05"), ("jpy", 1200, "1200"),
+    ("krw", 55000, "55000"), ("kwd", 5120, "5.12"), ("kwd", 12345, "12.345"),
+    ("KWD", 1, "0.001")])
+def test_amount_paid_is_read_in_its_currencys_minor_unit(billing, billed, database, currency,
+                                                         amount_paid, text):
+    post_stripe(webtest.TestApp(billing),
+                stripe_event(stripe_invoice(amount_paid=amount_paid, currency=currency)))
+    [(_, envelope)] = paid_events(database)
+    assert f'"amountPaid":{text},"currency":"{currency.lower()}"' in envelope
+    assert stored_amounts(database) == [(currency.lower(), amount_paid)]
+
+
+PERIODS = {
+    "renewal, current shape: the line's month": (
+        stripe_invoice(), (FEB_1, MAR_1)),
+    "renewal, older shape: the line's month": (
+        stripe_invoice(lines=[subscription_line(shape="older")]), (FEB_1, MAR_1)),
+    "prorations beside the new period: the new period": (
+        stripe_invoice(lines=[subscription_line(JAN_15, FEB_1, proration=True),
+                              subscription_line(shape="older"),
+                              subscription_line(JAN_15, FEB_1, proration=True,
+                                                shape="older")]), (FEB_1, MAR_1)),
+    "prorations only: all of them": (
+        stripe_invoice(lines=[subscription_line(JAN_20, FEB_1, proration=True),
+                              subscription_line(JAN_15, FEB_1, proration=True)]),
+        (JAN_15, FEB_1)),
+    "two items: the earliest start to the latest end": (
+        stripe_invoice(lines=[subscription_line(FEB_1, MAR_1), invoice_item_line(),
+                              subscription_line(JAN_15, FEB_1)]), (JAN_15, MAR_1)),
+    "no subscription line: the invoice's own period": (
+        stripe_invoice(lines=[invoice_item_line()], period_start=JAN_20,
+                       period_end=FEB_1), (JAN_20, FEB_1)),
+}
+
+
+@pytest.mark.parametrize("case", PERIODS)
+def test_the_period_is_the_subscription_lines_service_period(billing, billed, database, case):
+    invoice, (start, end) = PERIODS[case]
+    post_stripe(webtest.TestApp(billing), stripe_event(invoice))
+    [(_, envelope)] = paid_events(database)
+    data = json.loads(envelope)["data"]
+    assert (data["periodStart"], data["periodEnd"]) == (ordering.iso(start * 1000),
+                                                        ordering.iso(end * 1000))
+
+
+def test_an_invoice_that_cannot_be_recorded_is_logged_and_ignored(billing, billed, database,
+                                                                  caplog):
+    api = webtest.TestApp(billing)
+    with caplog.at_level(logging.WARNING, logger="ordering"):
+        draft = post_stripe(api, stripe_event(stripe_invoice(number=None, lines=[])))
+        assert draft.json == {"result": "ignored", "reason": "number: is required"}
+        post_stripe(api, stripe_event(stripe_invoice(), event_id="evt_first"))
+        again = post_stripe(api, stripe_event(stripe_invoice(), event_id="evt_other"))
+        assert again.json == {"result": "ignored",
+                              "reason": 'Invoice "in_1Acme" was already recorded.'}
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "Stripe event evt_1Acme: invoice in_1Acme not recorded: number: is required",
+        'Stripe event evt_other: invoice in_1Acme not recorded: Invoice "in_1Acme" was '
+        'already recorded.']
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_a_failure_of_ours_is_500_records_nothing_and_stripes_retry_records(
+        billing, billed, database, monkeypatch, caplog):
+    def outbox_down(*args):
+        raise RuntimeError("outbox down")
+    monkeypatch.setattr(ordering, "emit", outbox_down)
+    failed = post_stripe(webtest.TestApp(billing), status=500)
+    assert (failed.content_type, failed.body) == ("text/plain", b"Internal Server Error")
+    assert "outbox down" in caplog.text and "Traceback" in caplog.text
+    # the invoice was inserted before emit() failed: the event ID went with it
+    assert billing_rows(database) == (0, 0, 0)
+    monkeypatch.undo()
+    assert post_stripe(webtest.TestApp(billing)).json == {"result": "recorded"}
+    assert billing_rows(database) == (1, 1, 1)
+
+
+def test_a_stripe_body_over_the_size_limit_is_413(billing, billed, database):
+    event = stripe_event(stripe_invoice(description="x" * (1024 * 1024)))
+    assert_error(post_stripe(webtest.TestApp(billing), event, status=413), 413,
+                 "Request body too large.")
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_a_signed_body_that_is_no_stripe_event_is_400(billing, billed, database):
+    api = webtest.TestApp(billing)
+    assert_error(post_stripe(api, body=b"{not json", status=400), 400, "Invalid JSON body.")
+    refused = post_stripe(api, {"id": "evt_1", "data": {"object": {}}}, status=400)
+    assert refused.json == {"error": "Validation failed.",
+                            "details": [{"field": "type", "rule": "must be a non-empty string"}]}
+    assert billing_rows(database) == (0, 0, 0)
+
+
+def test_a_real_receiver_gets_our_signed_invoice_paid_with_the_specs_keys(database, receiver):
+    app = stripe_app(database, deliver=True)
+    try:
+        tenant = mapped(app, hook=receiver.url)
+        post_stripe(webtest.TestApp(app), stripe_event(stripe_invoice(amount_paid=12345,
+                                                                      currency="kwd")))
+        data = assert_signed(one(receiver, "invoice.paid"), tenant.hook["secret"],
+                             "invoice.paid", database)
+    finally:
+        app.service.close(grace=0)
+    assert set(data) == PAID_KEYS
+    assert data == {"stripeInvoiceId": "in_1Acme", "amountPaid": 12.345, "currency": "kwd",
+                    "hostedInvoiceUrl": "https://invoice.stripe.com/i/acct_1/in_1Acme",
+                    "number": "ACME-0001", "periodStart": "2026-02-01T00:00:00.000Z",
+                    "periodEnd": "2026-03-01T00:00:00.000Z"}
+
+
+def test_serve_takes_the_stripe_secret_and_acts_on_stripes_events(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Served")
+    cli_json(db_path, "company-update", company["id"], "--stripe-customer", "cus_Acme1")
+    process, port = start_server(db_path, "--stripe-webhook-secret", STRIPE_SECRET)
+    try:
+        event = stripe_event()
+        signature = stripe_signature(json.dumps(event).encode(), timestamp=int(time.time()))
+        assert http_request(port, "POST", STRIPE_PATH, event, {"Stripe-Signature": signature}) \
+            == (200, {"result": "recorded"})
+        assert http_request(port, "POST", STRIPE_PATH, event, {"Stripe-Signature": ""}) == (
+            400, {"error": ordering.STRIPE_SIGNATURE_MISSING})
+    finally:
+        stop_server(process)
+    assert stored_amounts(db_path) == [("usd", 4900)]
+
+
+STRIPE_SECRET_REFUSED = ("Stripe webhook secret (ORDERING_STRIPE_WEBHOOK_SECRET, serve "
+                         "--stripe-webhook-secret) must be one whsec_... secret, or two "
+                         "separated by a comma during a roll")
+
+
+@pytest.mark.parametrize("secrets", ["sk_live_51Hx", "whsec_a,whsec_b,whsec_c", "whsec_a,",
+                                     "whsec_a b"])
+def test_bad_stripe_secrets_stop_the_server_at_start_without_showing_them(db_path, secrets):
+    with pytest.raises(ValueError) as refused:
+        ordering.create_app(str(db_path), stripe_webhook_secrets=secrets)
+    assert str(refused.value) == STRIPE_SECRET_REFUSED
+    flag = cli_refuses(db_path, "serve", "--stripe-webhook-secret", secrets,
+                       message="argument --stripe-webhook-secret: " + STRIPE_SECRET_REFUSED)
+    environment = cli_refuses(db_path, "serve", env={"ORDERING_STRIPE_WEBHOOK_SECRET": secrets},
+                              prog="ordering",
+                              message="bad setting in the environment: " + STRIPE_SECRET_REFUSED)
+    assert secrets not in flag + environment
+    assert not db_path.exists()
+
+
+@pytest.mark.parametrize("tolerance", ["0", "-5", "5m", "1.5", ""])
+def test_a_bad_stripe_tolerance_stops_the_server_at_start(db_path, tolerance):
+    message = ("Stripe webhook tolerance (ORDERING_STRIPE_WEBHOOK_TOLERANCE) must be a whole "
+               f"number of seconds, 1 or more, not {tolerance!r}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ordering.Settings(stripe_webhook_tolerance=tolerance)
+    if tolerance:  # an empty variable is no setting
+        cli_refuses(db_path, "serve", env={"ORDERING_STRIPE_WEBHOOK_TOLERANCE": tolerance},
+                    prog="ordering", message="bad setting in the environment: " + message)
+    assert not db_path.exists()
+
+
+def test_stripe_settings_from_the_environment():
+    settings = ordering.Settings.from_environment({
+        "ORDERING_STRIPE_WEBHOOK_SECRET": f" {STRIPE_NEXT_SECRET} , {STRIPE_SECRET} ",
+        "ORDERING_STRIPE_WEBHOOK_TOLERANCE": "60"})
+    assert settings.stripe_webhook_secrets == (STRIPE_NEXT_SECRET, STRIPE_SECRET)
+    assert settings.stripe_webhook_tolerance == 60
+    assert ordering.Settings().stripe_webhook_secrets == ()
+    assert ordering.Settings().stripe_webhook_tolerance == 300
+
+
+# The company's Stripe customer -------------------------------------------------------------
+
+def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
+    printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
+                       "cus_NffrFeUfNV2Hib")
+    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib")
+    assert cli_json(db_path, "company-update", company["id"]) == printed
+    assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
+        company, stripeCustomerId=None)
+
+
+def test_company_update_refuses_and_writes_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
+    other = cli_json(db_path, "company-create", "--name", "Other Company")
+    cli_json(db_path, "company-update", other["id"], "--stripe-customer", "cus_Other1")
+    for value in ("cus_", "sub_1", "cus_1 2", "cus_<script>", "cus_" + "a" * 252):
+        cli_refuses(db_path, "company-update", company["id"], "--stripe-customer", value,
+                    message="Validation failed.\n  stripeCustomerId: "
+                            + ordering.STRIPE_CUSTOMER_RULE)
+    cli_refuses(db_path, "company-update", company["id"], "--stripe-customer", "cus_Other1",
+                message=ordering.STRIPE_CUSTOMER_TAKEN)
+    cli_refuses(db_path, "company-update", "co_nope", "--stripe-customer", "cus_1",
+                message="Company not found.")
+    assert cli_json(db_path, "company-update", company["id"])["stripeCustomerId"] is None
+
+
+def test_a_stripe_customer_is_at_most_one_companys(app, tenant, other):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"stripe_customer_id": " cus_Acme1 "})
+        assert ordering.update_company(conn, tenant.id, {"stripe_customer_id": "cus_Acme1"})[
+            "stripe_customer_id"] == "cus_Acme1"
+    with pytest.raises(ordering.ApiError) as taken:
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, other.id, {"stripe_customer_id": "cus_Acme1"})
+    assert (taken.value.status, taken.value.message) == (409, ordering.STRIPE_CUSTOMER_TAKEN)
+    with pytest.raises(ordering.ApiError) as unknown:
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, tenant.id, {"name": "Renamed"})
+    assert unknown.value.details == [{"field": "name", "rule": "is not a company setting"}]
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT name, stripe_customer_id FROM companies ORDER BY id")] == [
+        ("Acme Wholesale", "cus_Acme1"), ("Other Company", None)]
+
+
+# The dashboard's Settings and Billing pages --------------------------------------------------
+
+def stripe_customer_of(tenant):
+    return tenant.db.conn.execute("SELECT stripe_customer_id FROM companies WHERE id = ?",
+                                  (tenant.id,)).fetchone()[0]
+
+
+def test_settings_page_maps_the_stripe_customer(tenant, browser):
+    page = browser.get("/dashboard/settings")
+    assert page.html.find("a", attrs={"aria-current": "page"}).get_text() == "Settings"
+    form = main_form(page)
+    assert form["stripeCustomerId"].value == ""
+    form["stripeCustomerId"] = "cus_Acme1"
+    assert form.submit(status=303).location.endswith("/dashboard/settings")
+    assert stripe_customer_of(tenant) == "cus_Acme1"
+    form = main_form(browser.get("/dashboard/settings"))
+    assert form["stripeCustomerId"].value == "cus_Acme1"
+    form["stripeCustomerId"] = ""
+    form.submit(status=303)
+    assert stripe_customer_of(tenant) is None
+
+
+def test_settings_form_refusals_show_next_to_the_field_escaped_and_change_nothing(
+        app, tenant, other, browser):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, other.id, {"stripe_customer_id": "cus_Other1"})
+    evil = "<script>alert(1)</script>"
+    form = main_form(browser.get("/dashboard/settings"))
+    form["stripeCustomerId"] = evil
+    refused = form.submit(status=400)
+    assert field_error(refused, "stripeCustomerId") == ordering.STRIPE_CUSTOMER_RULE
+    assert evil not in refused.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in refused.text
+    form = main_form(refused)
+    form["stripeCustomerId"] = "cus_Other1"
+    taken = form.submit(status=409)
+    assert field_error(taken, "stripeCustomerId") == ordering.STRIPE_CUSTOMER_TAKEN
+    form = main_form(taken)
+    form["stripeCustomerId"], form["csrf"] = "cus_Acme1", "forged"
+    assert ordering.CSRF_REFUSED in form.submit(status=403).text
+    assert stripe_customer_of(tenant) is None
+
+
+def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant, other,
+                                                                    browser):
+    evil = "<script>alert(1)</script>"
+    with tenant.db.write() as conn:
+        for number, (currency, amount, start, end) in enumerate((
+                ("usd", 4900, "2026-01-01", "2026-02-01"),
+                ("jpy", 1200, "2026-02-01", "2026-03-01"),
+                ("kwd", 12345, "2026-03-01", "2026-04-01"))):
+            ordering.record_invoice_paid(conn, tenant.id, f"in_{number}", amount, currency,
+                                         f"https://invoice.stripe.com/i/in_{number}?a=1&b=2",
+                                         evil if number == 2 else f"ACME-000{number}", start,
+                                         end)
+        ordering.record_invoice_paid(conn, other.id, "in_other", 100, "usd",
+                                     "https://invoice.stripe.com/i/in_other", "OTHER-1",
+                                     "2026-01-01", "2026-02-01")
+    page = browser.get("/dashboard/billing")
+    assert page.html.find("a", attrs={"aria-current": "page"}).get_text() == "Billing"
+    rows = [[cell.get_text() for cell in row.find_all("td")]
+            for row in page.html.find("tbody").find_all("tr")]
+    assert rows == [
+        [evil, "2026-03-01 to 2026-04-01", "12.345 KWD", rows[0][3], "View invoice"],
+        ["ACME-0001", "2026-02-01 to 2026-03-01", "1,200 JPY", rows[1][3], "View invoice"],
+        ["ACME-0000", "2026-01-01 to 2026-02-01", "49.00 USD", rows[2][3], "View invoice"]]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", row[3]) for row in rows)
+    assert [a["href"] for a in page.html.find("tbody").find_all("a")] == [
+        f"https://invoice.stripe.com/i/in_{n}?a=1&b=2" for n in (2, 1, 0)]
+    assert evil not in page.text and "OTHER-1" not in page.text
+
+
+def test_billing_page_without_invoices_says_so(browser):
+    assert "Nothing here yet." in browser.get("/dashboard/billing").text
 
 
 # ---------------------------------------------------------------------------------------------
