@@ -5,7 +5,8 @@ staff dashboard, in one module you can run (``python ordering.py``), vendor, or 
 (``create_app()`` returns a WSGI app). The sections run in dependency order: each uses only
 the ones above it.
 
-  1. Settings      every tunable, read once from flags and environment, checked at start
+  1. Settings      every tunable, read once from flags and environment, checked at start;
+                   mail settings (the mail server URL, sender, base URL, CA file)
   2. Storage       the database and its write transaction (group commit); schema and
                    migrations; claimers (which process holds a claim, and whether it lives);
                    shared rate counters; engines (SQLite, PostgreSQL: all that differs)
@@ -29,7 +30,8 @@ the ones above it.
                    security headers); dashboard (the staff's pages at /dashboard)
  13. App           create_app() installs every surface
  14. Server        serve and its workers, the access log
- 15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to, ...)
+ 15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
+                   company-update, ...)
 """
 
 import argparse
@@ -91,7 +93,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older files are migrated up to it at start.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -155,6 +157,20 @@ class Settings:
     #: URL templates for the named carriers; {number} is replaced by the tracking number.
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
+    #: The mail server outgoing email goes through: smtp://, smtp+starttls:// or smtps://, with
+    #: an optional user:password@ (see README, Mail); empty: none, and email waits unsent.
+    #: Kept out of repr(), which would show the password.
+    smtp_url: str = dataclasses.field(default="", repr=False)
+    #: A PEM file of the certificate authorities trusted for the mail server, in place of the
+    #: system's (a private relay); empty: the system's.
+    smtp_ca_file: str = ""
+    #: Seconds the mail server may take to accept a connection or to answer one command.
+    smtp_timeout: float = 30.0
+    #: The sender address of every email; each company's mail name is its display name.
+    mail_from: str = ""
+    #: The address people reach this server at, which every link in an email is built from
+    #: (never a request's Host header); empty: the address serve listens on.
+    base_url: str = ""
 
     @classmethod
     def from_environment(cls, environ=os.environ, **overrides):
@@ -174,6 +190,11 @@ class Settings:
             "ORDERING_KEY_CACHE_SECONDS": ("key_cache_seconds", float),
             "ORDERING_PROXY_ADDRESS": ("proxy_address", proxy_address),
             "ORDERING_TRACKING_URL_TEMPLATES": ("tracking_url_templates", json.loads),
+            "ORDERING_SMTP_URL": ("smtp_url", str),
+            "ORDERING_SMTP_CA_FILE": ("smtp_ca_file", str),
+            "ORDERING_SMTP_TIMEOUT": ("smtp_timeout", _positive_float),
+            "ORDERING_MAIL_FROM": ("mail_from", str),
+            "ORDERING_BASE_URL": ("base_url", str),
         }
         for variable, (field, parse) in readers.items():
             if environ.get(variable, "") != "":
@@ -193,6 +214,21 @@ class Settings:
             raise ValueError(f"synchronous (ORDERING_SYNCHRONOUS) must be one of "
                              f"{', '.join(SYNCHRONOUS_LEVELS)}, not {self.synchronous!r}")
         self.synchronous = level
+        check_mail_settings(self)
+
+    @property
+    def mail_server(self):
+        """The mail server of smtp_url as a MailServer, or None when none is set."""
+        return mail_server(self.smtp_url) if self.smtp_url else None
+
+    @property
+    def link_base(self):
+        """What every link in an email begins with: base_url, else the address serve listens
+        on (a wildcard address by this machine's name)."""
+        if self.base_url:
+            return self.base_url.rstrip("/")
+        host = socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
 #: The PRAGMA synchronous levels accepted; see README, Storage and durability.
@@ -208,6 +244,107 @@ def _non_negative_float(text):
     if not 0 <= value < math.inf:
         raise ValueError(f"must be a number 0 or more, not {text!r}")
     return value
+
+
+def _positive_float(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise ValueError(f"must be a number above 0, not {text!r}")
+    return value
+
+
+# Mail settings -------------------------------------------------------------------------------
+
+#: smtp_url's schemes, each with its TLS mode and default port (see README, Mail).
+SMTP_SCHEMES = {"smtp": 25, "smtp+starttls": 587, "smtps": 465}
+
+MailServer = collections.namedtuple("MailServer", "scheme host port user password")
+
+
+def mail_server(url):
+    """smtp_url read as a MailServer; ValueError (its message without the password) when it is
+    not one. User and password may be percent-encoded (an @ in a user name as %40)."""
+    shown = describe_smtp_url(url)
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"the mail server URL {shown!r} is not a URL with a valid port") from None
+    scheme = parts.scheme.lower()
+    if scheme not in SMTP_SCHEMES:
+        raise ValueError(f"the mail server URL must begin with smtp://, smtp+starttls:// or "
+                         f"smtps://, not {shown!r}")
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"the mail server URL must be {scheme}://[user[:password]@]host[:port], "
+                         f"not {shown!r}")
+    user = None if parts.username is None else urllib.parse.unquote(parts.username)
+    password = None if parts.password is None else urllib.parse.unquote(parts.password)
+    if scheme == "smtp" and password and not _loopback(parts.hostname):
+        raise ValueError(f"{shown} would send the password unencrypted over the network; use "
+                         "smtp+starttls:// or smtps:// (plain smtp:// is for a relay that needs "
+                         "no password, or one on this machine)")
+    return MailServer(scheme, parts.hostname, port or SMTP_SCHEMES[scheme], user, password)
+
+
+def _loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def describe_smtp_url(url):
+    """The mail server URL as logs and messages may show it: without its password."""
+    parts = urllib.parse.urlsplit(url.strip())
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = user.split(":", 1)[0] + (":***" if ":" in user else "") + "@" + host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+_MAIL_ADDRESS = re.compile(r"[^@\s\x00-\x1f\x7f<>(),;:\"\[\]\\]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]{2,}")
+
+
+def check_mail_settings(settings):
+    """Stop a start with bad mail settings with a message, rather than fail at the first
+    email: the URL, the sender address, the base URL and the CA file are checked here."""
+    if settings.smtp_url:
+        mail_server(settings.smtp_url)
+        if not settings.mail_from:
+            raise ValueError("a mail server needs a sender address: set ORDERING_MAIL_FROM "
+                             "(orders@example.com)")
+    if settings.mail_from and not _MAIL_ADDRESS.fullmatch(settings.mail_from):
+        raise ValueError(f"the sender address (ORDERING_MAIL_FROM) must be an address such as "
+                         f"orders@example.com, not {settings.mail_from!r}")
+    if settings.base_url:
+        check_base_url(settings.base_url)
+    if settings.smtp_ca_file:
+        mail_tls_context(settings)
+
+
+def check_base_url(url):
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"the base URL (ORDERING_BASE_URL) must be an http:// or https:// "
+                         f"address such as https://orders.example.com, not {url!r}")
+    return url
+
+
+def mail_tls_context(settings):
+    """The TLS settings for the mail server: certificates verified and the host name checked,
+    against smtp_ca_file when set, else the system's authorities."""
+    try:
+        return ssl.create_default_context(cafile=settings.smtp_ca_file or None)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) "
+                         f"{settings.smtp_ca_file!r}: {getattr(error, 'strerror', None) or error}"
+                         ) from None
 
 
 def proxy_address(text):
@@ -448,6 +585,10 @@ MIGRATIONS = {
     1: (),
     2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
         "ALTER TABLE idempotency_keys ADD COLUMN claimed_by TEXT"),
+    # Email: the companies' mail settings (new tables come from schema.sql at every start).
+    3: ("ALTER TABLE companies ADD COLUMN mail_name TEXT",
+        "ALTER TABLE companies ADD COLUMN reply_to TEXT",
+        "ALTER TABLE companies ADD COLUMN staff_alerts TEXT"),
 }
 
 
@@ -1198,6 +1339,14 @@ def amount_text(number):
     return "" if number is None else f"{number:,.2f}"
 
 
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")
+
+
+def one_line(value):
+    """A value as one line of text: control characters (CR and LF among them) become spaces."""
+    return _LINE_BREAKS.sub(" ", "" if value is None else str(value)).strip()
+
+
 # Templates -----------------------------------------------------------------------------------
 
 LAYOUT = """<!doctype html>
@@ -1364,6 +1513,14 @@ MAX_ORDER_NOTES = 2000
 MAX_WEBHOOKS = 10
 MAX_CENTS = 2 ** 63 - 1
 MAX_AMOUNT_CENTS = 10 ** 12  # a product price, and any amount an operator command takes
+
+#: A company's mail settings (company-update, the dashboard's Settings page).
+MAX_MAIL_NAME = 100
+MAX_STAFF_ALERTS = 10
+MAIL_NAME_MESSAGE = f"Mail name must be 1 to {MAX_MAIL_NAME} characters on one line."
+REPLY_TO_MESSAGE = "Reply-to must be an email address."
+STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email addresses, "
+                        "separated by commas.")
 
 
 # Validators ----------------------------------------------------------------------------------
@@ -1571,6 +1728,13 @@ def return_json(row):
             "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
 
 
+def company_json(row):
+    return {"id": row["id"], "name": row["name"], "slug": row["slug"],
+            "mailName": row["mail_name"], "replyTo": row["reply_to"],
+            "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
+            "createdAt": row["created_at"]}
+
+
 def staff_json(row):
     return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
 
@@ -1680,6 +1844,39 @@ def create_company(conn, name, slug=None):
     conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
                  (company_id, name, slug, at))
     return {"id": company_id, "name": name, "slug": slug}
+
+
+def update_company(conn, company_id, changes):
+    """Change a company's settings: of mail, mail_name (the display name of its emails'
+    From), reply_to and staff_alerts (the addresses that get staff alerts, a list); None or
+    empty clears one. Returns the company."""
+    load_company(conn, company_id)
+    columns = {}
+    for field, value in changes.items():
+        if field == "mail_name":
+            value = (value or "").strip() or None
+            if value is not None and (len(value) > MAX_MAIL_NAME or one_line(value) != value):
+                raise ApiError(400, MAIL_NAME_MESSAGE)
+        elif field == "reply_to":
+            value = (value or "").strip() or None
+            if value is not None and not valid_email(value):
+                raise ApiError(400, REPLY_TO_MESSAGE)
+        elif field == "staff_alerts":
+            unique = {}  # an address once, however its case is written
+            for address in value or ():
+                if address.strip():
+                    unique.setdefault(address.strip().casefold(), address.strip())
+            addresses = list(unique.values())
+            if len(addresses) > MAX_STAFF_ALERTS or not all(map(valid_email, addresses)):
+                raise ApiError(400, STAFF_ALERTS_MESSAGE)
+            value = json_text(addresses) if addresses else None
+        else:
+            raise invalid(field, "is not a company setting")
+        columns[field] = value
+    if columns:
+        conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in columns)} "
+                     "WHERE id = ?", [*columns.values(), company_id])
+    return load_company(conn, company_id)
 
 
 def company_by_slug(conn, store_slug):
@@ -5434,6 +5631,21 @@ def _moment(text):
     return moment
 
 
+def _smtp_url(text):
+    try:
+        mail_server(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _base_url(text):
+    try:
+        return check_base_url(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _non_negative(text):
     try:
         value = int(text)
@@ -5484,6 +5696,16 @@ def _product_fields(args):
 
 def cmd_company_create(conn, args):
     return create_company(conn, args.name, args.slug)
+
+
+def cmd_company_update(conn, args):
+    changes = {}
+    for option, column in (("mail_name", "mail_name"), ("reply_to", "reply_to")):
+        if getattr(args, option) is not None:
+            changes[column] = getattr(args, option)
+    if args.staff_alerts is not None:
+        changes["staff_alerts"] = args.staff_alerts.split(",")
+    return company_json(update_company(conn, args.id, changes))
 
 
 def cmd_key_create(conn, args):
@@ -5654,6 +5876,10 @@ def build_parser():
         description="A multi-tenant wholesale ordering service on SQLite or PostgreSQL.")
     parser.add_argument("--db", help="SQLite database file or postgresql:// URL "
                                      "(default: $ORDERING_DB or ordering.db)")
+    parser.add_argument("--smtp-url", type=_smtp_url,
+                        help="mail server, smtp://, smtp+starttls:// or smtps://"
+                             "[user[:password]@]host[:port] (default: $ORDERING_SMTP_URL; "
+                             "prefer it for a password, which a flag shows to ps)")
     parser.add_argument("--version", action="version", version=f"ordering {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -5679,10 +5905,22 @@ def build_parser():
     serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
                            help="with --trust-proxy: the proxy's IP address, or * for any "
                                 "peer (127.0.0.1)")
+    serve_cmd.add_argument("--base-url", type=_base_url, default=None,
+                           help="the address people reach this server at, for links in "
+                                "emails (default: $ORDERING_BASE_URL, else http://HOST:PORT)")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
     sub.add_argument("--slug", help="storefront slug (default: from the name)")
+
+    sub = command("company-update", cmd_company_update,
+                  "change a company's settings and print the company")
+    sub.add_argument("id", metavar="COMPANY_ID")
+    sub.add_argument("--mail-name", help="the sender's name on its emails ('' for the "
+                                         "company name)")
+    sub.add_argument("--reply-to", help="the Reply-To address of its emails ('' for none)")
+    sub.add_argument("--staff-alerts", metavar="E1,E2",
+                     help="addresses that get staff alerts, separated by commas ('' for none)")
 
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")
@@ -5805,10 +6043,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"db_path": args.db}
+    overrides = {"db_path": args.db, "smtp_url": args.smtp_url}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard"):
+                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard", "base_url"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)

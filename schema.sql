@@ -9,7 +9,10 @@ CREATE TABLE IF NOT EXISTS companies (
     id          TEXT PRIMARY KEY,
     name        TEXT NOT NULL,
     slug        TEXT NOT NULL UNIQUE,
-    created_at  TEXT NOT NULL
+    created_at  TEXT NOT NULL,
+    mail_name     TEXT,                     -- the display name of its emails' From (default: name)
+    reply_to      TEXT,                     -- the Reply-To of its emails
+    staff_alerts  TEXT                      -- JSON array of the addresses that get staff alerts
 );
 
 -- Only the SHA-256 of a key is kept; the key itself is shown once, when it is made.

@@ -7459,3 +7459,101 @@ def test_browser_creates_and_revokes_a_key(visitor):
     visitor.submit(visitor.form(f"/{key_id}/revoke").find_element("css selector", "button"))
     assert http_request(visitor.port, "GET", "/api/v1/orders", headers=bearer) == (
         401, {"error": INVALID})
+
+
+# ---------------------------------------------------------------------------------------------
+# Email: the settings of the mail server and of the companies
+# ---------------------------------------------------------------------------------------------
+
+MAIL_FROM = "orders@acme.example"
+BASE_URL = "https://orders.acme.example"
+
+
+# Settings
+
+def test_mail_server_urls_and_their_default_ports():
+    read = ordering.mail_server
+    assert read("smtp://relay.internal") == ("smtp", "relay.internal", 25, None, None)
+    assert read("smtp+starttls://u%40x.example:p%3Aw@smtp.example.com") == (
+        "smtp+starttls", "smtp.example.com", 587, "u@x.example", "p:w")
+    assert read("smtps://key:secret@smtp.example.com") == (
+        "smtps", "smtp.example.com", 465, "key", "secret")
+    assert read("SMTP+STARTTLS://smtp.example.com:2525").port == 2525
+    assert read("smtp://user:pw@127.0.0.1:8025").password == "pw"  # on this machine only
+    assert ordering.describe_smtp_url("smtps://key:secret@smtp.example.com:465") == \
+        "smtps://key:***@smtp.example.com:465"
+    assert "secret" not in repr(ordering.Settings(smtp_url="smtps://k:secret@h",
+                                                  mail_from=MAIL_FROM))
+    assert ordering.Settings(host="127.0.0.1", port=9090).link_base == "http://127.0.0.1:9090"
+    assert ordering.Settings(base_url="https://orders.example.com/").link_base == \
+        "https://orders.example.com"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ORDERING_SMTP_URL": "http://mail.example.com"},
+     "the mail server URL must begin with smtp://, smtp+starttls:// or smtps://, not "
+     "'http://mail.example.com'"),
+    ({"ORDERING_SMTP_URL": "smtp://user:s3cret@mail.example.com", "ORDERING_MAIL_FROM": MAIL_FROM},
+     "smtp://user:***@mail.example.com would send the password unencrypted over the network; "
+     "use smtp+starttls:// or smtps://"),
+    ({"ORDERING_SMTP_URL": "smtps://user:s3cret@mail.example.com:99999"},
+     "the mail server URL 'smtps://user:***@mail.example.com:99999' is not a URL with a valid "
+     "port"),
+    ({"ORDERING_SMTP_URL": "smtps://user:s3cret@mail.example.com"},
+     "a mail server needs a sender address: set ORDERING_MAIL_FROM (orders@example.com)"),
+    ({"ORDERING_MAIL_FROM": "Orders <orders@example.com>"},
+     "the sender address (ORDERING_MAIL_FROM) must be an address such as orders@example.com, "
+     "not 'Orders <orders@example.com>'"),
+    ({"ORDERING_BASE_URL": "orders.example.com"},
+     "the base URL (ORDERING_BASE_URL) must be an http:// or https:// address such as "
+     "https://orders.example.com, not 'orders.example.com'"),
+    ({"ORDERING_SMTP_CA_FILE": "/nonexistent/ca.pem"},
+     "cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) '/nonexistent/ca.pem': "),
+])
+def test_bad_mail_settings_stop_the_server_at_start_with_a_message(db_path, env, message):
+    result = run_cli(db_path, "serve", "--port", str(free_port()), env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"ordering: error: bad setting in the environment: {message}" in result.stderr
+    assert "s3cret" not in result.stderr
+
+
+def test_bad_mail_flags_are_refused_by_the_parser(db_path):
+    cli_refuses(db_path, "--smtp-url", "smtps://u:s3cret@h:0x", "company-create", "--name", "x",
+                message="argument --smtp-url: the mail server URL 'smtps://u:***@h:0x' is not "
+                        "a URL with a valid port", prog="ordering")
+    cli_refuses(db_path, "serve", "--base-url", "ftp://x",
+                message="argument --base-url: the base URL (ORDERING_BASE_URL) must be an "
+                        "http:// or https:// address such as https://orders.example.com, not "
+                        "'ftp://x'")
+
+
+# For the operator and the staff
+
+def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Fresh Foods")
+    updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Fresh Foods Sales",
+                       "--reply-to", "sales@fresh.example", "--staff-alerts",
+                       "a@fresh.example, b@fresh.example,A@fresh.example")
+    assert updated == {"id": company["id"], "name": "Fresh Foods", "slug": "fresh-foods",
+                       "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
+                       "staffAlerts": ["a@fresh.example", "b@fresh.example"],
+                       "createdAt": updated["createdAt"]}
+    cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
+                       "--staff-alerts", "")
+    assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
+        None, "sales@fresh.example", [])
+
+
+def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Fresh Foods")
+    cli_refuses(db_path, "company-update", company["id"], "--reply-to", "not an address",
+                message=ordering.REPLY_TO_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--mail-name", "ok",
+                "--staff-alerts", "a@fresh.example,nope", message=ordering.STAFF_ALERTS_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--mail-name", "x" * 101,
+                message=ordering.MAIL_NAME_MESSAGE)
+    cli_refuses(db_path, "company-update", "co_nope", "--mail-name", "x",
+                message="Company not found.")
+    row = sqlite3.connect(db_path).execute(
+        "SELECT mail_name, reply_to, staff_alerts FROM companies").fetchone()
+    assert row == (None, None, None)
