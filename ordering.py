@@ -1,9 +1,9 @@
 """ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
 Products, orders, customers and signed webhooks behind a small REST API (/api/v1), with a
-staff dashboard, in one module you can run (``python ordering.py``), vendor, or embed
-(``create_app()`` returns a WSGI app). The sections run in dependency order: each uses only
-the ones above it.
+staff dashboard and outgoing email, in one module you can run (``python ordering.py``),
+vendor, or embed (``create_app()`` returns a WSGI app). The sections run in dependency order:
+each uses only the ones above it.
 
   1. Settings      every tunable, read once from flags and environment, checked at start;
                    mail settings (the mail server URL, sender, base URL, CA file)
@@ -11,17 +11,19 @@ the ones above it.
                    migrations; claimers (which process holds a claim, and whether it lives);
                    shared rate counters; engines (SQLite, PostgreSQL: all that differs)
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, JSON text
-  4. Text and markup   escaping and render(); templates
+  4. Text and markup   escaping and render(); templates; email templates
   5. Errors and validation   ApiError; the spec's messages, enumerations and limits;
                    validators
   6. Records       rows to the JSON the API shows, one function per record type
-  7. Events        the catalog, emit() into the outbox
+  7. Events        the catalog, emit() into the outbox; email (queue_email() into the mail
+                   outbox)
   8. Operations    what the business does, HTTP-free: rows and tenancy (the one "fetch or
                    404"); companies; products; customers; orders; returns, refunds and
-                   invoices; webhook subscriptions; API keys and idempotency; accounts and
-                   sessions; queries (the paginator, filters, lookups); copies
+                   invoices; webhook subscriptions; emails; API keys and idempotency;
+                   accounts and sessions; queries (the paginator, filters, lookups); copies
   9. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention;
-                   webhooks (signing, address checks, the POST)
+                   webhooks (signing, address checks, the POST); email (SMTP, TLS, retries,
+                   message building); channels
  10. HTTP API      routes (parse, call an operation, wrap); serving the API (auth, scopes,
                    rate limits, idempotency, error pages)
  11. OpenAPI       the document built from the route table: event payloads, operations of
@@ -31,7 +33,7 @@ the ones above it.
  13. App           create_app() installs every surface
  14. Server        serve and its workers, the access log
  15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
-                   company-update, ...)
+                   company-update, mail-test, ...)
 """
 
 import argparse
@@ -44,6 +46,10 @@ import datetime
 import fcntl
 import functools
 import decimal
+import email.headerregistry
+import email.message
+import email.policy
+import email.utils
 import hashlib
 import hmac
 import html
@@ -60,6 +66,7 @@ import re
 import secrets
 import shlex
 import signal
+import smtplib
 import socket
 import sqlite3
 import ssl
@@ -1456,6 +1463,103 @@ dl.facts dd { margin: 0; }
 """
 
 
+# Email templates -----------------------------------------------------------------------------
+# Each kind of email the service sends: a subject, a plain-text body and an HTML body, filled
+# from the data its operation recorded with queue_email() (a JSON object of text and numbers).
+# In the subject and the text every value is put on one line, so that a line break in a name
+# starts no header and no line of its own; in the HTML every value is escaped, as in the pages.
+# Besides the data's own values a template may use {facts} (the data's "facts", [label, value]
+# pairs, a value beginning with http:// or https:// as a link), {lines} (the data's order
+# "lines" and "total" as a table) and {link} (the data's "path" on the base URL: every link
+# to this server is built so). To send a new kind of email, add its template here and call
+# queue_email() with its data.
+
+class PlainText(str):
+    """Plain text of several lines, built already; any other value is put on one line."""
+
+
+def plain(template, **values):
+    return PlainText(template.format(**{
+        name: value if isinstance(value, PlainText) else one_line(value)
+        for name, value in values.items()}))
+
+
+EmailTemplate = collections.namedtuple("EmailTemplate", "subject text html")
+
+EMAIL_LAYOUT = """<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>{subject}</title></head>
+<body>
+{body}
+<p>{sender}</p>
+</body>
+</html>
+"""
+
+EMAIL_TEMPLATES = {
+    "order_shipped": EmailTemplate(
+        subject="Your order {orderId} has shipped",
+        text="Hello {customerName},\n\nYour order {orderId} has shipped.\n\n{facts}\n",
+        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderId}</strong> has "
+             "shipped.</p>\n{facts}"),
+    "order_confirmation": EmailTemplate(
+        subject="We received your order {orderId}",
+        text="Hello {customerName},\n\nThank you for your order {orderId}.\n\n{facts}\n\n"
+             "{lines}\n",
+        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderId}"
+             "</strong>.</p>\n{facts}\n{lines}"),
+    "order_alert": EmailTemplate(
+        subject="New storefront order {orderId} from {customerName}",
+        text="A new order came in from the storefront.\n\n{facts}\n\n{lines}\n\n"
+             "Open it in the dashboard: {link}\n",
+        html="<p>A new order came in from the storefront.</p>\n{facts}\n{lines}\n"
+             '<p><a href="{link}">Open it in the dashboard</a></p>'),
+    "mail_test": EmailTemplate(
+        subject="Test email from ordering",
+        text="This test email was sent by ordering mail-test through {server}.\n"
+             "If you can read it, outgoing email works.\n",
+        html="<p>This test email was sent by ordering mail-test through {server}.</p>\n"
+             "<p>If you can read it, outgoing email works.</p>"),
+}
+
+
+def _is_link(value):
+    return isinstance(value, str) and value.startswith(("https://", "http://"))
+
+
+def email_bodies(kind, data, link_base, sender):
+    """(text, HTML) of an email of this kind from its data; sender signs it."""
+    template = EMAIL_TEMPLATES[kind]
+    facts = data.get("facts", ())
+    lines = data.get("lines", ())
+    text_values = dict(data, link=link_base + data.get("path", "/"), facts=PlainText(
+        "\n".join(f"{one_line(label)}: {one_line(value)}" for label, value in facts)),
+        lines=PlainText("\n".join(
+            [f"{line['quantity']} x {one_line(line['name'])} ({one_line(line['sku'] or '-')}) at "
+             f"{amount_text(line['unitPrice'])} = {amount_text(line['lineTotal'])}"
+             for line in lines] + ([f"Total: {amount_text(data['total'])}"] if lines else []))))
+    html_values = dict({name: one_line(value) for name, value in data.items()},
+                       link=text_values["link"], facts=render('<table>{rows}</table>', rows=join(
+        render('<tr><th align="left">{label}</th><td>{value}</td></tr>', label=label,
+               value=render('<a href="{u}">{u}</a>', u=value) if _is_link(value)
+               else one_line(value))
+        for label, value in facts)) if facts else "", lines=render(
+        '<table><tr><th align="left">Product</th><th align="left">SKU</th>'
+        '<th align="right">Quantity</th><th align="right">Unit price</th>'
+        '<th align="right">Line total</th></tr>{rows}<tr><th align="left" colspan="4">Total'
+        '</th><th align="right">{total}</th></tr></table>', rows=join(
+            render('<tr><td>{name}</td><td>{sku}</td><td align="right">{quantity}</td>'
+                   '<td align="right">{price}</td><td align="right">{line_total}</td></tr>',
+                   name=line["name"], sku=line["sku"] or "-", quantity=line["quantity"],
+                   price=amount_text(line["unitPrice"]),
+                   line_total=amount_text(line["lineTotal"])) for line in lines),
+        total=amount_text(data.get("total"))) if lines else "")
+    text = plain(template.text + "\n{sender}\n", **text_values, sender=sender)
+    html = render(EMAIL_LAYOUT, subject=plain(template.subject, **data), sender=sender,
+                  body=render(template.html, **html_values))
+    return str(text), str(html)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Errors and validation
 # ---------------------------------------------------------------------------------------------
@@ -1783,6 +1887,33 @@ def emit(conn, company_id, name, data):
     if pending is not None:
         pending.append(event_id)
     return event_id
+
+
+# Email ---------------------------------------------------------------------------------------
+# An email is written like an event, in the caller's transaction, to one recipient; the
+# outbox's email channel sends it after the commit (see Outbox, Email). Its ID joins the
+# transaction's emitted IDs, so that an operator command sends its emails before it exits as
+# it delivers its events.
+
+def queue_email(conn, company_id, kind, to_address, data, to_name=None):
+    """Write an email of a kind of EMAIL_TEMPLATES to one address; returns its ID."""
+    assert kind in EMAIL_TEMPLATES, kind
+    email_id, at = new_id_at("eml")
+    conn.execute(
+        "INSERT INTO emails (id, company_id, kind, to_address, to_name, subject, data, "
+        "queued_at, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (email_id, company_id, kind, to_address, to_name,
+         plain(EMAIL_TEMPLATES[kind].subject, **data), json_text(data), at, at, at))
+    announce_email(email_id)
+    return email_id
+
+
+def announce_email(email_id):
+    """Count an email among the IDs the open transaction emitted: after its commit the
+    outbox looks for work at once, and an operator command sends it before it exits."""
+    pending = getattr(_emitted, "event_ids", None)
+    if pending is not None:
+        pending.append(email_id)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2199,7 +2330,42 @@ def storefront_place_order(conn, store_slug, customer_id, items, po_number=None,
     if load_customer(conn, company["id"], customer_id)["status"] == "BLOCKED":
         raise ApiError(403, "Customer is blocked.")
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
-    return place_order(conn, company["id"], body, source="storefront")
+    order = place_order(conn, company["id"], body, source="storefront")
+    queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)
+    return order
+
+
+def queue_order_emails(conn, company, customer, order):
+    """A storefront order's emails: the confirmation to the customer, and an alert to each of
+    the company's staff addresses (orders from the API or the dashboard send neither)."""
+    lines = [{"name": item["productName"], "sku": item["productSku"],
+              "quantity": item["quantity"], "unitPrice": item["unitPrice"],
+              "lineTotal": money(cents_from_number(item["unitPrice"]) * item["quantity"])}
+             for item in order["items"]]
+    common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
+              "lines": lines, "total": order["total"]}
+    po_number = ["PO number", order["poNumber"] or "none"]
+    queue_email(conn, company["id"], "order_confirmation", customer["email"], dict(
+        common, facts=[["Order", order["id"]], po_number]), to_name=customer["name"])
+    alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
+        ["Order", order["id"]], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
+        po_number])
+    for address in json.loads(company["staff_alerts"] or "[]"):
+        queue_email(conn, company["id"], "order_alert", address, alert)
+
+
+def queue_shipping_email(conn, company_id, order):
+    """The shipping email to the order's customer: the order, its PO number and, when the
+    order has tracking, the carrier, the tracking number and the tracking URL."""
+    customer = load_customer(conn, company_id, order["customerId"])
+    facts = [["Order", order["id"]], ["PO number", order["poNumber"] or "none"]]
+    if order["tracking"]:
+        facts += [["Carrier", order["tracking"]["carrier"]],
+                  ["Tracking number", order["tracking"]["number"]],
+                  ["Track it", order["tracking"]["url"]]]
+    queue_email(conn, company_id, "order_shipped", customer["email"], {
+        "orderId": order["id"], "customerName": customer["name"] or customer["email"],
+        "facts": facts}, to_name=customer["name"])
 
 
 def parse_status_update(body, templates):
@@ -2253,6 +2419,8 @@ def update_order_status(conn, company_id, order_id, status, tracking=None):
                "customerId": order["customerId"]}
     if status == "SHIPPED":
         emit(conn, company_id, "order.shipped", dict(summary, tracking=order["tracking"]))
+        if previous != "SHIPPED" and order["customerId"]:  # once, as it becomes SHIPPED
+            queue_shipping_email(conn, company_id, order)
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
     return order
@@ -2486,6 +2654,37 @@ def recent_deliveries(conn, webhook_id, count=5):
         "SELECT d.*, e.name AS event, e.body FROM deliveries d JOIN events e ON e.id = d.event_id "
         "WHERE d.webhook_id = ? AND d.state = 'done' ORDER BY d.attempted_at DESC, d.id DESC "
         "LIMIT ?", (webhook_id, count))]
+
+
+# Emails --------------------------------------------------------------------------------------
+# What the staff see of the mail outbox, and sending a failed email again.
+
+#: The states an email can be sent again from: it was not delivered, and nothing is trying.
+SENDABLE_AGAIN = ("failed", "unsent")
+NOT_SENDABLE_AGAIN = "Only a failed or unsent email can be sent again."
+
+
+def load_email(conn, company_id, email_id):
+    return load_row(conn, "emails", "Email", company_id, email_id)
+
+
+def email_attempts(conn, email_id):
+    """Every attempt to send the email, oldest first, with the server's reply."""
+    return conn.execute("SELECT * FROM email_attempts WHERE email_id = ? "
+                        "ORDER BY attempted_at, id", (email_id,)).fetchall()
+
+
+def send_email_again(conn, company_id, email_id):
+    """A failed or unsent email waits again, at once, with a new day of retries (its
+    Message-ID stays)."""
+    row = load_email(conn, company_id, email_id)
+    if row["state"] not in SENDABLE_AGAIN:
+        raise ApiError(422, NOT_SENDABLE_AGAIN)
+    at = now_iso()
+    conn.execute("UPDATE emails SET state = 'pending', queued_at = ?, next_attempt_at = ?, "
+                 "finished_at = NULL WHERE id = ?", (at, at, email_id))
+    announce_email(email_id)
+    return load_email(conn, company_id, email_id)
 
 
 # API keys and idempotency --------------------------------------------------------------------
@@ -2903,9 +3102,11 @@ def _table_digest(db, table, columns):
 # 'sending' or a final state of its own, lease_until, claimed_by), ready (an SQL condition a
 # pending row must also meet to be claimed now, :now being the time; "" for none),
 # event_column (the column naming the event a row carries, or None), timeout (seconds one
-# send may take), jobs(conn, ids) (the claimed rows with what sending needs), send(db, job)
-# (send one and record the outcome in its row) and prune(conn, before, batch) (one batch of
-# retention). To add a channel, write such a class below and list it in outbox_channels().
+# send may take), batch (rows one send carries at most), clock() (the time its ready condition
+# and leases go by: tests move it), jobs(conn, ids) (the claimed rows, in sends of at most
+# batch rows, with what sending needs), send(db, job) (send one and record the outcome in its
+# rows) and prune(conn, before, batch) (one batch of retention). To add a channel, write such
+# a class below and list it in outbox_channels().
 
 #: Rows retention deletes per subject (a webhook's log, events) in one write transaction, so
 #: that a first prune of a large file never holds the write lock for long.
@@ -2983,8 +3184,9 @@ class Outbox:
     # Claiming
 
     def claim(self, limit, event_ids=None):
-        """Atomically take up to limit rows of the channels, in their order, under a lease
-        (with event_ids: only the rows of those events, of channels that carry events)."""
+        """Atomically take up to limit sends' rows of the channels, in their order, under a
+        lease (with event_ids: only the rows of those events, of channels that carry events);
+        returns the sends (jobs)."""
         jobs = []
         for channel in self.channels:
             if len(jobs) >= limit:
@@ -2995,10 +3197,11 @@ class Outbox:
 
     def _claim(self, channel, limit, event_ids):
         conn, table = self.db.conn, channel.table
+        now, limit = channel.clock(), limit * channel.batch
         if event_ids is None:
             # A lease that has run out frees a row only from a claimer that may be gone: one
             # on this host that still lives is still sending it (it is stalled, not dead).
-            args = {"now": now_iso(), "limit": limit}
+            args = {"now": iso(int(now * 1000)), "limit": limit}
             living = {f"living{number}": claimer for number, claimer in enumerate(
                 row[0] for row in conn.execute(
                     f"SELECT DISTINCT claimed_by FROM {table} WHERE state = 'sending' AND "
@@ -3019,7 +3222,7 @@ class Outbox:
                        "LIMIT :limit")
             args = dict(events, limit=limit)
         # A send is bounded by the timeout (DNS included); the slack covers writing its result.
-        lease = iso(int((time.time() + 2 * channel.timeout + 5) * 1000))
+        lease = iso(int((now + 2 * channel.timeout + 5) * 1000))
         with self.db.write() as writing:
             ids = [row[0] for row in writing.execute(
                 f"UPDATE {table} SET state = 'sending', lease_until = :lease, "
@@ -3027,7 +3230,7 @@ class Outbox:
                 dict(args, lease=lease, claimer=process_identity()))]
         if not ids:
             return []
-        return [dict(row, channel=channel) for row in channel.jobs(conn, ids)]
+        return [dict(job, channel=channel) for job in channel.jobs(conn, ids)]
 
     def release_the_dead(self):
         """Rows claimed by processes that are gone are pending again, lease or not."""
@@ -3286,10 +3489,12 @@ class WebhookChannel:
     table = "deliveries"
     ready = ""
     event_column = "event_id"
+    batch = 1
 
     def __init__(self, settings):
         self.settings = settings
         self.timeout = settings.webhook_timeout
+        self.clock = time.time
 
     def jobs(self, conn, ids):
         return conn.execute(
@@ -3328,9 +3533,366 @@ class WebhookChannel:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
+# Email ---------------------------------------------------------------------------------------
+# Emails go to the one mail server of the settings (smtp_url), in batches: one connection
+# carries up to MAIL_BATCH emails, each recorded as it is answered (so a crash repeats at most
+# the one in flight, under the same Message-ID). Unlike webhooks, email is retried: a
+# connection that fails (refused, timed out, TLS, login), a dropped connection and any 4xx
+# reply back off and try again until MAIL_RETRY_SECONDS after the email began to wait; a 5xx
+# reply (a refused recipient among them) fails it at once. Without a mail server the channel
+# is not listed: emails wait, and the dashboard shows them as not sent and why (see README,
+# Mail).
+
+#: Seconds from an attempt that failed for now to the next: growing, then every eight hours.
+MAIL_RETRY_DELAYS = (60, 5 * 60, 15 * 60, 30 * 60, 3600, 2 * 3600, 4 * 3600, 8 * 3600)
+#: Seconds an email is tried after it began to wait (then it fails with the last reply); an
+#: email still unsent by then, for want of a mail server, is not sent at all.
+MAIL_RETRY_SECONDS = 2 * 86400
+#: Emails one SMTP connection carries at most.
+MAIL_BATCH = 50
+#: Finished emails each company keeps whatever their age (the Emails page's most recent).
+KEEP_EMAILS = 5
+MAIL_POLICY = email.policy.SMTP  # CRLF line ends; non-ASCII header text as RFC 2047 words
+
+
+def mail_retry_delay(attempts):
+    """Seconds to wait after the attempts-th attempt failed for now."""
+    return MAIL_RETRY_DELAYS[min(attempts, len(MAIL_RETRY_DELAYS)) - 1]
+
+
+def retries_end(row):
+    """ISO time after which the email is tried no more."""
+    return iso(js_parse_date(row["queued_at"]) + MAIL_RETRY_SECONDS * 1000)
+
+
+def build_message(row, settings):
+    """The email of a row (with its company's name, mail_name and reply_to) as the bytes of
+    SMTP DATA: multipart/alternative, plain text then HTML. Every header is set through the
+    email package from one-line values, so no value can add a header or a part."""
+    sender = row["mail_name"] or row["company_name"]
+    text, html = email_bodies(row["kind"], json.loads(row["data"]), settings.link_base,
+                              one_line(sender))
+    utf8 = not (settings.mail_from + row["to_address"]).isascii()  # needs SMTPUTF8
+    message = email.message.EmailMessage(policy=MAIL_POLICY.clone(utf8=utf8))
+    message["Message-ID"] = f"<{row['id']}@{settings.mail_from.rpartition('@')[2]}>"
+    message["Date"] = email.utils.format_datetime(
+        datetime.datetime.fromisoformat(row["created_at"].replace("Z", "+00:00")))
+    message["From"] = _address(sender, settings.mail_from)
+    message["To"] = _address(row["to_name"], row["to_address"])
+    if row["reply_to"]:
+        message["Reply-To"] = _address(None, row["reply_to"])
+    message["Subject"] = one_line(row["subject"])
+    message["Auto-Submitted"] = "auto-generated"  # RFC 3834: no auto-replies, please
+    message.set_content(text, cte="quoted-printable")
+    message.add_alternative(html, subtype="html", cte="quoted-printable")
+    return message.as_bytes(), utf8
+
+
+def _address(name, address):
+    """A header address from a checked address (split by hand: the email package parses an
+    addr_spec that is not ASCII as a defect, though SMTPUTF8 carries it)."""
+    local, _, domain = address.rpartition("@")
+    return email.headerregistry.Address(one_line(name), local, domain)
+
+
+class MailServerError(Exception):
+    """The mail server could not be used (connection, greeting, TLS or login), in plain
+    words."""
+
+
+def connect_smtp(settings, server, context):
+    """An SMTP connection ready to send: TLS as the scheme asks, certificates verified,
+    logged in when the URL has a user. Raises MailServerError."""
+    host = urllib.parse.urlsplit(settings.link_base).hostname
+    ehlo_name = (f"[IPv6:{host}]" if ":" in host else f"[{host}]"
+                 if re.fullmatch(r"[\d.]+", host) else host)
+    stage, smtp = "connect", None
+    try:
+        if server.scheme == "smtps":
+            smtp = smtplib.SMTP_SSL(server.host, server.port, local_hostname=ehlo_name,
+                                    timeout=settings.smtp_timeout, context=context)
+        else:
+            smtp = smtplib.SMTP(server.host, server.port, local_hostname=ehlo_name,
+                                timeout=settings.smtp_timeout)
+        stage = "ehlo"
+        smtp.ehlo()
+        if server.scheme == "smtp+starttls":
+            stage = "starttls"
+            smtp.starttls(context=context)
+            smtp.ehlo()
+        if server.user is not None:
+            stage = "login"
+            smtp.login(server.user, server.password or "")
+    except Exception as error:
+        if smtp is not None:
+            smtp.close()
+        raise MailServerError(smtp_failure(error, stage, server, settings.smtp_timeout)) from None
+    return smtp
+
+
+_WRONG_TLS = ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "RECORD_LAYER_FAILURE",
+              "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST", "TLSV1_ALERT_PROTOCOL_VERSION")
+
+
+def smtp_failure(error, stage, server, timeout):
+    """What went wrong at a stage of connecting to the mail server, in plain words."""
+    where = f"{server.host}:{server.port}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"Certificate not trusted: the certificate of {where} failed verification "
+                f"({error.verify_message}). A private relay's certificate authority can be "
+                "trusted with ORDERING_SMTP_CA_FILE.")
+    if isinstance(error, ssl.SSLError) and error.reason in _WRONG_TLS:
+        return (f"Wrong TLS mode for port {server.port}: {where} does not begin with TLS, as "
+                f"{server.scheme}:// expects. smtps:// is for implicit TLS (usually port 465); "
+                "use smtp+starttls:// (usually port 587) there.")
+    if isinstance(error, ssl.SSLError):
+        return f"TLS with {where} failed: {error.reason or error}."
+    if stage == "connect":
+        if isinstance(error, ConnectionRefusedError):
+            return (f"Connection refused by {where}: no mail server listens there (is it "
+                    "running, and is that its port?).")
+        if isinstance(error, socket.gaierror):
+            return f"Cannot find the mail server {server.host}: {error.strerror or error}."
+        if isinstance(error, smtplib.SMTPServerDisconnected):
+            return (f"{where} sent no greeting within {timeout:g} seconds: it probably "
+                    f"expects TLS from the first byte. Wrong TLS mode for port {server.port}? "
+                    "Use smtps:// there (usually port 465).")
+        if isinstance(error, TimeoutError):
+            return (f"No answer from {where} within {timeout:g} seconds (a firewall, or the "
+                    "wrong host or port).")
+        if isinstance(error, smtplib.SMTPConnectError):
+            return f"{where} refused the connection: {_reply(error.smtp_code, error.smtp_error)}"
+    if stage == "starttls" and isinstance(error, smtplib.SMTPNotSupportedError):
+        return (f"{where} does not offer STARTTLS, which smtp+starttls:// requires: use "
+                "smtps:// if it expects TLS from the first byte (usually port 465), or smtp:// "
+                "for a relay without TLS.")
+    if stage == "login":
+        if isinstance(error, smtplib.SMTPAuthenticationError):
+            return (f"Authentication refused by {where}: "
+                    f"{_reply(error.smtp_code, error.smtp_error)} (check the user and password "
+                    "of ORDERING_SMTP_URL).")
+        if isinstance(error, smtplib.SMTPNotSupportedError):
+            return (f"{where} offers no login (AUTH) on this connection" +
+                    (": many servers offer it only after STARTTLS (smtp+starttls://)."
+                     if server.scheme == "smtp" else "."))
+        if isinstance(error, smtplib.SMTPException):
+            return f"{where} offers no login method this client has: {error}."
+    if isinstance(error, smtplib.SMTPResponseException):
+        return f"{where} answered {_reply(error.smtp_code, error.smtp_error)}"
+    if isinstance(error, (smtplib.SMTPServerDisconnected, OSError)):
+        return f"The connection to {where} failed: {error or type(error).__name__}."
+    return f"{type(error).__name__}: {error}"
+
+
+def _reply(code, text):
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return one_line(f"{code} {text}")[:MAX_LOGGED_BODY]
+
+
+def transmit(smtp, sender, recipient, message, utf8):
+    """One email over an open connection: ("sent", "deferred" or "failed", the server's
+    reply). A 2xx is sent, a 5xx failed at once; anything else (a 4xx, a dropped connection)
+    is deferred, to be tried again."""
+    if utf8 and not smtp.has_extn("smtputf8"):
+        return "failed", ("Not sent: the address is not ASCII, and the mail server does not "
+                          "offer SMTPUTF8.")
+    step = "MAIL FROM"
+    try:
+        code, text = smtp.mail(sender, ["SMTPUTF8"] if utf8 else [])
+        if code == 250:
+            step = "RCPT TO"
+            code, text = smtp.rcpt(recipient)
+            if code in (250, 251):
+                step = "DATA"
+                code, text = smtp.data(message)
+    except smtplib.SMTPResponseException as error:  # DATA itself refused
+        code, text = error.smtp_code, error.smtp_error
+    except OSError as error:  # smtplib's errors, a dropped connection among them, are OSErrors
+        smtp.close()
+        return "deferred", f"The connection was lost at {step}: {error or 'closed'}."
+    if code == 421:  # the server is closing the connection
+        smtp.close()
+    elif not 200 <= code < 300 and step != "DATA":
+        try:
+            smtp.rset()  # the connection serves the next email of the batch
+        except OSError:
+            smtp.close()
+    reply = _reply(code, text)
+    if 200 <= code < 300:
+        return "sent", reply
+    return ("failed" if 500 <= code < 600 else "deferred"), f"{step}: {reply}"
+
+
+def prune_emails(conn, before, batch=PRUNE_BATCH):
+    """One batch of retention: finished emails (sent, failed, unsent) that finished before
+    `before`, with their attempts, except each company's KEEP_EMAILS most recent; an email
+    still waiting is never removed. Returns the number of emails deleted."""
+    deleted = 0
+    for (company_id,) in conn.execute("SELECT DISTINCT company_id FROM emails WHERE "
+                                      "finished_at < ?", (before,)).fetchall():
+        kept = conn.execute(
+            "SELECT finished_at, id FROM emails WHERE company_id = ? AND finished_at IS NOT "
+            "NULL ORDER BY finished_at DESC, id DESC LIMIT 1 OFFSET ?",
+            (company_id, KEEP_EMAILS - 1)).fetchone()
+        if kept is None:
+            continue
+        deleted += conn.execute(
+            "DELETE FROM emails WHERE id IN (SELECT id FROM emails WHERE company_id = ? AND "
+            "finished_at < ? AND (finished_at, id) < (?, ?) LIMIT ?)",
+            (company_id, before, kept[0], kept[1], batch)).rowcount
+    return deleted
+
+
+class EmailChannel:
+    """Emails, through the mail server of the settings, up to MAIL_BATCH per connection."""
+
+    noun = "email messages"
+    table = "emails"
+    ready = "next_attempt_at <= :now"
+    event_column = "id"  # an email is its own event: run_command sends the ones it wrote
+    batch = MAIL_BATCH
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.server = settings.mail_server
+        self.context = mail_tls_context(settings)
+        # A batch starts no new email after smtp_timeout seconds (the rest wait for the next
+        # send), so a send takes about that plus one email's exchange.
+        self.timeout = 2 * settings.smtp_timeout
+        self.clock = time.time
+
+    def jobs(self, conn, ids):
+        rows = conn.execute(
+            "SELECT e.*, c.name AS company_name, c.mail_name, c.reply_to FROM emails e "
+            f"JOIN companies c ON c.id = e.company_id WHERE e.id IN ({','.join('?' * len(ids))}) "
+            "ORDER BY e.id", ids).fetchall()
+        return [{"id": rows[start]["id"], "emails": rows[start:start + self.batch]}
+                for start in range(0, len(rows), self.batch)]
+
+    def prune(self, conn, before, batch):
+        return prune_emails(conn, before, batch)
+
+    def send(self, db, job):
+        started = time.monotonic()
+        now = iso(int(self.clock() * 1000))
+        emails = []
+        for row in job["emails"]:
+            if now < retries_end(row):
+                emails.append(row)
+            elif row["attempts"]:
+                self.finish(db, row, "failed", f"Gave up after {row['attempts']} attempts: "
+                                               f"{row['last_reply']}")
+            else:
+                self.finish(db, row, "unsent", f"Not sent: no mail server was set within "
+                                               f"{MAIL_RETRY_SECONDS // 3600} hours of it "
+                                               "being written.")
+        if not emails:
+            return
+        try:
+            smtp = connect_smtp(self.settings, self.server, self.context)
+        except MailServerError as error:
+            log.warning("mail server %s: %s", describe_smtp_url(self.settings.smtp_url), error)
+            for row in emails:
+                self.record(db, row, "deferred", str(error),
+                            int((time.monotonic() - started) * 1000))
+            return
+        index = 0
+        try:
+            for index, row in enumerate(emails):
+                if smtp.sock is None or (
+                        index and time.monotonic() - started > self.settings.smtp_timeout):
+                    self.release(db, emails[index:])
+                    return
+                sent_at = time.monotonic()
+                try:
+                    message, utf8 = build_message(row, self.settings)
+                except Exception as error:  # no attempt would do better: it fails at once
+                    log.exception("email %s cannot be built", row["id"])
+                    self.record(db, row, "failed", f"Not sent: the message cannot be built "
+                                                   f"({type(error).__name__}: {error}).", 0)
+                    continue
+                outcome, reply = transmit(smtp, self.settings.mail_from, row["to_address"],
+                                          message, utf8)
+                self.record(db, row, outcome, reply, int((time.monotonic() - sent_at) * 1000))
+        except Exception:
+            # This process lives on, so its claims would hold: what was not answered waits again.
+            self.release(db, emails[index:])
+            raise
+        finally:
+            if smtp.sock is not None:
+                try:
+                    smtp.quit()
+                except (smtplib.SMTPException, OSError):
+                    smtp.close()
+
+    def record(self, db, row, outcome, reply, duration_ms):
+        """An attempt and its reply; the email is then sent, failed, or waits for its next
+        attempt (failed when that would come after its retries end)."""
+        clock = self.clock()
+        at, attempts, state, next_at = iso(int(clock * 1000)), row["attempts"] + 1, outcome, None
+        if outcome == "deferred":
+            next_at = iso(int((clock + mail_retry_delay(attempts)) * 1000))
+            state = "pending"
+            if next_at >= retries_end(row):
+                state = outcome = "failed"
+                reply = f"Gave up after {attempts} attempts: {reply}"
+        with db.write() as conn:
+            conn.execute("INSERT INTO email_attempts (id, email_id, attempted_at, outcome, "
+                         "reply, duration_ms) VALUES (?, ?, ?, ?, ?, ?)",
+                         (new_id("att"), row["id"], at, outcome, reply, duration_ms))
+            conn.execute(
+                "UPDATE emails SET state = ?, attempts = ?, last_reply = ?, next_attempt_at = "
+                "COALESCE(?, next_attempt_at), finished_at = ?, lease_until = NULL, "
+                "claimed_by = NULL WHERE id = ?",
+                (state, attempts, reply, next_at, None if state == "pending" else at, row["id"]))
+
+    def finish(self, db, row, state, reason):
+        """An email tried no more, without an attempt."""
+        with db.write() as conn:
+            conn.execute("UPDATE emails SET state = ?, last_reply = ?, finished_at = ?, "
+                         "lease_until = NULL, claimed_by = NULL WHERE id = ?",
+                         (state, reason, iso(int(self.clock() * 1000)), row["id"]))
+
+    def release(self, db, rows):
+        """Emails a send did not get to: waiting again at once, no attempt counted."""
+        with db.write() as conn:
+            conn.execute("UPDATE emails SET state = 'pending', lease_until = NULL, claimed_by "
+                         f"= NULL WHERE id IN ({','.join('?' * len(rows))})",
+                         [row["id"] for row in rows])
+
+
+def send_test_email(settings, to_address):
+    """mail-test: one email to to_address at once, not queued; returns the server's reply.
+    Raises MailServerError, with the trouble in plain words."""
+    if settings.mail_server is None:
+        raise MailServerError("No mail server is set: give --smtp-url or ORDERING_SMTP_URL.")
+    now = now_iso()
+    row = {"id": new_id("eml"), "kind": "mail_test", "company_name": "ordering",
+           "mail_name": None, "reply_to": None, "to_address": to_address, "to_name": None,
+           "created_at": now, "subject": plain(EMAIL_TEMPLATES["mail_test"].subject),
+           "data": json_text({"server": describe_smtp_url(settings.smtp_url)})}
+    smtp = connect_smtp(settings, settings.mail_server, mail_tls_context(settings))
+    try:
+        message, utf8 = build_message(row, settings)
+        outcome, reply = transmit(smtp, settings.mail_from, to_address, message, utf8)
+    finally:
+        if smtp.sock is not None:
+            smtp.quit()
+    if outcome != "sent":
+        raise MailServerError(f"The mail server did not take the email: {reply}")
+    return reply
+
+
+# Channels ------------------------------------------------------------------------------------
+
 def outbox_channels(settings):
-    """The channels an app's outbox sends, in the order it claims from them."""
-    return [WebhookChannel(settings)]
+    """The channels an app's outbox sends, in the order it claims from them (email only with
+    a mail server: without one, emails wait)."""
+    channels = [WebhookChannel(settings)]
+    if settings.smtp_url:
+        channels.append(EmailChannel(settings))
+    return channels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -5499,6 +6061,11 @@ def serve(settings, sockets=None):
     signal.signal(signal.SIGINT, stop)
     log.info("ordering %s serving %s on http://%s:%s", __version__, describe_db(settings),
              settings.host, server.effective_port)
+    if settings.smtp_url:
+        log.info("mail through %s from %s; links begin with %s",
+                 describe_smtp_url(settings.smtp_url), settings.mail_from, settings.link_base)
+    else:
+        log.info("no mail server set (ORDERING_SMTP_URL): emails wait, shown as not sent")
     try:
         # A worker starts with the stop signals blocked (see serve_workers): one sent while it
         # was starting is held until here, where it stops this server as it should.
@@ -5506,8 +6073,8 @@ def serve(settings, sockets=None):
         server.run()
     finally:
         server.close()
-        log.info("stopping: waiting up to %gs for webhook deliveries in flight",
-                 settings.webhook_timeout)
+        log.info("stopping: waiting up to %gs for webhook deliveries and emails in flight",
+                 app.service.outbox.timeout)
         app.service.close()
         access_log.close()
         log.info("stopped")
@@ -5922,6 +6489,10 @@ def build_parser():
     sub.add_argument("--staff-alerts", metavar="E1,E2",
                      help="addresses that get staff alerts, separated by commas ('' for none)")
 
+    sub = command("mail-test", None, "send one test email at once through the mail server "
+                                     "and print its answer")
+    sub.add_argument("--to", required=True, metavar="ADDRESS")
+
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")
     sub.add_argument("--scopes", required=True, help="comma-separated, e.g. orders:read,orders:write")
@@ -6062,6 +6633,11 @@ def main(argv=None):
         if args.command == "demo":
             print(demo(settings))
             return 0
+        if args.command == "mail-test":
+            reply = send_test_email(settings, args.to)
+            print(f"Sent to {args.to} through {describe_smtp_url(settings.smtp_url)} from "
+                  f"{settings.mail_from}. The server answered: {reply}")
+            return 0
         if args.command == "backup":
             result = backup(settings, args.destination)
         elif args.command == "copy-to":
@@ -6074,6 +6650,9 @@ def main(argv=None):
         return 1
     except sqlite3.Error as error:
         print(f"ordering {args.command}: database error: {error}", file=sys.stderr)
+        return 1
+    except MailServerError as error:
+        print(f"ordering {args.command}: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, ensure_ascii=False))
     return 0
