@@ -29,7 +29,8 @@ each uses only the ones above it.
  11. OpenAPI       the document built from the route table: event payloads, operations of
                    the API, responses and parameters every operation shares
  12. Web pages     the kit every HTML surface shares (page registry, forms, CSRF, sessions,
-                   security headers); dashboard (the staff's pages at /dashboard)
+                   security headers); dashboard (the staff's pages at /dashboard, emails and
+                   settings among them)
  13. App           create_app() installs every surface
  14. Server        serve and its workers, the access log
  15. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
@@ -1449,6 +1450,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
 .status-SHIPPED { background: #e4f5ff; } .status-DELIVERED { background: #e3f6e8; }
 .status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
+.status-sent { background: #e3f6e8; } .status-failed, .status-unsent { background: #fde7e5; }
 .muted { color: var(--muted); font-size: 13px; }
 code { font-size: 13px; word-break: break-all; }
 .pager { margin: 8px 0 24px; }
@@ -5024,6 +5026,8 @@ FIELD_OF_MESSAGE = {
     "Tracking URL is required when carrier is OTHER.": "tracking.url",
     "URL is required.": "url", "Invalid URL.": "url",
     "At least one event is required.": "events",
+    MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
+    STAFF_ALERTS_MESSAGE: "staffAlerts",
 }
 
 
@@ -5393,7 +5397,8 @@ class Dashboard:
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
-              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"))
+              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
+              ("Emails", "/dashboard/emails"), ("Settings", "/dashboard/settings"))
 
 
 @page("GET", "/dashboard/orders")
@@ -5856,6 +5861,100 @@ def revoke_key_action(visit, key_id):
     load_row(visit.conn, "api_keys", "API key", visit.company_id, key_id)
     visit.service.revoke_key(key_id)
     return redirect("/dashboard/keys")
+
+
+# Emails and Settings: what was sent, and the company's mail settings.
+
+#: An email's state as the staff see it.
+EMAIL_STATES = {"pending": "waiting", "sending": "waiting", "sent": "sent",
+                "failed": "failed", "unsent": "not sent"}
+NO_MAIL_SERVER = (f"No mail server is set (ORDERING_SMTP_URL): emails wait, and each is sent "
+                  f"once one is set, if that is within {MAIL_RETRY_SECONDS // 3600} hours of it "
+                  "being written.")
+
+
+def email_state(row, settings):
+    """(state, why) of an email as the staff see it: one that waits where no mail server is
+    set is not sent, and says why."""
+    if row["state"] in ("pending", "sending") and not settings.smtp_url:
+        return render('<span class="status status-unsent">not sent</span>'), NO_MAIL_SERVER
+    return (render('<span class="status status-{s}">{t}</span>', s=row["state"],
+                   t=EMAIL_STATES[row["state"]]), row["last_reply"] or "")
+
+
+def send_again_button(visit, row):
+    if row["state"] not in SENDABLE_AGAIN:
+        return ""
+    return visit.button(f"/dashboard/emails/{row['id']}/send-again", "Send again", "secondary")
+
+
+@page("GET", "/dashboard/emails")
+def emails_page(visit):
+    result = paginate(visit.conn, "emails", visit.company_id, visit.filters(),
+                      serialize=lambda conn, rows: rows)
+    rows = []
+    for row in result["data"]:
+        state, why = email_state(row, visit.settings)
+        rows.append((link(f"/dashboard/emails/{row['id']}", row["created_at"][:16].replace(
+            "T", " ")), row["to_address"], row["subject"], state, row["attempts"],
+            render("<code>{r}</code>", r=why[:300]), send_again_button(visit, row)))
+    return visit.page("Emails", join([
+        table(("Written (UTC)", "Recipient", "Subject", "State", "Attempts", "Last reply", ""),
+              rows, numeric=("Attempts",)), pager(visit, result, "/dashboard/emails")]))
+
+
+@page("GET", "/dashboard/emails/<email_id>")
+def email_page(visit, email_id):
+    row = load_email(visit.conn, visit.company_id, email_id)
+    state, why = email_state(row, visit.settings)
+    facts = render(
+        '<div class="card"><dl class="facts"><dt>Recipient</dt><dd>{to}</dd><dt>Subject</dt>'
+        '<dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>'
+        '<dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>'
+        '</dl>{again}</div>', to=row["to_address"], subject=row["subject"], state=state,
+        written=row["created_at"], why=why, again=send_again_button(visit, row),
+        next=row["next_attempt_at"] if row["state"] == "pending" else "none")
+    attempts = table(("When (UTC)", "Outcome", "Server's reply", "Duration"),
+                     [(attempt["attempted_at"], attempt["outcome"],
+                       render("<code>{r}</code>", r=attempt["reply"]),
+                       f"{attempt['duration_ms']} ms")
+                      for attempt in email_attempts(visit.conn, email_id)])
+    return visit.page(f"Email to {row['to_address']}", join([
+        facts, render("<h2>Attempts</h2>"), attempts]))
+
+
+@page("POST", "/dashboard/emails/<email_id>/send-again", refused=email_page)
+def send_email_again_action(visit, email_id):
+    with visit.write() as conn:
+        send_email_again(conn, visit.company_id, email_id)
+    return redirect(f"/dashboard/emails/{email_id}")
+
+
+@page("GET", "/dashboard/settings")
+def settings_page(visit):
+    company = load_company(visit.conn, visit.company_id)
+    settings = visit.settings
+    server = render("Emails go through {url}, from {sender}; links in them begin with {base}.",
+                    url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
+                    base=settings.link_base) if settings.smtp_url else NO_MAIL_SERVER
+    return visit.page("Settings", visit.form_tag("/dashboard/settings", join([
+        render('<h2>Email</h2><p class="muted">{s}</p>', s=server),
+        visit.field("mailName", "Mail name (the sender's name on emails; empty: the company "
+                                "name)", company["mail_name"]),
+        visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
+        visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
+                    ", ".join(json.loads(company["staff_alerts"] or "[]"))),
+        render('<div><button type="submit">Save</button></div>')])))
+
+
+@page("POST", "/dashboard/settings", refused=settings_page)
+def update_settings_action(visit):
+    with visit.write() as conn:
+        update_company(conn, visit.company_id, {
+            "mail_name": form_text(visit.form, "mailName"),
+            "reply_to": form_text(visit.form, "replyTo"),
+            "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")})
+    return redirect("/dashboard/settings")
 
 
 def install_dashboard(app):

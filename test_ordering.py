@@ -6631,7 +6631,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
     pages = ["/dashboard/orders/new", f"/dashboard/orders/{order['data']['id']}",
              "/dashboard/products/new", f"/dashboard/products/{product['id']}",
              "/dashboard/customers/new", f"/dashboard/customers/{customer['id']}",
-             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys"]
+             "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+             "/dashboard/settings"]
     for path in pages:
         page = browser.get(path)
         posting = [form for form in page.forms.values() if form.method.lower() == "post"]
@@ -6641,7 +6642,8 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
 
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
-                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys")
+                   "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
+                   "/dashboard/emails", "/dashboard/settings")
 
 
 def test_every_page_sends_the_security_headers_and_no_script(api, browser):
@@ -7841,6 +7843,40 @@ def test_a_server_killed_while_sending_loses_no_email_after_restart(store, mail)
     database.close()
 
 
+def test_mail_written_without_a_mail_server_waits_and_goes_once_one_is_set(database, mail):
+    app = build_app(database)
+    tenant = Tenant(app, "Acme Wholesale")
+    make_staff(tenant)
+    api = webtest.TestApp(app)
+    shipped_order(api, tenant, tenant.customer(email="new@example.com"))
+    old = shipped_order(api, tenant, tenant.customer(email="old@example.com"))
+    assert [row["state"] for row in email_rows(tenant.db)] == ["pending", "pending"]
+    page = signed_in(app).get("/dashboard/emails")
+    assert page.text.count(">not sent<") == 2
+    assert html_text(ordering.NO_MAIL_SERVER) in page.text
+    with tenant.db.write() as conn:  # written three days ago
+        conn.execute("UPDATE emails SET created_at = ?, queued_at = ?, next_attempt_at = ? "
+                     "WHERE to_address = 'old@example.com'", ["2020-01-01T00:00:00.000Z"] * 3)
+    app.service.close(grace=0)
+    app = build_app(database, **mail_settings(mail.url))
+    try:
+        rows = wait_for_email(tenant.db, lambda rows: all(
+            r["state"] in ("sent", "unsent") for r in rows))
+    finally:
+        app.service.close(grace=0)
+    states = {row["to_address"]: (row["state"], row["attempts"]) for row in rows}
+    assert states == {"new@example.com": ("sent", 1), "old@example.com": ("unsent", 0)}
+    assert [m["to"] for m in mail.messages] == [["new@example.com"]]
+    unsent = next(row for row in rows if row["state"] == "unsent")
+    assert unsent["last_reply"] == ("Not sent: no mail server was set within 48 hours of it "
+                                    "being written.")
+    assert old["id"] in unsent["subject"]
+
+
+def html_text(text):
+    return str(ordering.escape(text))
+
+
 # Messages that mail servers and people accept
 
 def test_a_name_with_a_line_break_adds_no_recipient_no_header_and_no_part(mailed, mail):
@@ -8151,6 +8187,65 @@ def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
     row = sqlite3.connect(db_path).execute(
         "SELECT mail_name, reply_to, staff_alerts FROM companies").fetchone()
     assert row == (None, None, None)
+
+
+def test_the_settings_page_sets_the_mail_settings(app, tenant, browser):
+    page = browser.get("/dashboard/settings")
+    assert html_text(ordering.NO_MAIL_SERVER) in page.text
+    form = main_form(page)
+    form["mailName"], form["replyTo"] = "Acme Sales", "not an address"
+    form["staffAlerts"] = "staff@acme.example, owner@acme.example"
+    refused = form.submit(status=400)
+    assert field_error(refused, "replyTo") == ordering.REPLY_TO_MESSAGE
+    form = main_form(refused)
+    form["replyTo"] = "sales@acme.example"
+    form.submit(status=303)
+    company = ordering.company_json(ordering.load_company(tenant.db.conn, tenant.id))
+    assert (company["mailName"], company["replyTo"], company["staffAlerts"]) == (
+        "Acme Sales", "sales@acme.example", ["staff@acme.example", "owner@acme.example"])
+    page = browser.get("/dashboard/settings")
+    assert main_form(page)["staffAlerts"].value == "staff@acme.example, owner@acme.example"
+    assert 'href="/dashboard/settings" aria-current="page"' in page.text
+
+
+def test_the_emails_page_shows_each_step_and_sends_a_failed_email_again(mailed, mail):
+    tenant = Tenant(mailed, "Acme Wholesale")
+    make_staff(tenant)
+    browser = signed_in(mailed)
+    api = webtest.TestApp(mailed)
+    mail.data_replies.append("554 5.7.1 <buyer@example.com>: Relay access denied")
+    shipped_order(api, tenant, tenant.customer(email="buyer@example.com"))
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "failed")
+    page = browser.get("/dashboard/emails")
+    assert "buyer@example.com" in page.text and html_text(row["subject"]) in page.text
+    assert ">failed<" in page.text and "Relay access denied" in page.text
+    detail = browser.get(f"/dashboard/emails/{row['id']}")
+    assert "DATA: 554 5.7.1" in detail.text
+    form = form_to(page, f"/dashboard/emails/{row['id']}/send-again")
+    assert form["csrf"].value == csrf_of(page)
+    browser.post(f"/dashboard/emails/{row['id']}/send-again", {"csrf": "forged"}, status=403)
+    form.submit(status=303)
+    [message] = mail.wait_for(1)
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "sent")
+    detail = browser.get(f"/dashboard/emails/{row['id']}")
+    assert detail.text.count("<td>failed</td>") == 1 and detail.text.count("<td>sent</td>") == 1
+    assert message["parsed"]["Message-ID"] == f"<{row['id']}@acme.example>"
+    assert "Send again" not in browser.get("/dashboard/emails").text
+    browser.post(f"/dashboard/emails/{row['id']}/send-again", {"csrf": csrf_of(page)},
+                 status=422)
+
+
+def test_another_companys_email_is_not_found_on_the_dashboard(app, tenant, other, browser):
+    with other.db.write() as conn:
+        email_id = ordering.queue_email(conn, other.id, "mail_test", "x@example.com",
+                                        {"server": "smtp://x"})
+        conn.execute("UPDATE emails SET state = 'failed' WHERE id = ?", (email_id,))
+    browser.get(f"/dashboard/emails/{email_id}", status=404)
+    page = browser.get("/dashboard/emails")
+    assert email_id not in page.text
+    browser.post(f"/dashboard/emails/{email_id}/send-again", {"csrf": csrf_of(page)},
+                 status=404)
+    assert other.db.conn.execute("SELECT state FROM emails").fetchone()[0] == "failed"
 
 
 def test_email_retention_keeps_waiting_emails_and_five_per_company(app, tenant):
