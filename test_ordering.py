@@ -8235,6 +8235,42 @@ def test_the_emails_page_shows_each_step_and_sends_a_failed_email_again(mailed, 
                  status=422)
 
 
+def test_a_dashboard_shipment_while_the_mail_server_is_down_shows_each_step(database):
+    port = free_port()  # the mail server is stopped
+    app = build_app(database, **mail_settings(f"smtp://127.0.0.1:{port}"))
+    try:
+        clock = MailClock(app)
+        tenant = Tenant(app, "Acme Wholesale")
+        make_staff(tenant)
+        browser = signed_in(app)
+        order = dashboard_order(tenant, "CONFIRMED")
+        form = form_to(browser.get(f"/dashboard/orders/{order['id']}"), "/status",
+                       status="SHIPPED")
+        form["tracking.carrier"], form["tracking.number"] = "CARRIER_C", "TRK-900"
+        form.submit(status=303)
+        [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == 1)
+        page = browser.get(f"/dashboard/emails/{row['id']}")
+        assert ">waiting<" in page.text and "<td>deferred</td>" in page.text
+        assert f"Connection refused by 127.0.0.1:{port}" in page.text
+        server = MailServer(port=port)  # back
+        try:
+            clock.move(ordering.mail_retry_delay(1), app)
+            [message] = server.wait_for(1)
+            wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "sent")
+        finally:
+            server.close()
+        text, html = parts(message)
+        for value in ("CARRIER_C", "TRK-900", "https://tracking.carrier-c.example/?tracknum="
+                                              "TRK-900"):
+            assert value in text and value in html
+        page = browser.get(f"/dashboard/emails/{row['id']}")
+        assert ">sent<" in page.text and page.text.index("<td>deferred</td>") < page.text.index(
+            "<td>sent</td>")
+    finally:
+        app.service.close(grace=0)
+
+
+
 def test_another_companys_email_is_not_found_on_the_dashboard(app, tenant, other, browser):
     with other.db.write() as conn:
         email_id = ordering.queue_email(conn, other.id, "mail_test", "x@example.com",
