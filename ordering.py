@@ -1,11 +1,13 @@
 """ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
 Products, orders, customers and signed webhooks behind a small REST API (/api/v1), with a
-staff dashboard, in one module you can run (``python ordering.py``), vendor, or embed
-(``create_app()`` returns a WSGI app; ``__all__`` names what embedders may rely on). The
-sections run in dependency order: each uses only the ones above it.
+staff dashboard, outgoing email and Stripe's billing webhooks, in one module you can run
+(``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI app; ``__all__``
+names what embedders may rely on). The sections run in dependency order: each uses only the
+ones above it.
 
-  1. Settings      every tunable, read once from flags and environment, checked at start
+  1. Settings      every tunable, read once from flags and environment, checked at start;
+                   mail settings (the mail server URL, sender, base URL, CA file)
   2. Storage       the database and its write transaction (group commit, savepoints);
                    schema and migrations; claimers (which process holds a claim, and whether
                    it lives); shared rate counters; engines (SQLite, PostgreSQL: all that
@@ -13,18 +15,22 @@ sections run in dependency order: each uses only the ones above it.
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, key and
                    password hashes (one scheme, scrypt), JSON text; currencies (amounts in
                    their minor unit, for billing)
-  4. Text and markup   escaping, Template and render(); templates (pages, the stylesheet)
+  4. Text and markup   escaping, Template and render(); templates (pages, the stylesheet);
+                   email templates
   5. Errors and validation   ApiError; messages, enumerations and limits (the spec's, each
-                   once, and billing's); validators
+                   once, and ours); validators
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
   7. Operations    what the business does, without HTTP: events (the catalog, emit() into
-                   the outbox); rows and tenancy (load_row, the one "fetch or 404");
-                   companies (and their settings); products; customers; orders; returns,
-                   refunds and invoices; billing (Stripe's events); webhook subscriptions; API keys and idempotency; accounts and sessions
-                   (any kind of account); queries (the paginator, list filters, lookups); the
-                   demo; copies (backup, copy-to)
+                   the outbox); email (queue_email(), written like an event); rows and
+                   tenancy (load_row, the one "fetch or 404"); companies (and their
+                   settings); products; customers; orders; returns, refunds and invoices;
+                   billing (Stripe's events); webhook subscriptions; emails (what was sent,
+                   sending again); API keys and idempotency; accounts and sessions (any kind
+                   of account); queries (the paginator, list filters, lookups); the demo;
+                   copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
-                   for any channel; webhooks (signing, address checks, the POST), its first
+                   for any channel; webhooks (signing, address checks, the POST); email (SMTP,
+                   TLS, retries, message building); channels (which ones an app's outbox sends)
   9. HTTP API      routes (class Api: parse, call an operation, wrap); billing (Stripe's signed
                    webhook, beside the API); serving the API (the Service: auth, scopes, rate
                    limits, idempotency, housekeeping, errors)
@@ -32,11 +38,12 @@ sections run in dependency order: each uses only the ones above it.
                    the API, responses, headers and parameters every operation shares
  11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
                    Surface: sign-in, sessions and security headers); dashboard (the staff's
-                   pages at /dashboard; billing and settings last)
+                   pages at /dashboard); billing, emails and settings (the company's own)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
  14. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
-                   ...); former names (kept one release after a rename)
+                   company-update, mail-test, ...); former names (kept one release after a
+                   rename)
 """
 
 import argparse
@@ -50,6 +57,10 @@ import datetime
 import fcntl
 import functools
 import decimal
+import email.headerregistry
+import email.message
+import email.policy
+import email.utils
 import hashlib
 import hmac
 import html
@@ -66,6 +77,7 @@ import re
 import secrets
 import shlex
 import signal
+import smtplib
 import socket
 import sqlite3
 import ssl
@@ -190,10 +202,25 @@ class Settings:
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
     #: Stripe's webhook signing secrets (whsec_...): one, or two during a secret roll (either
-    #: signature passes). POST /billing/stripe/webhook is served only when one is set.
-    stripe_webhook_secrets: tuple = ()
+    #: signature passes). POST /billing/stripe/webhook is served only when one is set. Kept
+    #: out of repr(), which would show them.
+    stripe_webhook_secrets: tuple = dataclasses.field(default=(), repr=False)
     #: Seconds a Stripe-Signature timestamp stays acceptable (Stripe's own libraries: 300).
     stripe_webhook_tolerance: int = 300
+    #: The mail server outgoing email goes through: smtp://, smtp+starttls:// or smtps://, with
+    #: an optional user:password@ (see README, Mail); empty: none, and email waits unsent.
+    #: Kept out of repr(), which would show the password.
+    smtp_url: str = dataclasses.field(default="", repr=False)
+    #: A PEM file of the certificate authorities trusted for the mail server, in place of the
+    #: system's (a private relay); empty: the system's.
+    smtp_ca_file: str = ""
+    #: Seconds the mail server may take to accept a connection or to answer one command.
+    smtp_timeout: float = 30.0
+    #: The sender address of every email; each company's mail name is its display name.
+    mail_from: str = ""
+    #: The address people reach this server at, which every link in an email is built from
+    #: (never a request's Host header); empty: the address serve listens on.
+    base_url: str = ""
 
     @classmethod
     def from_environment(cls, environ=os.environ, **overrides):
@@ -216,6 +243,11 @@ class Settings:
             "ORDERING_STRIPE_WEBHOOK_SECRET": ("stripe_webhook_secrets", stripe_webhook_secrets),
             "ORDERING_STRIPE_WEBHOOK_TOLERANCE": ("stripe_webhook_tolerance",
                                                   stripe_webhook_tolerance),
+            "ORDERING_SMTP_URL": ("smtp_url", str),
+            "ORDERING_SMTP_CA_FILE": ("smtp_ca_file", str),
+            "ORDERING_SMTP_TIMEOUT": ("smtp_timeout", _positive_float),
+            "ORDERING_MAIL_FROM": ("mail_from", str),
+            "ORDERING_BASE_URL": ("base_url", str),
         }
         for variable, (field, parse) in readers.items():
             if environ.get(variable, "") != "":
@@ -237,6 +269,21 @@ class Settings:
         self.synchronous = level
         self.stripe_webhook_secrets = stripe_webhook_secrets(self.stripe_webhook_secrets)
         self.stripe_webhook_tolerance = stripe_webhook_tolerance(self.stripe_webhook_tolerance)
+        check_mail_settings(self)
+
+    @property
+    def mail_server(self):
+        """The mail server of smtp_url as a MailServer, or None when none is set."""
+        return mail_server(self.smtp_url) if self.smtp_url else None
+
+    @property
+    def link_base(self):
+        """What every link in an email begins with: base_url, else the address serve listens
+        on (a wildcard address by this machine's name)."""
+        if self.base_url:
+            return self.base_url.rstrip("/")
+        host = socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
 #: The PRAGMA synchronous levels accepted; see README, Storage and durability.
@@ -276,6 +323,105 @@ def stripe_webhook_tolerance(value):
         raise ValueError(f"Stripe webhook tolerance (ORDERING_STRIPE_WEBHOOK_TOLERANCE) must be "
                          f"a whole number of seconds, 1 or more, not {value!r}")
     return int(text)
+def _positive_float(text):
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise ValueError(f"must be a number above 0, not {text!r}")
+    return value
+
+
+# Mail settings -------------------------------------------------------------------------------
+
+#: smtp_url's schemes, each with its TLS mode and default port (see README, Mail).
+SMTP_SCHEMES = {"smtp": 25, "smtp+starttls": 587, "smtps": 465}
+
+MailServer = collections.namedtuple("MailServer", "scheme host port user password")
+
+
+def mail_server(url):
+    """smtp_url read as a MailServer; ValueError (its message without the password) when it is
+    not one. User and password may be percent-encoded (an @ in a user name as %40)."""
+    shown = describe_smtp_url(url)
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"the mail server URL {shown!r} is not a URL with a valid port") from None
+    scheme = parts.scheme.lower()
+    if scheme not in SMTP_SCHEMES:
+        raise ValueError(f"the mail server URL must begin with smtp://, smtp+starttls:// or "
+                         f"smtps://, not {shown!r}")
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"the mail server URL must be {scheme}://[user[:password]@]host[:port], "
+                         f"not {shown!r}")
+    user = None if parts.username is None else urllib.parse.unquote(parts.username)
+    password = None if parts.password is None else urllib.parse.unquote(parts.password)
+    if scheme == "smtp" and password and not _loopback(parts.hostname):
+        raise ValueError(f"{shown} would send the password unencrypted over the network; use "
+                         "smtp+starttls:// or smtps:// (plain smtp:// is for a relay that needs "
+                         "no password, or one on this machine)")
+    return MailServer(scheme, parts.hostname, port or SMTP_SCHEMES[scheme], user, password)
+
+
+def _loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def describe_smtp_url(url):
+    """The mail server URL as logs and messages may show it: without its password."""
+    parts = urllib.parse.urlsplit(url.strip())
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = user.split(":", 1)[0] + (":***" if ":" in user else "") + "@" + host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+_MAIL_ADDRESS = re.compile(r"[^@\s\x00-\x1f\x7f<>(),;:\"\[\]\\]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]{2,}")
+
+
+def check_mail_settings(settings):
+    """Stop a start with bad mail settings with a message, rather than fail at the first
+    email: the URL, the sender address, the base URL and the CA file are checked here."""
+    if settings.smtp_url:
+        mail_server(settings.smtp_url)
+        if not settings.mail_from:
+            raise ValueError("a mail server needs a sender address: set ORDERING_MAIL_FROM "
+                             "(orders@example.com)")
+    if settings.mail_from and not _MAIL_ADDRESS.fullmatch(settings.mail_from):
+        raise ValueError(f"the sender address (ORDERING_MAIL_FROM) must be an address such as "
+                         f"orders@example.com, not {settings.mail_from!r}")
+    if settings.base_url:
+        check_base_url(settings.base_url)
+    if settings.smtp_ca_file:
+        mail_tls_context(settings)
+
+
+def check_base_url(url):
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"the base URL (ORDERING_BASE_URL) must be an http:// or https:// "
+                         f"address such as https://orders.example.com, not {url!r}")
+    return url
+
+
+def mail_tls_context(settings):
+    """The TLS settings for the mail server: certificates verified and the host name checked,
+    against smtp_ca_file when set, else the system's authorities."""
+    try:
+        return ssl.create_default_context(cafile=settings.smtp_ca_file or None)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) "
+                         f"{settings.smtp_ca_file!r}: {getattr(error, 'strerror', None) or error}"
+                         ) from None
 
 
 def proxy_address(text):
@@ -549,7 +695,11 @@ MIGRATIONS = {
         "('bif', 'clp', 'djf', 'gnf', 'jpy', 'kmf', 'krw', 'mga', 'pyg', 'rwf', 'ugx', 'vnd', "
         "'vuv', 'xaf', 'xof', 'xpf')",
         "UPDATE invoices SET amount_paid_minor = amount_paid_minor * 10 WHERE currency IN "
-        "('bhd', 'jod', 'kwd', 'omr', 'tnd')"),
+        "('bhd', 'jod', 'kwd', 'omr', 'tnd')",
+        # Email: the companies' mail settings (new tables come from schema.sql at every start).
+        "ALTER TABLE companies ADD COLUMN mail_name TEXT",
+        "ALTER TABLE companies ADD COLUMN reply_to TEXT",
+        "ALTER TABLE companies ADD COLUMN staff_alerts TEXT"),
 }
 
 
@@ -1410,6 +1560,12 @@ def minor_amount_text(amount, currency):
     """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
     decimals = currency_decimals(currency)
     return f"{decimal.Decimal(amount).scaleb(-decimals):,.{decimals}f} {currency.upper()}"
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")
+
+
+def one_line(value):
+    """A value as one line of text: control characters (CR and LF among them) become spaces."""
+    return _LINE_BREAKS.sub(" ", "" if value is None else str(value)).strip()
 
 
 # Templates -----------------------------------------------------------------------------------
@@ -1526,6 +1682,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
 .status-SHIPPED { background: #e4f5ff; } .status-DELIVERED { background: #e3f6e8; }
 .status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
+.status-sent { background: #e3f6e8; } .status-failed, .status-unsent { background: #fde7e5; }
 .muted { color: var(--muted); font-size: 13px; }
 code { font-size: 13px; word-break: break-all; }
 .pager { margin: 8px 0 24px; }
@@ -1538,6 +1695,103 @@ dl.facts dd { margin: 0; }
   .hide-narrow { display: none; }
 }
 """
+
+
+# Email templates -----------------------------------------------------------------------------
+# Each kind of email the service sends: a subject, a plain-text body and an HTML body, filled
+# from the data its operation recorded with queue_email() (a JSON object of text and numbers).
+# In the subject and the text every value is put on one line, so that a line break in a name
+# starts no header and no line of its own; in the HTML every value is escaped, as in the pages.
+# Besides the data's own values a template may use {facts} (the data's "facts", [label, value]
+# pairs, a value beginning with http:// or https:// as a link), {lines} (the data's order
+# "lines" and "total" as a table) and {link} (the data's "path" on the base URL: every link
+# to this server is built so). To send a new kind of email, add its template here and call
+# queue_email() with its data.
+
+class PlainText(str):
+    """Plain text of several lines, built already; any other value is put on one line."""
+
+
+def plain(template, **values):
+    return PlainText(template.format(**{
+        name: value if isinstance(value, PlainText) else one_line(value)
+        for name, value in values.items()}))
+
+
+EmailTemplate = collections.namedtuple("EmailTemplate", "subject text html")
+
+EMAIL_LAYOUT = """<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>{subject}</title></head>
+<body>
+{body}
+<p>{sender}</p>
+</body>
+</html>
+"""
+
+EMAIL_TEMPLATES = {
+    "order_shipped": EmailTemplate(
+        subject="Your order {orderId} has shipped",
+        text="Hello {customerName},\n\nYour order {orderId} has shipped.\n\n{facts}\n",
+        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderId}</strong> has "
+             "shipped.</p>\n{facts}"),
+    "order_confirmation": EmailTemplate(
+        subject="We received your order {orderId}",
+        text="Hello {customerName},\n\nThank you for your order {orderId}.\n\n{facts}\n\n"
+             "{lines}\n",
+        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderId}"
+             "</strong>.</p>\n{facts}\n{lines}"),
+    "order_alert": EmailTemplate(
+        subject="New storefront order {orderId} from {customerName}",
+        text="A new order came in from the storefront.\n\n{facts}\n\n{lines}\n\n"
+             "Open it in the dashboard: {link}\n",
+        html="<p>A new order came in from the storefront.</p>\n{facts}\n{lines}\n"
+             '<p><a href="{link}">Open it in the dashboard</a></p>'),
+    "mail_test": EmailTemplate(
+        subject="Test email from ordering",
+        text="This test email was sent by ordering mail-test through {server}.\n"
+             "If you can read it, outgoing email works.\n",
+        html="<p>This test email was sent by ordering mail-test through {server}.</p>\n"
+             "<p>If you can read it, outgoing email works.</p>"),
+}
+
+
+def _is_link(value):
+    return isinstance(value, str) and value.startswith(("https://", "http://"))
+
+
+def email_bodies(kind, data, link_base, sender):
+    """(text, HTML) of an email of this kind from its data; sender signs it."""
+    template = EMAIL_TEMPLATES[kind]
+    facts = data.get("facts", ())
+    lines = data.get("lines", ())
+    text_values = dict(data, link=link_base + data.get("path", "/"), facts=PlainText(
+        "\n".join(f"{one_line(label)}: {one_line(value)}" for label, value in facts)),
+        lines=PlainText("\n".join(
+            [f"{line['quantity']} x {one_line(line['name'])} ({one_line(line['sku'] or '-')}) at "
+             f"{amount_text(line['unitPrice'])} = {amount_text(line['lineTotal'])}"
+             for line in lines] + ([f"Total: {amount_text(data['total'])}"] if lines else []))))
+    html_values = dict({name: one_line(value) for name, value in data.items()},
+                       link=text_values["link"], facts=render('<table>{rows}</table>', rows=join(
+        render('<tr><th align="left">{label}</th><td>{value}</td></tr>', label=label,
+               value=render('<a href="{u}">{u}</a>', u=value) if _is_link(value)
+               else one_line(value))
+        for label, value in facts)) if facts else "", lines=render(
+        '<table><tr><th align="left">Product</th><th align="left">SKU</th>'
+        '<th align="right">Quantity</th><th align="right">Unit price</th>'
+        '<th align="right">Line total</th></tr>{rows}<tr><th align="left" colspan="4">Total'
+        '</th><th align="right">{total}</th></tr></table>', rows=join(
+            render('<tr><td>{name}</td><td>{sku}</td><td align="right">{quantity}</td>'
+                   '<td align="right">{price}</td><td align="right">{line_total}</td></tr>',
+                   name=line["name"], sku=line["sku"] or "-", quantity=line["quantity"],
+                   price=amount_text(line["unitPrice"]),
+                   line_total=amount_text(line["lineTotal"])) for line in lines),
+        total=amount_text(data.get("total"))) if lines else "")
+    text = plain(template.text + "\n{sender}\n", **text_values, sender=sender)
+    html = render(EMAIL_LAYOUT, subject=plain(template.subject, **data), sender=sender,
+                  body=render(template.html, **html_values))
+    return str(text), str(html)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1669,6 +1923,14 @@ TAX_RATE_MESSAGE = f"Tax rate override must be between 0 and {MAX_TAX_RATE}."
 TOO_MANY_WEBHOOKS = f"Maximum of {MAX_WEBHOOKS} webhooks per company."
 IDEMPOTENCY_KEY_INVALID = (f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
                            "characters.")
+
+#: A company's mail settings (company-update, the dashboard's Settings page).
+MAX_MAIL_NAME = 100
+MAX_STAFF_ALERTS = 10
+MAIL_NAME_MESSAGE = f"Mail name must be 1 to {MAX_MAIL_NAME} characters on one line."
+REPLY_TO_MESSAGE = "Reply-to must be an email address."
+STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email addresses, "
+                        "separated by commas.")
 
 
 # Validators ----------------------------------------------------------------------------------
@@ -1882,7 +2144,9 @@ def staff_json(row):
 
 def company_json(row):
     return {"id": row["id"], "name": row["name"], "slug": row["slug"],
-            "stripeCustomerId": row["stripe_customer_id"]}
+            "stripeCustomerId": row["stripe_customer_id"], "mailName": row["mail_name"],
+            "replyTo": row["reply_to"], "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
+            "createdAt": row["created_at"]}
 
 
 def orders_json(order_rows, item_rows):
@@ -1932,6 +2196,33 @@ def emit(conn, company_id, name, data):
     if pending is not None:
         pending.append(event_id)
     return event_id
+
+
+# Email ---------------------------------------------------------------------------------------
+# An email is written like an event, in the caller's transaction, to one recipient; the
+# outbox's email channel sends it after the commit (see Outbox, Email). Its ID joins the
+# transaction's emitted IDs, so that an operator command sends its emails before it exits as
+# it delivers its events.
+
+def queue_email(conn, company_id, kind, to_address, data, to_name=None):
+    """Write an email of a kind of EMAIL_TEMPLATES to one address; returns its ID."""
+    assert kind in EMAIL_TEMPLATES, kind
+    email_id, at = new_id_at("eml")
+    conn.execute(
+        "INSERT INTO emails (id, company_id, kind, to_address, to_name, subject, data, "
+        "queued_at, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (email_id, company_id, kind, to_address, to_name,
+         plain(EMAIL_TEMPLATES[kind].subject, **data), json_text(data), at, at, at))
+    announce_email(email_id)
+    return email_id
+
+
+def announce_email(email_id):
+    """Count an email among the IDs the open transaction emitted: after its commit the
+    outbox looks for work at once, and an operator command sends it before it exits."""
+    pending = getattr(_emitted, "event_ids", None)
+    if pending is not None:
+        pending.append(email_id)
 
 
 # Rows and tenancy ----------------------------------------------------------------------------
@@ -2009,15 +2300,43 @@ def _stripe_customer(value):
     return value
 
 
+def _mail_name(value):
+    value = (value or "").strip() or None
+    if value is not None and (len(value) > MAX_MAIL_NAME or one_line(value) != value):
+        raise ApiError(400, MAIL_NAME_MESSAGE)
+    return value
+
+
+def _reply_to(value):
+    value = (value or "").strip() or None
+    if value is not None and not valid_email(value):
+        raise ApiError(400, REPLY_TO_MESSAGE)
+    return value
+
+
+def _staff_alerts(value):
+    """A list of addresses, each once however its case is written, stored as JSON."""
+    unique = {}
+    for address in value or ():
+        if address.strip():
+            unique.setdefault(address.strip().casefold(), address.strip())
+    addresses = list(unique.values())
+    if len(addresses) > MAX_STAFF_ALERTS or not all(map(valid_email, addresses)):
+        raise ApiError(400, STAFF_ALERTS_MESSAGE)
+    return json_text(addresses) if addresses else None
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
-COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer}
+COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
+                    "reply_to": _reply_to, "staff_alerts": _staff_alerts}
 
 
 def update_company(conn, company_id, changes):
-    """Change some of a company's settings ({column of COMPANY_SETTINGS: value}); returns the
-    company. A Stripe customer is at most one company's (its paid invoices are that
-    company's invoice.paid)."""
+    """Change some of a company's settings ({column of COMPANY_SETTINGS: value}; None or empty
+    clears one); returns the company. Of mail: mail_name (the display name of its emails'
+    From), reply_to and staff_alerts (the addresses that get staff alerts, a list). A Stripe
+    customer is at most one company's (its paid invoices are that company's invoice.paid)."""
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
         raise invalid(unknown[0], "is not a company setting")
@@ -2358,7 +2677,42 @@ def storefront_place_order(conn, store_slug, customer_id, items, po_number=None,
     if load_customer(conn, company["id"], customer_id)["status"] == "BLOCKED":
         raise ApiError(403, "Customer is blocked.")
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
-    return place_order(conn, company["id"], body, source="storefront")
+    order = place_order(conn, company["id"], body, source="storefront")
+    queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)
+    return order
+
+
+def queue_order_emails(conn, company, customer, order):
+    """A storefront order's emails: the confirmation to the customer, and an alert to each of
+    the company's staff addresses (orders from the API or the dashboard send neither)."""
+    lines = [{"name": item["productName"], "sku": item["productSku"],
+              "quantity": item["quantity"], "unitPrice": item["unitPrice"],
+              "lineTotal": money(cents_from_number(item["unitPrice"]) * item["quantity"])}
+             for item in order["items"]]
+    common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
+              "lines": lines, "total": order["total"]}
+    po_number = ["PO number", order["poNumber"] or "none"]
+    queue_email(conn, company["id"], "order_confirmation", customer["email"], dict(
+        common, facts=[["Order", order["id"]], po_number]), to_name=customer["name"])
+    alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
+        ["Order", order["id"]], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
+        po_number])
+    for address in json.loads(company["staff_alerts"] or "[]"):
+        queue_email(conn, company["id"], "order_alert", address, alert)
+
+
+def queue_shipping_email(conn, company_id, order):
+    """The shipping email to the order's customer: the order, its PO number and, when the
+    order has tracking, the carrier, the tracking number and the tracking URL."""
+    customer = load_customer(conn, company_id, order["customerId"])
+    facts = [["Order", order["id"]], ["PO number", order["poNumber"] or "none"]]
+    if order["tracking"]:
+        facts += [["Carrier", order["tracking"]["carrier"]],
+                  ["Tracking number", order["tracking"]["number"]],
+                  ["Track it", order["tracking"]["url"]]]
+    queue_email(conn, company_id, "order_shipped", customer["email"], {
+        "orderId": order["id"], "customerName": customer["name"] or customer["email"],
+        "facts": facts}, to_name=customer["name"])
 
 
 def parse_status_update(body, templates):
@@ -2413,6 +2767,8 @@ def update_order_status(conn, company_id, order_id, status, tracking=None):
                "customerId": order["customerId"]}
     if status == "SHIPPED":
         emit(conn, company_id, "order.shipped", dict(summary, tracking=order["tracking"]))
+        if previous != "SHIPPED" and order["customerId"]:  # once, as it becomes SHIPPED
+            queue_shipping_email(conn, company_id, order)
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
     return order
@@ -2759,6 +3115,37 @@ def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
         "LIMIT ?", (webhook_id, count))]
 
 
+# Emails --------------------------------------------------------------------------------------
+# What the staff see of the mail outbox, and sending a failed email again.
+
+#: The states an email can be sent again from: it was not delivered, and nothing is trying.
+SENDABLE_AGAIN = ("failed", "unsent")
+NOT_SENDABLE_AGAIN = "Only a failed or unsent email can be sent again."
+
+
+def load_email(conn, company_id, email_id):
+    return load_row(conn, "emails", "Email", company_id, email_id)
+
+
+def email_attempts(conn, email_id):
+    """Every attempt to send the email, oldest first, with the server's reply."""
+    return conn.execute("SELECT * FROM email_attempts WHERE email_id = ? "
+                        "ORDER BY attempted_at, id", (email_id,)).fetchall()
+
+
+def send_email_again(conn, company_id, email_id):
+    """A failed or unsent email waits again, at once, with a new day of retries (its
+    Message-ID stays)."""
+    row = load_email(conn, company_id, email_id)
+    if row["state"] not in SENDABLE_AGAIN:
+        raise ApiError(422, NOT_SENDABLE_AGAIN)
+    at = now_iso()
+    conn.execute("UPDATE emails SET state = 'pending', queued_at = ?, next_attempt_at = ?, "
+                 "finished_at = NULL WHERE id = ?", (at, at, email_id))
+    announce_email(email_id)
+    return load_email(conn, company_id, email_id)
+
+
 # API keys and idempotency --------------------------------------------------------------------
 
 def key_expired(expires_at, now):
@@ -3089,6 +3476,11 @@ def find_orders(conn, company_id, query, search=None):
     return paginate(conn, "orders", company_id, query, filters, params)
 
 
+def find_emails(conn, company_id, query):
+    """A page of the emails written for the company (rows), newest first."""
+    return paginate(conn, "emails", company_id, query)
+
+
 def find_invoices(conn, company_id, query):
     """A page of the company's paid invoices (rows)."""
     return paginate(conn, "invoices", company_id, query)
@@ -3335,9 +3727,11 @@ def _table_digest(db, table, columns):
 # 'sending' or a final state of its own, lease_until, claimed_by), ready (an SQL condition a
 # pending row must also meet to be claimed now, :now being the time; "" for none),
 # event_column (the column naming the event a row carries, or None), timeout (seconds one
-# send may take), jobs(conn, ids) (the claimed rows with what sending needs), send(db, job)
-# (send one and record the outcome in its row) and prune(conn, before, batch) (one batch of
-# retention). To add a channel, write such a class below and list it in outbox_channels().
+# send may take), batch (rows one send carries at most), clock() (the time its ready condition
+# and leases go by: tests move it), jobs(conn, ids) (the claimed rows, in sends of at most
+# batch rows, with what sending needs), send(db, job) (send one and record the outcome in its
+# rows) and prune(conn, before, batch) (one batch of retention). To add a channel, write such
+# a class below and list it in outbox_channels().
 
 #: Rows retention deletes per subject (a webhook's log, events) in one write transaction, so
 #: that a first prune of a large file never holds the write lock for long.
@@ -3415,8 +3809,9 @@ class Outbox:
     # Claiming
 
     def claim(self, limit, event_ids=None):
-        """Atomically take up to limit rows of the channels, in their order, under a lease
-        (with event_ids: only the rows of those events, of channels that carry events)."""
+        """Atomically take up to limit sends' rows of the channels, in their order, under a
+        lease (with event_ids: only the rows of those events, of channels that carry events);
+        returns the sends (jobs)."""
         jobs = []
         for channel in self.channels:
             if len(jobs) >= limit:
@@ -3427,10 +3822,11 @@ class Outbox:
 
     def _claim(self, channel, limit, event_ids):
         conn, table = self.db.conn, channel.table
+        now, limit = channel.clock(), limit * channel.batch
         if event_ids is None:
             # A lease that has run out frees a row only from a claimer that may be gone: one
             # on this host that still lives is still sending it (it is stalled, not dead).
-            args = {"now": now_iso(), "limit": limit}
+            args = {"now": iso(int(now * 1000)), "limit": limit}
             living = {f"living{number}": claimer for number, claimer in enumerate(
                 row[0] for row in conn.execute(
                     f"SELECT DISTINCT claimed_by FROM {table} WHERE state = 'sending' AND "
@@ -3451,7 +3847,7 @@ class Outbox:
                        "LIMIT :limit")
             args = dict(events, limit=limit)
         # A send is bounded by the timeout (DNS included); the slack covers writing its result.
-        lease = iso(int((time.time() + 2 * channel.timeout + 5) * 1000))
+        lease = iso(int((now + 2 * channel.timeout + 5) * 1000))
         with self.db.write() as writing:
             ids = [row[0] for row in writing.execute(
                 f"UPDATE {table} SET state = 'sending', lease_until = :lease, "
@@ -3459,7 +3855,7 @@ class Outbox:
                 dict(args, lease=lease, claimer=process_identity()))]
         if not ids:
             return []
-        return [dict(row, channel=channel) for row in channel.jobs(conn, ids)]
+        return [dict(job, channel=channel) for job in channel.jobs(conn, ids)]
 
     def release_the_dead(self):
         """Rows claimed by processes that are gone are pending again, lease or not."""
@@ -3715,10 +4111,12 @@ class WebhookChannel:
     table = "deliveries"
     ready = ""
     event_column = "event_id"
+    batch = 1
 
     def __init__(self, settings):
         self.settings = settings
         self.timeout = settings.webhook_timeout
+        self.clock = time.time
 
     def jobs(self, conn, ids):
         return conn.execute(
@@ -3757,9 +4155,366 @@ class WebhookChannel:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
+# Email ---------------------------------------------------------------------------------------
+# Emails go to the one mail server of the settings (smtp_url), in batches: one connection
+# carries up to MAIL_BATCH emails, each recorded as it is answered (so a crash repeats at most
+# the one in flight, under the same Message-ID). Unlike webhooks, email is retried: a
+# connection that fails (refused, timed out, TLS, login), a dropped connection and any 4xx
+# reply back off and try again until MAIL_RETRY_SECONDS after the email began to wait; a 5xx
+# reply (a refused recipient among them) fails it at once. Without a mail server the channel
+# is not listed: emails wait, and the dashboard shows them as not sent and why (see README,
+# Mail).
+
+#: Seconds from an attempt that failed for now to the next: growing, then every eight hours.
+MAIL_RETRY_DELAYS = (60, 5 * 60, 15 * 60, 30 * 60, 3600, 2 * 3600, 4 * 3600, 8 * 3600)
+#: Seconds an email is tried after it began to wait (then it fails with the last reply); an
+#: email still unsent by then, for want of a mail server, is not sent at all.
+MAIL_RETRY_SECONDS = 2 * 86400
+#: Emails one SMTP connection carries at most.
+MAIL_BATCH = 50
+#: Finished emails each company keeps whatever their age (the Emails page's most recent).
+KEEP_EMAILS = 5
+MAIL_POLICY = email.policy.SMTP  # CRLF line ends; non-ASCII header text as RFC 2047 words
+
+
+def mail_retry_delay(attempts):
+    """Seconds to wait after the attempts-th attempt failed for now."""
+    return MAIL_RETRY_DELAYS[min(attempts, len(MAIL_RETRY_DELAYS)) - 1]
+
+
+def retries_end(row):
+    """ISO time after which the email is tried no more."""
+    return iso(js_parse_date(row["queued_at"]) + MAIL_RETRY_SECONDS * 1000)
+
+
+def build_message(row, settings):
+    """The email of a row (with its company's name, mail_name and reply_to) as the bytes of
+    SMTP DATA: multipart/alternative, plain text then HTML. Every header is set through the
+    email package from one-line values, so no value can add a header or a part."""
+    sender = row["mail_name"] or row["company_name"]
+    text, html = email_bodies(row["kind"], json.loads(row["data"]), settings.link_base,
+                              one_line(sender))
+    utf8 = not (settings.mail_from + row["to_address"]).isascii()  # needs SMTPUTF8
+    message = email.message.EmailMessage(policy=MAIL_POLICY.clone(utf8=utf8))
+    message["Message-ID"] = f"<{row['id']}@{settings.mail_from.rpartition('@')[2]}>"
+    message["Date"] = email.utils.format_datetime(
+        datetime.datetime.fromisoformat(row["created_at"].replace("Z", "+00:00")))
+    message["From"] = _address(sender, settings.mail_from)
+    message["To"] = _address(row["to_name"], row["to_address"])
+    if row["reply_to"]:
+        message["Reply-To"] = _address(None, row["reply_to"])
+    message["Subject"] = one_line(row["subject"])
+    message["Auto-Submitted"] = "auto-generated"  # RFC 3834: no auto-replies, please
+    message.set_content(text, cte="quoted-printable")
+    message.add_alternative(html, subtype="html", cte="quoted-printable")
+    return message.as_bytes(), utf8
+
+
+def _address(name, address):
+    """A header address from a checked address (split by hand: the email package parses an
+    addr_spec that is not ASCII as a defect, though SMTPUTF8 carries it)."""
+    local, _, domain = address.rpartition("@")
+    return email.headerregistry.Address(one_line(name), local, domain)
+
+
+class MailServerError(Exception):
+    """The mail server could not be used (connection, greeting, TLS or login), in plain
+    words."""
+
+
+def connect_smtp(settings, server, context):
+    """An SMTP connection ready to send: TLS as the scheme asks, certificates verified,
+    logged in when the URL has a user. Raises MailServerError."""
+    host = urllib.parse.urlsplit(settings.link_base).hostname
+    ehlo_name = (f"[IPv6:{host}]" if ":" in host else f"[{host}]"
+                 if re.fullmatch(r"[\d.]+", host) else host)
+    stage, smtp = "connect", None
+    try:
+        if server.scheme == "smtps":
+            smtp = smtplib.SMTP_SSL(server.host, server.port, local_hostname=ehlo_name,
+                                    timeout=settings.smtp_timeout, context=context)
+        else:
+            smtp = smtplib.SMTP(server.host, server.port, local_hostname=ehlo_name,
+                                timeout=settings.smtp_timeout)
+        stage = "ehlo"
+        smtp.ehlo()
+        if server.scheme == "smtp+starttls":
+            stage = "starttls"
+            smtp.starttls(context=context)
+            smtp.ehlo()
+        if server.user is not None:
+            stage = "login"
+            smtp.login(server.user, server.password or "")
+    except Exception as error:
+        if smtp is not None:
+            smtp.close()
+        raise MailServerError(smtp_failure(error, stage, server, settings.smtp_timeout)) from None
+    return smtp
+
+
+_WRONG_TLS = ("WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "RECORD_LAYER_FAILURE",
+              "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST", "TLSV1_ALERT_PROTOCOL_VERSION")
+
+
+def smtp_failure(error, stage, server, timeout):
+    """What went wrong at a stage of connecting to the mail server, in plain words."""
+    where = f"{server.host}:{server.port}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"Certificate not trusted: the certificate of {where} failed verification "
+                f"({error.verify_message}). A private relay's certificate authority can be "
+                "trusted with ORDERING_SMTP_CA_FILE.")
+    if isinstance(error, ssl.SSLError) and error.reason in _WRONG_TLS:
+        return (f"Wrong TLS mode for port {server.port}: {where} does not begin with TLS, as "
+                f"{server.scheme}:// expects. smtps:// is for implicit TLS (usually port 465); "
+                "use smtp+starttls:// (usually port 587) there.")
+    if isinstance(error, ssl.SSLError):
+        return f"TLS with {where} failed: {error.reason or error}."
+    if stage == "connect":
+        if isinstance(error, ConnectionRefusedError):
+            return (f"Connection refused by {where}: no mail server listens there (is it "
+                    "running, and is that its port?).")
+        if isinstance(error, socket.gaierror):
+            return f"Cannot find the mail server {server.host}: {error.strerror or error}."
+        if isinstance(error, smtplib.SMTPServerDisconnected):
+            return (f"{where} sent no greeting within {timeout:g} seconds: it probably "
+                    f"expects TLS from the first byte. Wrong TLS mode for port {server.port}? "
+                    "Use smtps:// there (usually port 465).")
+        if isinstance(error, TimeoutError):
+            return (f"No answer from {where} within {timeout:g} seconds (a firewall, or the "
+                    "wrong host or port).")
+        if isinstance(error, smtplib.SMTPConnectError):
+            return f"{where} refused the connection: {_reply(error.smtp_code, error.smtp_error)}"
+    if stage == "starttls" and isinstance(error, smtplib.SMTPNotSupportedError):
+        return (f"{where} does not offer STARTTLS, which smtp+starttls:// requires: use "
+                "smtps:// if it expects TLS from the first byte (usually port 465), or smtp:// "
+                "for a relay without TLS.")
+    if stage == "login":
+        if isinstance(error, smtplib.SMTPAuthenticationError):
+            return (f"Authentication refused by {where}: "
+                    f"{_reply(error.smtp_code, error.smtp_error)} (check the user and password "
+                    "of ORDERING_SMTP_URL).")
+        if isinstance(error, smtplib.SMTPNotSupportedError):
+            return (f"{where} offers no login (AUTH) on this connection" +
+                    (": many servers offer it only after STARTTLS (smtp+starttls://)."
+                     if server.scheme == "smtp" else "."))
+        if isinstance(error, smtplib.SMTPException):
+            return f"{where} offers no login method this client has: {error}."
+    if isinstance(error, smtplib.SMTPResponseException):
+        return f"{where} answered {_reply(error.smtp_code, error.smtp_error)}"
+    if isinstance(error, (smtplib.SMTPServerDisconnected, OSError)):
+        return f"The connection to {where} failed: {error or type(error).__name__}."
+    return f"{type(error).__name__}: {error}"
+
+
+def _reply(code, text):
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return one_line(f"{code} {text}")[:MAX_LOGGED_BODY]
+
+
+def transmit(smtp, sender, recipient, message, utf8):
+    """One email over an open connection: ("sent", "deferred" or "failed", the server's
+    reply). A 2xx is sent, a 5xx failed at once; anything else (a 4xx, a dropped connection)
+    is deferred, to be tried again."""
+    if utf8 and not smtp.has_extn("smtputf8"):
+        return "failed", ("Not sent: the address is not ASCII, and the mail server does not "
+                          "offer SMTPUTF8.")
+    step = "MAIL FROM"
+    try:
+        code, text = smtp.mail(sender, ["SMTPUTF8"] if utf8 else [])
+        if code == 250:
+            step = "RCPT TO"
+            code, text = smtp.rcpt(recipient)
+            if code in (250, 251):
+                step = "DATA"
+                code, text = smtp.data(message)
+    except smtplib.SMTPResponseException as error:  # DATA itself refused
+        code, text = error.smtp_code, error.smtp_error
+    except OSError as error:  # smtplib's errors, a dropped connection among them, are OSErrors
+        smtp.close()
+        return "deferred", f"The connection was lost at {step}: {error or 'closed'}."
+    if code == 421:  # the server is closing the connection
+        smtp.close()
+    elif not 200 <= code < 300 and step != "DATA":
+        try:
+            smtp.rset()  # the connection serves the next email of the batch
+        except OSError:
+            smtp.close()
+    reply = _reply(code, text)
+    if 200 <= code < 300:
+        return "sent", reply
+    return ("failed" if 500 <= code < 600 else "deferred"), f"{step}: {reply}"
+
+
+def prune_emails(conn, before, batch=PRUNE_BATCH):
+    """One batch of retention: finished emails (sent, failed, unsent) that finished before
+    `before`, with their attempts, except each company's KEEP_EMAILS most recent; an email
+    still waiting is never removed. Returns the number of emails deleted."""
+    deleted = 0
+    for (company_id,) in conn.execute("SELECT DISTINCT company_id FROM emails WHERE "
+                                      "finished_at < ?", (before,)).fetchall():
+        kept = conn.execute(
+            "SELECT finished_at, id FROM emails WHERE company_id = ? AND finished_at IS NOT "
+            "NULL ORDER BY finished_at DESC, id DESC LIMIT 1 OFFSET ?",
+            (company_id, KEEP_EMAILS - 1)).fetchone()
+        if kept is None:
+            continue
+        deleted += conn.execute(
+            "DELETE FROM emails WHERE id IN (SELECT id FROM emails WHERE company_id = ? AND "
+            "finished_at < ? AND (finished_at, id) < (?, ?) LIMIT ?)",
+            (company_id, before, kept[0], kept[1], batch)).rowcount
+    return deleted
+
+
+class EmailChannel:
+    """Emails, through the mail server of the settings, up to MAIL_BATCH per connection."""
+
+    noun = "email messages"
+    table = "emails"
+    ready = "next_attempt_at <= :now"
+    event_column = "id"  # an email is its own event: run_command sends the ones it wrote
+    batch = MAIL_BATCH
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.server = settings.mail_server
+        self.context = mail_tls_context(settings)
+        # A batch starts no new email after smtp_timeout seconds (the rest wait for the next
+        # send), so a send takes about that plus one email's exchange.
+        self.timeout = 2 * settings.smtp_timeout
+        self.clock = time.time
+
+    def jobs(self, conn, ids):
+        rows = conn.execute(
+            "SELECT e.*, c.name AS company_name, c.mail_name, c.reply_to FROM emails e "
+            f"JOIN companies c ON c.id = e.company_id WHERE e.id IN ({','.join('?' * len(ids))}) "
+            "ORDER BY e.id", ids).fetchall()
+        return [{"id": rows[start]["id"], "emails": rows[start:start + self.batch]}
+                for start in range(0, len(rows), self.batch)]
+
+    def prune(self, conn, before, batch):
+        return prune_emails(conn, before, batch)
+
+    def send(self, db, job):
+        started = time.monotonic()
+        now = iso(int(self.clock() * 1000))
+        emails = []
+        for row in job["emails"]:
+            if now < retries_end(row):
+                emails.append(row)
+            elif row["attempts"]:
+                self.finish(db, row, "failed", f"Gave up after {row['attempts']} attempts: "
+                                               f"{row['last_reply']}")
+            else:
+                self.finish(db, row, "unsent", f"Not sent: no mail server was set within "
+                                               f"{MAIL_RETRY_SECONDS // 3600} hours of it "
+                                               "being written.")
+        if not emails:
+            return
+        try:
+            smtp = connect_smtp(self.settings, self.server, self.context)
+        except MailServerError as error:
+            log.warning("mail server %s: %s", describe_smtp_url(self.settings.smtp_url), error)
+            for row in emails:
+                self.record(db, row, "deferred", str(error),
+                            int((time.monotonic() - started) * 1000))
+            return
+        index = 0
+        try:
+            for index, row in enumerate(emails):
+                if smtp.sock is None or (
+                        index and time.monotonic() - started > self.settings.smtp_timeout):
+                    self.release(db, emails[index:])
+                    return
+                sent_at = time.monotonic()
+                try:
+                    message, utf8 = build_message(row, self.settings)
+                except Exception as error:  # no attempt would do better: it fails at once
+                    log.exception("email %s cannot be built", row["id"])
+                    self.record(db, row, "failed", f"Not sent: the message cannot be built "
+                                                   f"({type(error).__name__}: {error}).", 0)
+                    continue
+                outcome, reply = transmit(smtp, self.settings.mail_from, row["to_address"],
+                                          message, utf8)
+                self.record(db, row, outcome, reply, int((time.monotonic() - sent_at) * 1000))
+        except Exception:
+            # This process lives on, so its claims would hold: what was not answered waits again.
+            self.release(db, emails[index:])
+            raise
+        finally:
+            if smtp.sock is not None:
+                try:
+                    smtp.quit()
+                except (smtplib.SMTPException, OSError):
+                    smtp.close()
+
+    def record(self, db, row, outcome, reply, duration_ms):
+        """An attempt and its reply; the email is then sent, failed, or waits for its next
+        attempt (failed when that would come after its retries end)."""
+        clock = self.clock()
+        at, attempts, state, next_at = iso(int(clock * 1000)), row["attempts"] + 1, outcome, None
+        if outcome == "deferred":
+            next_at = iso(int((clock + mail_retry_delay(attempts)) * 1000))
+            state = "pending"
+            if next_at >= retries_end(row):
+                state = outcome = "failed"
+                reply = f"Gave up after {attempts} attempts: {reply}"
+        with db.write() as conn:
+            conn.execute("INSERT INTO email_attempts (id, email_id, attempted_at, outcome, "
+                         "reply, duration_ms) VALUES (?, ?, ?, ?, ?, ?)",
+                         (new_id("att"), row["id"], at, outcome, reply, duration_ms))
+            conn.execute(
+                "UPDATE emails SET state = ?, attempts = ?, last_reply = ?, next_attempt_at = "
+                "COALESCE(?, next_attempt_at), finished_at = ?, lease_until = NULL, "
+                "claimed_by = NULL WHERE id = ?",
+                (state, attempts, reply, next_at, None if state == "pending" else at, row["id"]))
+
+    def finish(self, db, row, state, reason):
+        """An email tried no more, without an attempt."""
+        with db.write() as conn:
+            conn.execute("UPDATE emails SET state = ?, last_reply = ?, finished_at = ?, "
+                         "lease_until = NULL, claimed_by = NULL WHERE id = ?",
+                         (state, reason, iso(int(self.clock() * 1000)), row["id"]))
+
+    def release(self, db, rows):
+        """Emails a send did not get to: waiting again at once, no attempt counted."""
+        with db.write() as conn:
+            conn.execute("UPDATE emails SET state = 'pending', lease_until = NULL, claimed_by "
+                         f"= NULL WHERE id IN ({','.join('?' * len(rows))})",
+                         [row["id"] for row in rows])
+
+
+def send_test_email(settings, to_address):
+    """mail-test: one email to to_address at once, not queued; returns the server's reply.
+    Raises MailServerError, with the trouble in plain words."""
+    if settings.mail_server is None:
+        raise MailServerError("No mail server is set: give --smtp-url or ORDERING_SMTP_URL.")
+    now = now_iso()
+    row = {"id": new_id("eml"), "kind": "mail_test", "company_name": "ordering",
+           "mail_name": None, "reply_to": None, "to_address": to_address, "to_name": None,
+           "created_at": now, "subject": plain(EMAIL_TEMPLATES["mail_test"].subject),
+           "data": json_text({"server": describe_smtp_url(settings.smtp_url)})}
+    smtp = connect_smtp(settings, settings.mail_server, mail_tls_context(settings))
+    try:
+        message, utf8 = build_message(row, settings)
+        outcome, reply = transmit(smtp, settings.mail_from, to_address, message, utf8)
+    finally:
+        if smtp.sock is not None:
+            smtp.quit()
+    if outcome != "sent":
+        raise MailServerError(f"The mail server did not take the email: {reply}")
+    return reply
+
+
+# Channels ------------------------------------------------------------------------------------
+
 def outbox_channels(settings):
-    """The channels an app's outbox sends, in the order it claims from them."""
-    return [WebhookChannel(settings)]
+    """The channels an app's outbox sends, in the order it claims from them (email only with
+    a mail server: without one, emails wait)."""
+    channels = [WebhookChannel(settings)]
+    if settings.smtp_url:
+        channels.append(EmailChannel(settings))
+    return channels
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4931,6 +5686,8 @@ FIELD_OF_MESSAGE = {
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
     STRIPE_CUSTOMER_TAKEN: "stripeCustomerId",
+    MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
+    STAFF_ALERTS_MESSAGE: "staffAlerts",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
@@ -5314,7 +6071,8 @@ class Surface:
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
               ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
-              ("Billing", "/dashboard/billing"), ("Settings", "/dashboard/settings"))
+              ("Billing", "/dashboard/billing"), ("Emails", "/dashboard/emails"),
+              ("Settings", "/dashboard/settings"))
 
 
 @page("GET", "/dashboard/orders")
@@ -5771,9 +6529,9 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
-# Billing and settings ------------------------------------------------------------------------
-# The company's own subscription to the service: its paid invoices, and the Settings page that
-# maps it to its Stripe customer (the settings of update_company).
+# Billing, emails and settings ----------------------------------------------------------------
+# The company's own subscription to the service (its paid invoices), the emails the service
+# wrote for it, and the Settings page (the settings of update_company: mail and Stripe).
 
 @page("GET", "/dashboard/billing")
 def billing_page(visit):
@@ -5792,10 +6550,84 @@ def billing_page(visit):
                'customer ID: see <a href="/dashboard/settings">Settings</a>.</p>')]))
 
 
+#: An email's state as the staff see it.
+EMAIL_STATES = {"pending": "waiting", "sending": "waiting", "sent": "sent",
+                "failed": "failed", "unsent": "not sent"}
+NO_MAIL_SERVER = (f"No mail server is set (ORDERING_SMTP_URL): emails wait, and each is sent "
+                  f"once one is set, if that is within {MAIL_RETRY_SECONDS // 3600} hours of it "
+                  "being written.")
+
+
+def email_state(row, settings):
+    """(state, why) of an email as the staff see it: one that waits where no mail server is
+    set is not sent, and says why."""
+    if row["state"] in ("pending", "sending") and not settings.smtp_url:
+        return render('<span class="status status-unsent">not sent</span>'), NO_MAIL_SERVER
+    return (render('<span class="status status-{s}">{t}</span>', s=row["state"],
+                   t=EMAIL_STATES[row["state"]]), row["last_reply"] or "")
+
+
+def send_again_button(visit, row):
+    if row["state"] not in SENDABLE_AGAIN:
+        return ""
+    return visit.button(f"/dashboard/emails/{row['id']}/send-again", "Send again", "secondary")
+
+
+@page("GET", "/dashboard/emails")
+def emails_page(visit):
+    result = find_emails(visit.conn, visit.company_id, visit.filters())
+    rows = []
+    for row in result["data"]:
+        state, why = email_state(row, visit.settings)
+        rows.append((link(f"/dashboard/emails/{row['id']}", row["created_at"][:16].replace(
+            "T", " ")), row["to_address"], row["subject"], state, row["attempts"],
+            render("<code>{r}</code>", r=why[:300]), send_again_button(visit, row)))
+    return visit.page("Emails", join([
+        table(("Written (UTC)", "Recipient", "Subject", "State", "Attempts", "Last reply", ""),
+              rows, numeric=("Attempts",)), pager(visit, result, "/dashboard/emails")]))
+
+
+@page("GET", "/dashboard/emails/<email_id>")
+def email_page(visit, email_id):
+    row = load_email(visit.conn, visit.company_id, email_id)
+    state, why = email_state(row, visit.settings)
+    facts = render(
+        '<div class="card"><dl class="facts"><dt>Recipient</dt><dd>{to}</dd><dt>Subject</dt>'
+        '<dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>'
+        '<dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>'
+        '</dl>{again}</div>', to=row["to_address"], subject=row["subject"], state=state,
+        written=row["created_at"], why=why, again=send_again_button(visit, row),
+        next=row["next_attempt_at"] if row["state"] == "pending" else "none")
+    attempts = table(("When (UTC)", "Outcome", "Server's reply", "Duration"),
+                     [(attempt["attempted_at"], attempt["outcome"],
+                       render("<code>{r}</code>", r=attempt["reply"]),
+                       f"{attempt['duration_ms']} ms")
+                      for attempt in email_attempts(visit.conn, email_id)])
+    return visit.page(f"Email to {row['to_address']}", join([
+        facts, render("<h2>Attempts</h2>"), attempts]))
+
+
+@page("POST", "/dashboard/emails/<email_id>/send-again", refused=email_page)
+def send_email_again_action(visit, email_id):
+    with visit.write() as conn:
+        send_email_again(conn, visit.company_id, email_id)
+    return redirect(f"/dashboard/emails/{email_id}")
+
+
 @page("GET", "/dashboard/settings")
 def settings_page(visit):
     company = load_company(visit.conn, visit.company_id)
+    settings = visit.settings
+    server = render("Emails go through {url}, from {sender}; links in them begin with {base}.",
+                    url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
+                    base=settings.link_base) if settings.smtp_url else NO_MAIL_SERVER
     return visit.page("Settings", visit.form_tag("/dashboard/settings", join([
+        render('<h2>Email</h2><p class="muted">{s}</p>', s=server),
+        visit.field("mailName", "Mail name (the sender's name on emails; empty: the company "
+                                "name)", company["mail_name"]),
+        visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
+        visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
+                    ", ".join(json.loads(company["staff_alerts"] or "[]"))),
         render("<h2>Billing</h2>"),
         visit.field("stripeCustomerId", "Stripe customer ID", company["stripe_customer_id"]),
         render('<p class="muted">The company as a customer of the service\'s Stripe account '
@@ -5807,8 +6639,11 @@ def settings_page(visit):
 @page("POST", "/dashboard/settings", refused=settings_page)
 def update_settings_action(visit):
     with visit.write() as conn:
-        update_company(conn, visit.company_id,
-                       {"stripe_customer_id": visit.form.get("stripeCustomerId")})
+        update_company(conn, visit.company_id, {
+            "mail_name": form_text(visit.form, "mailName"),
+            "reply_to": form_text(visit.form, "replyTo"),
+            "staff_alerts": (visit.form.get("staffAlerts") or "").split(","),
+            "stripe_customer_id": visit.form.get("stripeCustomerId")})
     return redirect("/dashboard/settings")
 
 
@@ -6008,6 +6843,11 @@ def serve(settings, sockets=None):
     signal.signal(signal.SIGINT, stop)
     log.info("ordering %s serving %s on http://%s:%s", __version__, describe_db(settings),
              settings.host, server.effective_port)
+    if settings.smtp_url:
+        log.info("mail through %s from %s; links begin with %s",
+                 describe_smtp_url(settings.smtp_url), settings.mail_from, settings.link_base)
+    else:
+        log.info("no mail server set (ORDERING_SMTP_URL): emails wait, shown as not sent")
     try:
         # A worker starts with the stop signals blocked (see serve_workers): one sent while it
         # was starting is held until here, where it stops this server as it should.
@@ -6015,8 +6855,8 @@ def serve(settings, sockets=None):
         server.run()
     finally:
         server.close()
-        log.info("stopping: waiting up to %gs for webhook deliveries in flight",
-                 settings.webhook_timeout)
+        log.info("stopping: waiting up to %gs for webhook deliveries and emails in flight",
+                 app.service.outbox.timeout)
         app.service.close()
         access_log.close()
         log.info("stopped")
@@ -6136,18 +6976,20 @@ def _invoice_amount(text):
     return text
 
 
-def _proxy_address(text):
-    try:
-        return proxy_address(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _setting(check):
+    """An option read by a setting's own check, its refusal argparse's."""
+    def parse(text):
+        try:
+            return check(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse
 
 
-def _stripe_webhook_secrets(text):
-    try:
-        return stripe_webhook_secrets(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+_proxy_address = _setting(proxy_address)
+_stripe_webhook_secrets = _setting(stripe_webhook_secrets)
+_smtp_url = _setting(lambda text: mail_server(text) and text)
+_base_url = _setting(check_base_url)
 
 
 def _moment(text):
@@ -6210,12 +7052,15 @@ def cmd_company_create(conn, args):
 
 
 #: company-update's options and the company settings they change.
-_COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"),)
+_COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
+                    ("reply_to", "reply_to"))
 
 
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}
+    if args.staff_alerts is not None:
+        changes["staff_alerts"] = args.staff_alerts.split(",")
     return company_json(update_company(conn, args.id, changes))
 
 
@@ -6341,6 +7186,10 @@ def build_parser():
         description="A multi-tenant wholesale ordering service on SQLite or PostgreSQL.")
     parser.add_argument("--db", help="SQLite database file or postgresql:// URL "
                                      "(default: $ORDERING_DB or ordering.db)")
+    parser.add_argument("--smtp-url", type=_smtp_url,
+                        help="mail server, smtp://, smtp+starttls:// or smtps://"
+                             "[user[:password]@]host[:port] (default: $ORDERING_SMTP_URL; "
+                             "prefer it for a password, which a flag shows to ps)")
     parser.add_argument("--version", action="version", version=f"ordering {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -6370,6 +7219,9 @@ def build_parser():
                            type=_stripe_webhook_secrets, default=None, metavar="WHSEC",
                            help="Stripe's webhook signing secret (two, comma-separated, during "
                                 "a roll): serves POST /billing/stripe/webhook")
+    serve_cmd.add_argument("--base-url", type=_base_url, default=None,
+                           help="the address people reach this server at, for links in "
+                                "emails (default: $ORDERING_BASE_URL, else http://HOST:PORT)")
 
     sub = command("company-create", cmd_company_create, "create a company")
     sub.add_argument("--name", required=True)
@@ -6381,6 +7233,15 @@ def build_parser():
     sub.add_argument("--stripe-customer", metavar="CUSTOMER_ID",
                      help="the company's Stripe customer (cus_...), whose paid invoices Stripe's "
                           "webhook turns into invoice.paid; '' removes it")
+    sub.add_argument("--mail-name", help="the sender's name on its emails ('' for the "
+                                         "company name)")
+    sub.add_argument("--reply-to", help="the Reply-To address of its emails ('' for none)")
+    sub.add_argument("--staff-alerts", metavar="E1,E2",
+                     help="addresses that get staff alerts, separated by commas ('' for none)")
+
+    sub = command("mail-test", None, "send one test email at once through the mail server "
+                                     "and print its answer")
+    sub.add_argument("--to", required=True, metavar="ADDRESS")
 
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")
@@ -6508,11 +7369,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {"db_path": args.db}
+    overrides = {"db_path": args.db, "smtp_url": args.smtp_url}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
                      "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard",
-                     "stripe_webhook_secrets"):
+                     "stripe_webhook_secrets", "base_url"):
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)
@@ -6528,6 +7389,11 @@ def main(argv=None):
         if args.command == "demo":
             print(demo(settings))
             return 0
+        if args.command == "mail-test":
+            reply = send_test_email(settings, args.to)
+            print(f"Sent to {args.to} through {describe_smtp_url(settings.smtp_url)} from "
+                  f"{settings.mail_from}. The server answered: {reply}")
+            return 0
         if args.command == "backup":
             result = backup(settings, args.destination)
         elif args.command == "copy-to":
@@ -6540,6 +7406,9 @@ def main(argv=None):
         return 1
     except sqlite3.Error as error:
         print(f"ordering {args.command}: database error: {error}", file=sys.stderr)
+        return 1
+    except MailServerError as error:
+        print(f"ordering {args.command}: {error}", file=sys.stderr)
         return 1
     print(json.dumps(result, ensure_ascii=False))
     return 0

@@ -12,7 +12,10 @@ CREATE TABLE IF NOT EXISTS companies (
     name                TEXT NOT NULL,
     slug                TEXT NOT NULL UNIQUE,
     created_at          TEXT NOT NULL,
-    stripe_customer_id  TEXT                -- the company as Stripe's customer (cus_...)
+    stripe_customer_id  TEXT,               -- the company as Stripe's customer (cus_...)
+    mail_name           TEXT,               -- the display name of its emails' From (default: name)
+    reply_to            TEXT,               -- the Reply-To of its emails
+    staff_alerts        TEXT                -- JSON array of the addresses that get staff alerts
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -203,6 +206,45 @@ CREATE TABLE IF NOT EXISTS deliveries (
 CREATE INDEX IF NOT EXISTS deliveries_waiting ON deliveries (state, lease_until);
 CREATE INDEX IF NOT EXISTS deliveries_of_webhook ON deliveries (webhook_id, attempted_at);
 CREATE INDEX IF NOT EXISTS deliveries_of_event ON deliveries (event_id);
+
+-- The mail outbox: an email is written in the transaction of the change that causes it, one
+-- recipient each. It waits (pending until next_attempt_at, then sending: claimed by the process
+-- claimed_by until lease_until) until it is sent, failed (a 5xx reply, a refused recipient, or
+-- no success before retries end) or unsent (never tried: see README, Mail). Its id is also its
+-- Message-ID's, the same on every attempt.
+CREATE TABLE IF NOT EXISTS emails (
+    id               TEXT PRIMARY KEY,
+    company_id       TEXT NOT NULL REFERENCES companies(id),
+    kind             TEXT NOT NULL,         -- its template (EMAIL_TEMPLATES in ordering.py)
+    to_address       TEXT NOT NULL,
+    to_name          TEXT,
+    subject          TEXT NOT NULL,
+    data             TEXT NOT NULL,         -- JSON: the values its template is filled with
+    state            TEXT NOT NULL DEFAULT 'pending'
+                     CHECK (state IN ('pending', 'sending', 'sent', 'failed', 'unsent')),
+    attempts         INTEGER NOT NULL DEFAULT 0,
+    last_reply       TEXT,                  -- the server's last answer, or why it was not sent
+    queued_at        TEXT NOT NULL,         -- when it began to wait (again): retries end after
+    next_attempt_at  TEXT NOT NULL,
+    lease_until      TEXT,
+    claimed_by       TEXT,                  -- the sending process (see claimer_alive)
+    created_at       TEXT NOT NULL,
+    finished_at      TEXT                   -- when it became sent, failed or unsent
+);
+CREATE INDEX IF NOT EXISTS emails_waiting ON emails (state, next_attempt_at);
+CREATE INDEX IF NOT EXISTS emails_by_company_newest ON emails (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS emails_of_company_finished ON emails (company_id, finished_at);  -- retention
+
+-- Every attempt to send an email, with what the server answered.
+CREATE TABLE IF NOT EXISTS email_attempts (
+    id            TEXT PRIMARY KEY,
+    email_id      TEXT NOT NULL REFERENCES emails(id) ON DELETE CASCADE,
+    attempted_at  TEXT NOT NULL,
+    outcome       TEXT NOT NULL CHECK (outcome IN ('sent', 'deferred', 'failed')),
+    reply         TEXT NOT NULL,
+    duration_ms   INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS email_attempts_of_email ON email_attempts (email_id, attempted_at);
 
 -- Remembered POST responses, so a retried request is answered without being done twice.
 -- While claimed_by is set the request is still in progress (status and body are not yet set).

@@ -2348,9 +2348,9 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
 
     expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1, "orders": 2,
                 "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0,
-                "stripe_events": 0, "webhooks": 1,
-                "events": 2, "deliveries": 2, "idempotency_keys": 1, "staff": 1,
-                "staff_sessions": 2, "sign_in_failures": 1, "rate_windows": 0}
+                "stripe_events": 0, "webhooks": 1, "events": 2, "deliveries": 2, "emails": 0,
+                "email_attempts": 0, "idempotency_keys": 1, "staff": 1, "staff_sessions": 2,
+                "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
     assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
     assert list(result["tables"]) == ordering.tables_in_order()
@@ -6645,7 +6645,7 @@ def test_every_form_on_every_page_carries_the_csrf_token(tenant, browser):
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
                    "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
-                   "/dashboard/billing", "/dashboard/settings")
+                   "/dashboard/billing", "/dashboard/emails", "/dashboard/settings")
 
 
 def test_every_page_sends_the_security_headers_and_no_script(api, browser):
@@ -7207,6 +7207,22 @@ def stored_amounts(database):
         conn.close()
 
 
+def back_to_schema_2(conn):
+    """A database as version 2 left it: no Stripe customer, no Stripe events, invoice amounts in
+    cents of every currency (as the invoice-paid command stored them), no mail settings, no
+    mail outbox."""
+    for statement in ("DROP INDEX companies_by_stripe_customer",
+                      "DROP INDEX invoices_by_company_newest", "DROP TABLE stripe_events",
+                      "ALTER TABLE companies DROP COLUMN stripe_customer_id",
+                      "ALTER TABLE invoices RENAME COLUMN amount_paid_minor TO "
+                      "amount_paid_cents", "DROP TABLE email_attempts", "DROP TABLE emails",
+                      "ALTER TABLE companies DROP COLUMN mail_name",
+                      "ALTER TABLE companies DROP COLUMN reply_to",
+                      "ALTER TABLE companies DROP COLUMN staff_alerts"):
+        conn.execute(statement)
+    conn.engine.set_schema_version(conn, 2)
+
+
 def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(database):
     db = ordering.Database(str(database))
     with db.write() as conn:
@@ -7221,15 +7237,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
                 "'2026-01-01T00:00:00.000Z', '2026-02-01T00:00:00.000Z', "
                 "'2026-02-01T00:00:00.000Z')",
                 (f"inv_{number}", company["id"], f"in_{number}", cents, currency))
-        # Back to version 2: no Stripe customer, no Stripe events, amounts in cents of every
-        # currency (as the invoice-paid command stored them).
-        for statement in ("DROP INDEX companies_by_stripe_customer",
-                          "DROP INDEX invoices_by_company_newest", "DROP TABLE stripe_events",
-                          "ALTER TABLE companies DROP COLUMN stripe_customer_id",
-                          "ALTER TABLE invoices RENAME COLUMN amount_paid_minor TO "
-                          "amount_paid_cents"):
-            conn.execute(statement)
-        conn.engine.set_schema_version(conn, 2)
+        back_to_schema_2(conn)
     db.close()
 
     db = ordering.Database(str(database))
@@ -7720,10 +7728,12 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
     printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
                        "cus_NffrFeUfNV2Hib")
-    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib")
+    unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
+                "createdAt": printed["createdAt"]}
+    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
     assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
-        company, stripeCustomerId=None)
+        company, stripeCustomerId=None, **unmailed)
 
 
 def test_company_update_refuses_and_writes_nothing(db_path):
@@ -8225,3 +8235,838 @@ def test_an_earlier_releases_customer_password_hash_matches_nothing():
     assert ordering.password_matches("anything at all", earlier) is False
     assert ordering.password_matches("anything at all", None) is False
     assert ordering.password_matches("a long password", ordering.hash_password("a long password"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Email: settings, what is sent and when, delivery, the messages, TLS and mail-test through a
+# real mail server (aiosmtpd) on 127.0.0.1, and the dashboard's pages
+# ---------------------------------------------------------------------------------------------
+
+MAIL_FROM = "orders@acme.example"
+BASE_URL = "https://orders.acme.example"
+
+
+class MailServer:
+    """A real SMTP server (aiosmtpd) on 127.0.0.1. It keeps every message it is sent
+    (`received`: the envelope's sender and recipients, the raw bytes, the parsed message and
+    whether its session used TLS) and the ones it accepted (`messages`), and counts the
+    connections that sent mail (`connections`). `rcpt_replies` maps a recipient to the reply its
+    RCPT gets; `data_replies` are the replies to the next messages, in turn (then 250); with
+    `hold` set, each message waits for it before it is answered. tls: a server SSLContext,
+    offered as STARTTLS (required) or, with implicit_tls, from the first byte; users: the
+    logins it accepts ({user: password}), after STARTTLS."""
+
+    def __init__(self, port=None, tls=None, implicit_tls=False, users=None):
+        from aiosmtpd.controller import Controller
+        from aiosmtpd.smtp import AuthResult
+        self.received, self.messages, self.connections = [], [], 0
+        self.rcpt_replies, self.data_replies, self.hold = {}, [], None
+        self.arrived = threading.Condition()
+        options = {}
+        if tls is not None:
+            options.update(ssl_context=tls) if implicit_tls else options.update(
+                tls_context=tls, require_starttls=True)
+        if users is not None:
+            def authenticate(server, session, envelope, mechanism, auth_data):
+                login, password = auth_data.login.decode(), auth_data.password.decode()
+                return AuthResult(success=users.get(login) == password, handled=False)
+            options.update(authenticator=authenticate, auth_required=True)
+        self.port = port or free_port()
+        self.controller = Controller(self, hostname="127.0.0.1", port=self.port,
+                                     **options)
+        self.controller.start()
+        self.url = f"smtp://127.0.0.1:{self.port}"
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        reply = self.rcpt_replies.get(address)
+        if reply is not None:
+            return reply
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_DATA(self, server, session, envelope):
+        import asyncio
+        import email as email_package
+        from email import policy
+        message = {"from": envelope.mail_from, "to": list(envelope.rcpt_tos),
+                   "raw": envelope.content, "tls": session.ssl is not None,
+                   # (as text: an SMTPUTF8 message carries UTF-8 in its headers)
+                   "parsed": email_package.message_from_string(
+                       envelope.content.decode("utf-8"), policy=policy.default)}
+        with self.arrived:
+            self.received.append(message)
+            self.arrived.notify_all()
+        if self.hold is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.hold.wait, 60)
+        reply = self.data_replies.pop(0) if self.data_replies else "250 2.0.0 Ok: queued"
+        if reply.startswith("250"):
+            with self.arrived:
+                self.messages.append(message)
+                if not getattr(session, "counted", False):
+                    session.counted = True
+                    self.connections += 1
+                self.arrived.notify_all()
+        return reply
+
+    def wait_for(self, count, timeout=15, kept="messages"):
+        with self.arrived:
+            self.arrived.wait_for(lambda: len(getattr(self, kept)) >= count, timeout)
+        return list(getattr(self, kept))
+
+    def close(self):
+        self.controller.stop()
+
+
+@pytest.fixture
+def mail():
+    server = MailServer()
+    yield server
+    server.close()
+
+
+def mail_settings(url, **extra):
+    return dict(smtp_url=url, mail_from=MAIL_FROM, base_url=BASE_URL, smtp_timeout=5.0,
+                **extra)
+
+
+@pytest.fixture
+def mailed(database, mail):
+    """An app whose email goes to the mail server `mail`."""
+    app = build_app(database, **mail_settings(mail.url))
+    yield app
+    app.service.close(grace=0)
+
+
+def mail_channel(app):
+    return next(channel for channel in app.service.outbox.channels if channel.table == "emails")
+
+
+class MailClock:
+    """The email channel's clock, moved ahead at will (retries wait on it, not on us)."""
+
+    def __init__(self, app):
+        self.offset = 0.0
+        mail_channel(app).clock = lambda: time.time() + self.offset
+
+    def move(self, seconds, app):
+        self.offset += seconds
+        app.service.outbox.notify()
+
+
+def email_rows(db):
+    return [dict(row) for row in db.conn.execute("SELECT * FROM emails ORDER BY id")]
+
+
+def wait_for_email(db, condition, timeout=15):
+    """The emails, once condition(rows) holds."""
+    assert wait_until(lambda: condition(email_rows(db)), timeout), email_rows(db)
+    return email_rows(db)
+
+
+def parts(message):
+    """(text, HTML) of a received multipart/alternative message."""
+    parsed = message["parsed"]
+    assert parsed.get_content_type() == "multipart/alternative"
+    text = parsed.get_body(("plain",)).get_content()
+    html = parsed.get_body(("html",)).get_content()
+    return text, html
+
+
+def shipped_order(api, tenant, customer, tracking=None, **fields):
+    product = tenant.product(name="Jasmine Rice 25kg", sku="GR-RICE-25", price_cents=4250)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}], customer["id"],
+                  **fields).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED", "tracking": tracking
+                                                      or {"carrier": "CARRIER_B",
+                                                          "number": "TN-42"}},
+                   headers=tenant.headers, status=200)
+    return order
+
+
+# What is sent, and when
+
+def test_the_shipping_email_carries_order_po_number_carrier_number_and_url(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    customer = tenant.customer(email="buyer@corner-cafe.example", name="Corner Cafe")
+    order = shipped_order(api, tenant, customer, poNumber="PO-7781")
+    [message] = mail.wait_for(1)
+    assert message["to"] == ["buyer@corner-cafe.example"] and message["from"] == MAIL_FROM
+    url = "https://tracking.carrier-b.example/parcels/TN-42"
+    text, html = parts(message)
+    for part in (text, html):
+        for value in (order["id"], "PO-7781", "CARRIER_B", "TN-42", url):
+            assert value in part, (value, part)
+    assert f'<a href="{url}">' in html
+    headers = message["parsed"]
+    assert headers["Subject"] == f"Your order {order['id']} has shipped"
+    assert headers["To"] == "Corner Cafe <buyer@corner-cafe.example>"
+    assert headers["From"] == f"Acme Wholesale <{MAIL_FROM}>"
+    [row] = wait_for_email(mailed.service.db, lambda rows: rows[0]["state"] == "sent")
+    assert headers["Message-ID"] == f"<{row['id']}@acme.example>"
+    assert headers["Date"].datetime.timestamp() == pytest.approx(
+        ordering.js_parse_date(row["created_at"]) / 1000, abs=1)
+    assert (row["kind"], row["attempts"], row["last_reply"]) == (
+        "order_shipped", 1, "250 2.0.0 Ok: queued")
+
+
+def test_the_shipping_email_goes_once_as_the_order_becomes_shipped_from_the_dashboard(
+        mailed, mail):
+    tenant = Tenant(mailed, "Acme Wholesale")
+    make_staff(tenant)
+    browser = signed_in(mailed)
+    order = dashboard_order(tenant, "CONFIRMED")
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    form = form_to(page, "/status", status="SHIPPED")
+    form["tracking.carrier"], form["tracking.number"] = "CARRIER_A", "DASH-1"
+    form.submit(status=303)
+    [message] = mail.wait_for(1)
+    assert "DASH-1" in parts(message)[0]
+    # SHIPPED again (the API allows it): the order does not become SHIPPED, nothing is written
+    api = webtest.TestApp(mailed)
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED"},
+                   headers=tenant.headers, status=200)
+    assert len(email_rows(mailed.service.db)) == 1
+
+
+def test_orders_from_the_api_and_the_dashboard_send_no_email(mailed):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
+    product, customer = tenant.product(), tenant.customer()
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}], customer["id"])
+    api.patch_json(f"/api/v1/orders/{order.json['data']['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    dashboard_order(tenant, "CONFIRMED")
+    # An email is written in the transaction of its change: none written, none sent.
+    assert email_rows(mailed.service.db) == []
+
+
+def test_a_storefront_order_confirms_to_the_customer_and_alerts_each_staff_address(
+        database, mail):
+    app = build_app(database, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    customer = tenant.customer(email="buyer@harbour.example", name="Harbour Bistro")
+    rice = tenant.product(name="Jasmine Rice 25kg", sku="GR-RICE-25", price_cents=4250)
+    tea = tenant.product(name="Black Tea 500g", sku=None, price_cents=1150)
+    app.service.close(grace=0)
+    env = {"ORDERING_SMTP_URL": mail.url, "ORDERING_MAIL_FROM": MAIL_FROM,
+           "ORDERING_BASE_URL": BASE_URL}
+    cli_json(database, "company-update", tenant.id, "--staff-alerts",
+             "staff@acme.example, owner@acme.example")
+    # The command sends the emails it wrote before it exits, as it delivers its events.
+    order = cli_json(database, "storefront-order", "--store", tenant.company["slug"],
+                     "--customer", customer["id"], "--item", f"{rice['id']}:2", "--item",
+                     f"{tea['id']}:3", "--po-number", "PO-55", env=env)
+    messages = mail.wait_for(3)
+    assert sorted(m["to"][0] for m in messages) == [
+        "buyer@harbour.example", "owner@acme.example", "staff@acme.example"]
+    for message in messages:
+        text, html = parts(message)
+        for value in (order["id"], "PO-55", "Jasmine Rice 25kg", "GR-RICE-25", "2 x",
+                      "42.50", "85.00", "Black Tea 500g", "3 x", "11.50", "34.50", "119.50"):
+            assert value in text, (value, text)
+        for value in ("Jasmine Rice 25kg", "42.50", "85.00", "34.50", "119.50", "PO-55"):
+            assert value in html
+    confirmation = next(m for m in messages if m["to"] == ["buyer@harbour.example"])
+    assert confirmation["parsed"]["Subject"] == f"We received your order {order['id']}"
+    alert = next(m for m in messages if m["to"] == ["staff@acme.example"])
+    link = f"{BASE_URL}/dashboard/orders/{order['id']}"
+    assert link in parts(alert)[0] and f'<a href="{link}">' in parts(alert)[1]
+    assert "Harbour Bistro <buyer@harbour.example>" in parts(alert)[0]
+
+
+def test_an_email_commits_with_its_change_or_not_at_all(mailed):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    customer = tenant.customer()
+    product = tenant.product()
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}],
+                  customer["id"]).json["data"]
+    with pytest.raises(RuntimeError):
+        with tenant.db.write() as conn:
+            ordering.update_order_status(conn, tenant.id, order["id"], "SHIPPED")
+            assert len(conn.execute("SELECT id FROM emails").fetchall()) == 1
+            raise RuntimeError("the change fails after its email was written")
+    assert email_rows(tenant.db) == [] and order_status(tenant, order["id"]) == "SUBMITTED"
+
+
+# Delivery you can trust
+
+def test_mail_waits_while_the_server_is_down_and_goes_once_it_is_back(database):
+    port = free_port()  # nothing listens there yet
+    app = build_app(database, **mail_settings(f"smtp://127.0.0.1:{port}"))
+    try:
+        clock = MailClock(app)
+        api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+        shipped_order(api, tenant, tenant.customer())
+        [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == 1)
+        assert row["state"] == "pending" and "Connection refused" in row["last_reply"]
+        [attempt] = ordering.email_attempts(tenant.db.conn, row["id"])
+        assert ordering.js_parse_date(row["next_attempt_at"]) - ordering.js_parse_date(
+            attempt["attempted_at"]) == 60_000
+        server = MailServer(port=port)
+        try:
+            clock.move(30, app)  # not yet time: the channel has nothing ready
+            assert [job for job in app.service.outbox.claim(10)
+                    if job["channel"].table == "emails"] == []
+            clock.move(31, app)
+            [message] = server.wait_for(1)
+            [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "sent")
+        finally:
+            server.close()
+        attempts = ordering.email_attempts(tenant.db.conn, row["id"])
+        assert [a["outcome"] for a in attempts] == ["deferred", "sent"]
+        assert "Connection refused" in attempts[0]["reply"]
+        assert attempts[1]["reply"] == "250 2.0.0 Ok: queued"
+        assert message["parsed"]["Message-ID"] == f"<{row['id']}@acme.example>"
+    finally:
+        app.service.close(grace=0)
+
+
+@pytest.mark.parametrize("where", ["DATA", "RCPT TO"])
+def test_a_5xx_reply_fails_at_once_and_is_never_retried(mailed, mail, where):
+    clock = MailClock(mailed)
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    customer = tenant.customer(email="gone@example.com")
+    if where == "DATA":
+        mail.data_replies.append("550 5.7.1 Message refused")
+    else:
+        mail.rcpt_replies["gone@example.com"] = "550 5.1.1 No such user"
+    shipped_order(api, tenant, customer)
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "failed")
+    expected = "DATA: 550 5.7.1 Message refused" if where == "DATA" else \
+        "RCPT TO: 550 5.1.1 No such user"
+    assert (row["attempts"], row["last_reply"]) == (1, expected)
+    clock.move(7 * 86400, mailed)
+    assert [job for job in mailed.service.outbox.claim(10)
+            if job["channel"].table == "emails"] == []
+    assert [a["outcome"] for a in ordering.email_attempts(tenant.db.conn, row["id"])] == [
+        "failed"]
+    assert mail.messages == []
+
+
+def test_4xx_replies_back_off_and_retries_end_after_two_days(mailed, mail):
+    assert [ordering.mail_retry_delay(n) for n in range(1, 11)] == [
+        60, 300, 900, 1800, 3600, 7200, 14400, 28800, 28800, 28800]
+    clock = MailClock(mailed)
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    mail.data_replies.extend(["451 4.3.0 Try again later"] * 100)
+    shipped_order(api, tenant, tenant.customer())
+    waited = 0
+    for attempt in range(1, 100):
+        [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == attempt)
+        if row["state"] != "pending":
+            break
+        assert row["last_reply"] == "DATA: 451 4.3.0 Try again later"
+        delay = ordering.mail_retry_delay(attempt)
+        clock.move(delay, mailed)
+        waited += delay
+    assert row["state"] == "failed"
+    assert row["last_reply"] == (f"Gave up after {attempt} attempts: DATA: 451 4.3.0 Try "
+                                 "again later")
+    assert 86400 <= waited < 2 * 86400 <= waited + ordering.mail_retry_delay(attempt)
+    assert len(mail.received) == attempt and mail.messages == []
+    # Every attempt carried the same message: one Message-ID however many tries.
+    assert {m["parsed"]["Message-ID"] for m in mail.received} == {
+        f"<{row['id']}@acme.example>"}
+
+
+def test_one_connection_carries_a_batch_of_emails(database, mail):
+    quiet_app = build_app(database, deliver=False)
+    api, tenant = webtest.TestApp(quiet_app), Tenant(quiet_app, "Acme Wholesale")
+    for number in range(7):
+        shipped_order(api, tenant, tenant.customer(email=f"b{number}@example.com"))
+    quiet_app.service.close(grace=0)
+    app = build_app(database, **mail_settings(mail.url))
+    try:
+        assert len(mail.wait_for(7)) == 7
+    finally:
+        app.service.close(grace=0)
+    assert mail.connections == 1
+
+
+def test_a_server_killed_while_sending_loses_no_email_after_restart(store, mail):
+    company, _, products, customers = seed_company(store, 1, 1000, 12)
+    database = ordering.Database(str(store))
+    with database.write() as conn:
+        for customer in customers:
+            order = ordering.place_order(conn, company, {"customerId": customer, "items": [
+                {"productId": products[0], "quantity": 1}]})
+            ordering.update_order_status(conn, company, order["id"], "SHIPPED")
+    mail.hold = threading.Event()  # the first message waits, unanswered, while we kill
+    env = {"ORDERING_SMTP_URL": mail.url, "ORDERING_MAIL_FROM": MAIL_FROM}
+    process, port = start_server(store, env=env)
+    try:
+        assert mail.wait_for(1, kept="received"), server_log(store)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+    finally:
+        mail.hold.set()
+        mail.hold = None
+    assert [row["state"] for row in email_rows(database)].count("sending") >= 1
+    restarted, _ = start_server(store, env=env, port=port)
+    try:
+        rows = wait_for_email(database, lambda rows: all(r["state"] == "sent" for r in rows),
+                              timeout=30)
+    finally:
+        stop_server(restarted)
+    # Every email arrived; a repeat (the one in flight at the kill) has the same Message-ID.
+    sent = {m["parsed"]["Message-ID"] for m in mail.messages}
+    assert sent == {f"<{row['id']}@acme.example>" for row in rows} and len(rows) == 12
+    assert len(mail.messages) <= 12 + 1
+    database.close()
+
+
+def test_mail_written_without_a_mail_server_waits_and_goes_once_one_is_set(database, mail):
+    app = build_app(database)
+    tenant = Tenant(app, "Acme Wholesale")
+    make_staff(tenant)
+    api = webtest.TestApp(app)
+    shipped_order(api, tenant, tenant.customer(email="new@example.com"))
+    old = shipped_order(api, tenant, tenant.customer(email="old@example.com"))
+    assert [row["state"] for row in email_rows(tenant.db)] == ["pending", "pending"]
+    page = signed_in(app).get("/dashboard/emails")
+    assert page.text.count(">not sent<") == 2
+    assert html_text(ordering.NO_MAIL_SERVER) in page.text
+    with tenant.db.write() as conn:  # written three days ago
+        conn.execute("UPDATE emails SET created_at = ?, queued_at = ?, next_attempt_at = ? "
+                     "WHERE to_address = 'old@example.com'", ["2020-01-01T00:00:00.000Z"] * 3)
+    app.service.close(grace=0)
+    app = build_app(database, **mail_settings(mail.url))
+    try:
+        rows = wait_for_email(tenant.db, lambda rows: all(
+            r["state"] in ("sent", "unsent") for r in rows))
+    finally:
+        app.service.close(grace=0)
+    states = {row["to_address"]: (row["state"], row["attempts"]) for row in rows}
+    assert states == {"new@example.com": ("sent", 1), "old@example.com": ("unsent", 0)}
+    assert [m["to"] for m in mail.messages] == [["new@example.com"]]
+    unsent = next(row for row in rows if row["state"] == "unsent")
+    assert unsent["last_reply"] == ("Not sent: no mail server was set within 48 hours of it "
+                                    "being written.")
+    assert old["id"] in unsent["subject"]
+
+
+def html_text(text):
+    return str(ordering.escape(text))
+
+
+# Messages that mail servers and people accept
+
+def test_a_name_with_a_line_break_adds_no_recipient_no_header_and_no_part(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
+    eve = tenant.customer(email="eve@example.com", name="Eve\r\nBcc: victim@example.com")
+    product = tenant.product(name="Rice\r\nX-Injected: product\r\n\r\n--boundary")
+    with tenant.db.write() as conn:
+        ordering.storefront_place_order(conn, tenant.company["slug"], eve["id"], [
+            {"productId": product["id"], "quantity": 1}], po_number="PO\nX-Injected: po")
+    messages = mail.wait_for(2)
+    assert sorted(m["to"] for m in messages) == [["eve@example.com"], ["staff@acme.example"]]
+    for message in messages:
+        parsed = message["parsed"]
+        assert "victim@example.com" not in "".join(message["to"])
+        assert parsed["Bcc"] is None and parsed["X-Injected"] is None
+        assert set(parsed.keys()) == {"Message-ID", "Date", "From", "To", "Subject",
+                                      "Auto-Submitted", "MIME-Version", "Content-Type"}
+        assert len(parsed["To"].addresses) == 1
+        assert [part.get_content_type() for part in parsed.iter_parts()] == [
+            "text/plain", "text/html"]
+        for part in parsed.iter_parts():
+            assert set(part.keys()) <= {"Content-Type", "Content-Transfer-Encoding",
+                                        "MIME-Version"}
+        head = message["raw"].split(b"\r\n\r\n", 1)[0]
+        assert not re.search(rb"(?m)^(Bcc|X-Injected):", head)
+    confirmation = next(m for m in messages if m["to"] == ["eve@example.com"])
+    assert confirmation["parsed"]["To"].addresses[0].display_name == \
+        "Eve Bcc: victim@example.com"
+
+
+def test_every_value_in_the_html_part_is_escaped(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    evil = '<script>alert("x")</script>'
+    customer = tenant.customer(email="buyer@example.com", name=evil)
+    product = tenant.product(name=evil, sku="<b>sku</b>")
+    with tenant.db.write() as conn:
+        ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"], [
+            {"productId": product["id"], "quantity": 1}], po_number="<i>PO</i>")
+    [message] = mail.wait_for(1)
+    text, html = parts(message)
+    assert "<script" not in html and "<b>sku" not in html and "<i>PO" not in html
+    assert html.count("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;") >= 2
+    assert "&lt;b&gt;sku&lt;/b&gt;" in html and "&lt;i&gt;PO&lt;/i&gt;" in html
+    assert evil in text  # plain text is not markup
+
+
+def test_names_that_are_not_ascii_are_encoded_and_reply_to_is_the_companys(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"mail_name": "Épicerie Grüße",
+                                                  "reply_to": "help@acme.example"})
+    shipped_order(api, tenant, tenant.customer(name="Zoë Ω"))
+    [message] = mail.wait_for(1)
+    raw_headers = message["raw"].split(b"\r\n\r\n", 1)[0]
+    assert raw_headers.isascii() and b"=?utf-8?" in raw_headers
+    parsed = message["parsed"]
+    assert parsed["From"].addresses[0].display_name == "Épicerie Grüße"
+    assert parsed["To"].addresses[0].display_name == "Zoë Ω"
+    assert parsed["Reply-To"] == "help@acme.example"
+    assert "Épicerie Grüße" in parts(message)[0]
+
+
+def test_an_address_that_is_not_ascii_goes_with_smtputf8(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    shipped_order(api, tenant, tenant.customer(email="zoë@exämple.com", name="Zoë"))
+    [message] = mail.wait_for(1)
+    assert message["to"] == ["zoë@exämple.com"]
+    assert message["parsed"]["To"].addresses[0].addr_spec == "zoë@exämple.com"
+
+
+
+# TLS, logins and mail-test
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def certificates(tmp_path_factory):
+    """A certificate authority made for the tests, and a certificate it signed for
+    127.0.0.1: (CA file, server SSLContext)."""
+    if subprocess.run(["which", "openssl"], capture_output=True).returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the TLS mail tests need the openssl command")
+        pytest.skip("the TLS mail tests need the openssl command")
+    return make_certificates(tmp_path_factory.mktemp("certificates"))
+
+
+def make_certificates(where):
+    """In the directory where (a pathlib.Path), with the openssl command: a certificate
+    authority and a certificate it signed for 127.0.0.1. Returns (CA file, server
+    SSLContext)."""
+    import ssl
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj",
+             "/CN=ordering test CA", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=where)
+    _openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj",
+             "/CN=127.0.0.1", cwd=where)
+    (where / "server.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=critical,CA:FALSE\n"
+        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "server.pem", "-days", "2", "-extfile", "server.ext",
+             cwd=where)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(where / "server.pem", where / "server.key")
+    return str(where / "ca.pem"), context
+
+
+@pytest.fixture
+def tls_mail(certificates):
+    server = MailServer(tls=certificates[1], users={"mailer": "s3cret pass"})
+    yield server
+    server.close()
+
+
+def test_starttls_with_a_login_and_a_certificate_trusted_through_the_ca_file(
+        database, tls_mail, certificates):
+    url = f"smtp+starttls://mailer:s3cret%20pass@127.0.0.1:{tls_mail.port}"
+    app = build_app(database, **mail_settings(url, smtp_ca_file=certificates[0]))
+    try:
+        api, tenant = webtest.TestApp(app), Tenant(app, "Acme Wholesale")
+        shipped_order(api, tenant, tenant.customer(email="tls@example.com"))
+        [message] = tls_mail.wait_for(1)
+    finally:
+        app.service.close(grace=0)
+    assert message["tls"] and message["to"] == ["tls@example.com"]
+
+
+def mail_test(db_path, url, *extra_env, to="someone@example.com", **env):
+    return run_cli(db_path, "mail-test", "--to", to, env=dict(
+        {"ORDERING_SMTP_URL": url, "ORDERING_MAIL_FROM": MAIL_FROM}, **env))
+
+
+def test_mail_test_sends_at_once_and_prints_the_servers_answer(db_path, mail):
+    result = mail_test(db_path, mail.url)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (f"Sent to someone@example.com through {mail.url} from {MAIL_FROM}."
+                             " The server answered: 250 2.0.0 Ok: queued\n")
+    [message] = mail.messages
+    assert message["to"] == ["someone@example.com"]
+    assert message["parsed"]["Subject"] == "Test email from ordering"
+    assert not ordering.Database(str(db_path)).conn.execute(
+        "SELECT 1 FROM emails").fetchall()  # sent, not queued
+
+
+@pytest.mark.parametrize("case", ["untrusted", "smtps_on_starttls_port", "starttls_on_tls_port",
+                                  "wrong_password", "refused"])
+def test_mail_test_says_what_went_wrong_in_plain_words(db_path, tls_mail, certificates, case):
+    ca = {"ORDERING_SMTP_CA_FILE": certificates[0]}
+    login = "mailer:s3cret%20pass@127.0.0.1"
+    implicit = None
+    if case == "untrusted":
+        result = mail_test(db_path, f"smtp+starttls://{login}:{tls_mail.port}")
+        expected = (f"Certificate not trusted: the certificate of 127.0.0.1:{tls_mail.port} "
+                    "failed verification (")
+    elif case == "smtps_on_starttls_port":
+        result = mail_test(db_path, f"smtps://{login}:{tls_mail.port}", **ca)
+        expected = f"Wrong TLS mode for port {tls_mail.port}: 127.0.0.1:{tls_mail.port} does "
+    elif case == "starttls_on_tls_port":
+        implicit = MailServer(tls=certificates[1], implicit_tls=True)
+        result = mail_test(db_path, f"smtp+starttls://{login}:{implicit.port}",
+                           ORDERING_SMTP_TIMEOUT="1", **ca)
+        expected = (f"127.0.0.1:{implicit.port} sent no greeting within 1 seconds: it probably "
+                    f"expects TLS from the first byte. Wrong TLS mode for port {implicit.port}?")
+    elif case == "wrong_password":
+        result = mail_test(db_path, f"smtp+starttls://mailer:wrong@127.0.0.1:{tls_mail.port}",
+                           **ca)
+        expected = f"Authentication refused by 127.0.0.1:{tls_mail.port}: 535 "
+    else:
+        port = free_port()
+        result = mail_test(db_path, f"smtp+starttls://{login}:{port}", **ca)
+        expected = f"Connection refused by 127.0.0.1:{port}: no mail server listens there"
+    if implicit is not None:
+        implicit.close()
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert result.stderr.startswith("ordering mail-test: " + expected), result.stderr
+    assert "Traceback" not in result.stderr and "s3cret" not in result.stderr
+    assert tls_mail.messages == []
+
+
+# Settings
+
+def test_mail_server_urls_and_their_default_ports():
+    read = ordering.mail_server
+    assert read("smtp://relay.internal") == ("smtp", "relay.internal", 25, None, None)
+    assert read("smtp+starttls://u%40x.example:p%3Aw@smtp.example.com") == (
+        "smtp+starttls", "smtp.example.com", 587, "u@x.example", "p:w")
+    assert read("smtps://key:secret@smtp.example.com") == (
+        "smtps", "smtp.example.com", 465, "key", "secret")
+    assert read("SMTP+STARTTLS://smtp.example.com:2525").port == 2525
+    assert read("smtp://user:pw@127.0.0.1:8025").password == "pw"  # on this machine only
+    assert ordering.describe_smtp_url("smtps://key:secret@smtp.example.com:465") == \
+        "smtps://key:***@smtp.example.com:465"
+    shown = repr(ordering.Settings(smtp_url="smtps://k:pw-4711@h", mail_from=MAIL_FROM,
+                                   stripe_webhook_secrets="whsec_sign-4711"))
+    assert "4711" not in shown and "smtp_url" not in shown and "stripe_webhook_secrets" not in shown
+    assert ordering.Settings(host="127.0.0.1", port=9090).link_base == "http://127.0.0.1:9090"
+    assert ordering.Settings(base_url="https://orders.example.com/").link_base == \
+        "https://orders.example.com"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ORDERING_SMTP_URL": "http://mail.example.com"},
+     "the mail server URL must begin with smtp://, smtp+starttls:// or smtps://, not "
+     "'http://mail.example.com'"),
+    ({"ORDERING_SMTP_URL": "smtp://user:s3cret@mail.example.com", "ORDERING_MAIL_FROM": MAIL_FROM},
+     "smtp://user:***@mail.example.com would send the password unencrypted over the network; "
+     "use smtp+starttls:// or smtps://"),
+    ({"ORDERING_SMTP_URL": "smtps://user:s3cret@mail.example.com:99999"},
+     "the mail server URL 'smtps://user:***@mail.example.com:99999' is not a URL with a valid "
+     "port"),
+    ({"ORDERING_SMTP_URL": "smtps://user:s3cret@mail.example.com"},
+     "a mail server needs a sender address: set ORDERING_MAIL_FROM (orders@example.com)"),
+    ({"ORDERING_MAIL_FROM": "Orders <orders@example.com>"},
+     "the sender address (ORDERING_MAIL_FROM) must be an address such as orders@example.com, "
+     "not 'Orders <orders@example.com>'"),
+    ({"ORDERING_BASE_URL": "orders.example.com"},
+     "the base URL (ORDERING_BASE_URL) must be an http:// or https:// address such as "
+     "https://orders.example.com, not 'orders.example.com'"),
+    ({"ORDERING_SMTP_CA_FILE": "/nonexistent/ca.pem"},
+     "cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) '/nonexistent/ca.pem': "),
+])
+def test_bad_mail_settings_stop_the_server_at_start_with_a_message(db_path, env, message):
+    result = run_cli(db_path, "serve", "--port", str(free_port()), env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"ordering: error: bad setting in the environment: {message}" in result.stderr
+    assert "s3cret" not in result.stderr
+
+
+def test_bad_mail_flags_are_refused_by_the_parser(db_path):
+    cli_refuses(db_path, "--smtp-url", "smtps://u:s3cret@h:0x", "company-create", "--name", "x",
+                message="argument --smtp-url: the mail server URL 'smtps://u:***@h:0x' is not "
+                        "a URL with a valid port", prog="ordering")
+    cli_refuses(db_path, "serve", "--base-url", "ftp://x",
+                message="argument --base-url: the base URL (ORDERING_BASE_URL) must be an "
+                        "http:// or https:// address such as https://orders.example.com, not "
+                        "'ftp://x'")
+
+
+def test_the_mail_password_never_appears_in_a_log_line(db_path):
+    company, key, products, customers = seed_company(db_path, 1, 10, 1)
+    port = free_port()  # no mail server: every attempt is logged as failing to connect
+    url = f"smtp+starttls://mailer:s3cret@127.0.0.1:{port}"
+    process, api_port = start_server(db_path, env={"ORDERING_SMTP_URL": url,
+                                                   "ORDERING_MAIL_FROM": MAIL_FROM})
+    try:
+        order = Client(api_port, key).call("POST", "/api/v1/orders", {
+            "customerId": customers[0], "items": [{"productId": products[0], "quantity": 1}]})
+        order_id = json.loads(order[1])["data"]["id"]
+        assert Client(api_port, key).call("PATCH", f"/api/v1/orders/{order_id}",
+                                          {"status": "SHIPPED"})[0] == 200
+        assert wait_until(lambda: "Connection refused by" in server_log(db_path))
+    finally:
+        stop_server(process)
+    log = server_log(db_path)
+    assert f"mail through smtp+starttls://mailer:***@127.0.0.1:{port} from {MAIL_FROM}" in log
+    assert "s3cret" not in log
+
+
+@pytest.mark.sqlite_only
+def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        back_to_schema_2(conn)
+    database.close()
+    company = cli_json(db_path, "company-create", "--name", "Old Co")
+    updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
+    assert updated["mailName"] == "Old Co Sales"
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 3
+    assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
+
+
+# For the operator and the staff
+
+def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Fresh Foods")
+    updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Fresh Foods Sales",
+                       "--reply-to", "sales@fresh.example", "--staff-alerts",
+                       "a@fresh.example, b@fresh.example,A@fresh.example")
+    assert updated == {"id": company["id"], "name": "Fresh Foods", "slug": "fresh-foods",
+                       "stripeCustomerId": None,
+                       "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
+                       "staffAlerts": ["a@fresh.example", "b@fresh.example"],
+                       "createdAt": updated["createdAt"]}
+    cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
+                       "--staff-alerts", "")
+    assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
+        None, "sales@fresh.example", [])
+
+
+def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Fresh Foods")
+    cli_refuses(db_path, "company-update", company["id"], "--reply-to", "not an address",
+                message=ordering.REPLY_TO_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--mail-name", "ok",
+                "--staff-alerts", "a@fresh.example,nope", message=ordering.STAFF_ALERTS_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--mail-name", "x" * 101,
+                message=ordering.MAIL_NAME_MESSAGE)
+    cli_refuses(db_path, "company-update", "co_nope", "--mail-name", "x",
+                message="Company not found.")
+    row = sqlite3.connect(db_path).execute(
+        "SELECT mail_name, reply_to, staff_alerts FROM companies").fetchone()
+    assert row == (None, None, None)
+
+
+def test_the_settings_page_sets_the_mail_settings(app, tenant, browser):
+    page = browser.get("/dashboard/settings")
+    assert html_text(ordering.NO_MAIL_SERVER) in page.text
+    form = main_form(page)
+    form["mailName"], form["replyTo"] = "Acme Sales", "not an address"
+    form["staffAlerts"] = "staff@acme.example, owner@acme.example"
+    refused = form.submit(status=400)
+    assert field_error(refused, "replyTo") == ordering.REPLY_TO_MESSAGE
+    form = main_form(refused)
+    form["replyTo"] = "sales@acme.example"
+    form.submit(status=303)
+    company = ordering.company_json(ordering.load_company(tenant.db.conn, tenant.id))
+    assert (company["mailName"], company["replyTo"], company["staffAlerts"]) == (
+        "Acme Sales", "sales@acme.example", ["staff@acme.example", "owner@acme.example"])
+    page = browser.get("/dashboard/settings")
+    assert main_form(page)["staffAlerts"].value == "staff@acme.example, owner@acme.example"
+    assert 'href="/dashboard/settings" aria-current="page"' in page.text
+
+
+def test_the_emails_page_shows_each_step_and_sends_a_failed_email_again(mailed, mail):
+    tenant = Tenant(mailed, "Acme Wholesale")
+    make_staff(tenant)
+    browser = signed_in(mailed)
+    api = webtest.TestApp(mailed)
+    mail.data_replies.append("554 5.7.1 <buyer@example.com>: Relay access denied")
+    shipped_order(api, tenant, tenant.customer(email="buyer@example.com"))
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "failed")
+    page = browser.get("/dashboard/emails")
+    assert "buyer@example.com" in page.text and html_text(row["subject"]) in page.text
+    assert ">failed<" in page.text and "Relay access denied" in page.text
+    detail = browser.get(f"/dashboard/emails/{row['id']}")
+    assert "DATA: 554 5.7.1" in detail.text
+    form = form_to(page, f"/dashboard/emails/{row['id']}/send-again")
+    assert form["csrf"].value == csrf_of(page)
+    browser.post(f"/dashboard/emails/{row['id']}/send-again", {"csrf": "forged"}, status=403)
+    form.submit(status=303)
+    [message] = mail.wait_for(1)
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "sent")
+    detail = browser.get(f"/dashboard/emails/{row['id']}")
+    assert detail.text.count("<td>failed</td>") == 1 and detail.text.count("<td>sent</td>") == 1
+    assert message["parsed"]["Message-ID"] == f"<{row['id']}@acme.example>"
+    assert "Send again" not in browser.get("/dashboard/emails").text
+    browser.post(f"/dashboard/emails/{row['id']}/send-again", {"csrf": csrf_of(page)},
+                 status=422)
+
+
+def test_a_dashboard_shipment_while_the_mail_server_is_down_shows_each_step(database):
+    port = free_port()  # the mail server is stopped
+    app = build_app(database, **mail_settings(f"smtp://127.0.0.1:{port}"))
+    try:
+        clock = MailClock(app)
+        tenant = Tenant(app, "Acme Wholesale")
+        make_staff(tenant)
+        browser = signed_in(app)
+        order = dashboard_order(tenant, "CONFIRMED")
+        form = form_to(browser.get(f"/dashboard/orders/{order['id']}"), "/status",
+                       status="SHIPPED")
+        form["tracking.carrier"], form["tracking.number"] = "CARRIER_C", "TRK-900"
+        form.submit(status=303)
+        [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == 1)
+        page = browser.get(f"/dashboard/emails/{row['id']}")
+        assert ">waiting<" in page.text and "<td>deferred</td>" in page.text
+        assert f"Connection refused by 127.0.0.1:{port}" in page.text
+        server = MailServer(port=port)  # back
+        try:
+            clock.move(ordering.mail_retry_delay(1), app)
+            [message] = server.wait_for(1)
+            wait_for_email(tenant.db, lambda rows: rows[0]["state"] == "sent")
+        finally:
+            server.close()
+        text, html = parts(message)
+        for value in ("CARRIER_C", "TRK-900", "https://tracking.carrier-c.example/?tracknum="
+                                              "TRK-900"):
+            assert value in text and value in html
+        page = browser.get(f"/dashboard/emails/{row['id']}")
+        assert ">sent<" in page.text and page.text.index("<td>deferred</td>") < page.text.index(
+            "<td>sent</td>")
+    finally:
+        app.service.close(grace=0)
+
+
+
+def test_another_companys_email_is_not_found_on_the_dashboard(app, tenant, other, browser):
+    with other.db.write() as conn:
+        email_id = ordering.queue_email(conn, other.id, "mail_test", "x@example.com",
+                                        {"server": "smtp://x"})
+        conn.execute("UPDATE emails SET state = 'failed' WHERE id = ?", (email_id,))
+    browser.get(f"/dashboard/emails/{email_id}", status=404)
+    page = browser.get("/dashboard/emails")
+    assert email_id not in page.text
+    browser.post(f"/dashboard/emails/{email_id}/send-again", {"csrf": csrf_of(page)},
+                 status=404)
+    assert other.db.conn.execute("SELECT state FROM emails").fetchone()[0] == "failed"
+
+
+def test_email_retention_keeps_waiting_emails_and_five_per_company(app, tenant):
+    with tenant.db.write() as conn:
+        ids = [ordering.queue_email(conn, tenant.id, "mail_test", f"r{n}@example.com",
+                                    {"server": "smtp://x"}) for n in range(9)]
+        for n, email_id in enumerate(ids[:8]):
+            conn.execute("UPDATE emails SET state = 'sent', finished_at = ? WHERE id = ?",
+                         (f"2020-01-0{n + 1}T00:00:00.000Z", email_id))
+            conn.execute("INSERT INTO email_attempts VALUES (?, ?, ?, 'sent', '250 OK', 1)",
+                         (f"att{n}", email_id, f"2020-01-0{n + 1}T00:00:00.000Z"))
+    app.service.outbox.stop(grace=0)
+    with tenant.db.write() as conn:
+        assert ordering.prune_emails(conn, "2030-01-01T00:00:00.000Z") == 3
+    left = [row["id"] for row in email_rows(tenant.db)]
+    assert left == ids[3:]  # the five most recent finished, and the one still waiting
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM email_attempts").fetchone()[0] == 5
