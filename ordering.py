@@ -2879,6 +2879,12 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     return payload
 
 
+def check_currency(currency):
+    """A currency code as Stripe writes it: three lower-case letters."""
+    if not re.fullmatch(r"[a-z]{3}", currency or ""):
+        raise invalid("currency", "must be a three-letter lower-case code")
+
+
 def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, currency,
                         hosted_invoice_url, number, period_start, period_end):
     """A paid invoice of the company's own subscription, as the billing provider reports it;
@@ -2888,8 +2894,7 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
     for field, value in (("stripeInvoiceId", stripe_invoice_id), ("number", number)):
         if not value:
             raise invalid(field, "is required")
-    if not re.fullmatch(r"[a-z]{3}", currency or ""):
-        raise invalid("currency", "must be a three-letter lower-case code")
+    check_currency(currency)
     if not valid_http_url(hosted_invoice_url):
         raise invalid("hostedInvoiceUrl", "must be an http or https URL")
     if not (isinstance(amount_paid, int) and not isinstance(amount_paid, bool)
@@ -4260,13 +4265,18 @@ def smtp_failure(error, stage, server, timeout):
     """What went wrong at a stage of connecting to the mail server, in plain words."""
     where = f"{server.host}:{server.port}"
     if isinstance(error, ssl.SSLCertVerificationError):
+        if "mismatch" in (error.verify_message or ""):
+            return (f"Certificate not for this name: the certificate of {where} "
+                    f"({error.verify_message}) names another host; use the host name it was "
+                    "issued for in ORDERING_SMTP_URL.")
         return (f"Certificate not trusted: the certificate of {where} failed verification "
                 f"({error.verify_message}). A private relay's certificate authority can be "
                 "trusted with ORDERING_SMTP_CA_FILE.")
     if isinstance(error, ssl.SSLError) and error.reason in _WRONG_TLS:
         return (f"Wrong TLS mode for port {server.port}: {where} does not begin with TLS, as "
                 f"{server.scheme}:// expects. smtps:// is for implicit TLS (usually port 465); "
-                "use smtp+starttls:// (usually port 587) there.")
+                "use smtp+starttls:// there (usually port 587), or smtp:// for a relay without "
+                "TLS.")
     if isinstance(error, ssl.SSLError):
         return f"TLS with {where} failed: {error.reason or error}."
     if stage == "connect":
@@ -5685,7 +5695,6 @@ FIELD_OF_MESSAGE = {
     URL_REQUIRED: "url", INVALID_URL: "url",
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
-    STRIPE_CUSTOMER_TAKEN: "stripeCustomerId",
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts",
 }
@@ -6628,11 +6637,12 @@ def settings_page(visit):
         visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
         visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
                     ", ".join(json.loads(company["staff_alerts"] or "[]"))),
-        render("<h2>Billing</h2>"),
-        visit.field("stripeCustomerId", "Stripe customer ID", company["stripe_customer_id"]),
-        render('<p class="muted">The company as a customer of the service\'s Stripe account '
-               '(cus_...): its paid invoices become invoice.paid and are listed under Billing. '
-               'Empty: none.</p>'),
+        render('<h2>Billing</h2><p>Stripe customer: <code>{c}</code></p><p class="muted">The '
+               'company as a customer of the service\'s Stripe account: its paid invoices '
+               'become invoice.paid and are listed under Billing. The operator of the service '
+               'maps it (company-update COMPANY_ID --stripe-customer cus_...): whoever maps a '
+               'company to a Stripe customer receives that customer\'s invoices.</p>',
+               c=company["stripe_customer_id"] or "none"),
         render('<div><button type="submit">Save</button></div>')])))
 
 
@@ -6642,8 +6652,7 @@ def update_settings_action(visit):
         update_company(conn, visit.company_id, {
             "mail_name": form_text(visit.form, "mailName"),
             "reply_to": form_text(visit.form, "replyTo"),
-            "staff_alerts": (visit.form.get("staffAlerts") or "").split(","),
-            "stripe_customer_id": visit.form.get("stripeCustomerId")})
+            "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")})
     return redirect("/dashboard/settings")
 
 
@@ -6848,6 +6857,10 @@ def serve(settings, sockets=None):
                  describe_smtp_url(settings.smtp_url), settings.mail_from, settings.link_base)
     else:
         log.info("no mail server set (ORDERING_SMTP_URL): emails wait, shown as not sent")
+    if settings.stripe_webhook_secrets:
+        log.info("Stripe's webhook at POST %s, with %d signing secret%s", STRIPE_WEBHOOK_PATH,
+                 len(settings.stripe_webhook_secrets),
+                 "s" if len(settings.stripe_webhook_secrets) > 1 else "")
     try:
         # A worker starts with the stop signals blocked (see serve_workers): one sent while it
         # was starting is held until here, where it stops this server as it should.
@@ -7122,13 +7135,15 @@ def cmd_return_refund(conn, args):
 
 
 def cmd_invoice_paid(conn, args):
-    amount_paid = minor_units_from_text(args.amount_paid, args.currency)
+    currency = args.currency
+    check_currency(currency)  # before its decimals are counted
+    amount_paid = minor_units_from_text(args.amount_paid, currency)
     if amount_paid is None:
-        raise invalid("amountPaid", f"must have at most {currency_decimals(args.currency)} "
-                                    f"decimal places in {args.currency}")
-    return record_invoice_paid(conn, args.company, args.invoice_id, amount_paid,
-                               args.currency, args.hosted_invoice_url, args.number,
-                               args.period_start, args.period_end)
+        raise invalid("amountPaid", f"must have at most {currency_decimals(currency)} "
+                                    f"decimal places in {currency}")
+    return record_invoice_paid(conn, args.company, args.invoice_id, amount_paid, currency,
+                               args.hosted_invoice_url, args.number, args.period_start,
+                               args.period_end)
 
 
 def cmd_webhook_rotate_secret(conn, args):
@@ -7357,6 +7372,10 @@ def run_command(handler, args, settings):
     with db.write() as conn:
         result = handler(conn, args)
     if emitted:
+        if settings.smtp_url and not settings.base_url:
+            log.warning("links in the emails this command sends begin with %s; set "
+                        "ORDERING_BASE_URL to the address people reach the server at",
+                        settings.link_base)
         outbox = Outbox(db, settings, outbox_channels(settings))
         outbox.start_workers()
         outbox.deliver_events(emitted)
