@@ -3597,9 +3597,9 @@ def prepare_demo(conn):
             create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
                            price_cents=price, stock=stock, low_stock_threshold=threshold,
                            is_active=active)
-        for email, name in (("orders@corner-cafe.example", "Corner Cafe"),
-                            ("buyer@harbour-bistro.example", "Harbour Bistro")):
-            create_customer(conn, company_id, {"email": email, "name": name})
+        for address, name in (("orders@corner-cafe.example", "Corner Cafe"),
+                              ("buyer@harbour-bistro.example", "Harbour Bistro")):
+            create_customer(conn, company_id, {"email": address, "name": name})
     else:
         company_id = company["id"]
     key = create_api_key(conn, company_id, list(SCOPES))
@@ -6999,6 +6999,12 @@ def _setting(check):
     return parse
 
 
+def _recipient(text):
+    if not valid_email(text.strip()):
+        raise argparse.ArgumentTypeError("must be an email address such as you@example.com")
+    return text.strip()
+
+
 _proxy_address = _setting(proxy_address)
 _stripe_webhook_secrets = _setting(stripe_webhook_secrets)
 _smtp_url = _setting(lambda text: mail_server(text) and text)
@@ -7256,7 +7262,7 @@ def build_parser():
 
     sub = command("mail-test", None, "send one test email at once through the mail server "
                                      "and print its answer")
-    sub.add_argument("--to", required=True, metavar="ADDRESS")
+    sub.add_argument("--to", required=True, metavar="ADDRESS", type=_recipient)
 
     sub = command("key-create", cmd_key_create, "create an API key (printed once)")
     sub.add_argument("--company", required=True, help="company ID")

@@ -8662,7 +8662,7 @@ def html_text(text):
 # Messages that mail servers and people accept
 
 def test_a_name_with_a_line_break_adds_no_recipient_no_header_and_no_part(mailed, mail):
-    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    tenant = Tenant(mailed, "Acme Wholesale")
     with tenant.db.write() as conn:
         ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
     eve = tenant.customer(email="eve@example.com", name="Eve\r\nBcc: victim@example.com")
@@ -8692,7 +8692,7 @@ def test_a_name_with_a_line_break_adds_no_recipient_no_header_and_no_part(mailed
 
 
 def test_every_value_in_the_html_part_is_escaped(mailed, mail):
-    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    tenant = Tenant(mailed, "Acme Wholesale")
     evil = '<script>alert("x")</script>'
     customer = tenant.customer(email="buyer@example.com", name=evil)
     product = tenant.product(name=evil, sku="<b>sku</b>")
@@ -8806,6 +8806,13 @@ def test_mail_test_sends_at_once_and_prints_the_servers_answer(db_path, mail):
     assert message["parsed"]["Subject"] == "Test email from ordering"
     assert not ordering.Database(str(db_path)).conn.execute(
         "SELECT 1 FROM emails").fetchall()  # sent, not queued
+
+
+def test_mail_test_refuses_what_is_not_an_address(db_path, mail):
+    result = mail_test(db_path, mail.url, to="nobody")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "argument --to: must be an email address such as you@example.com" in result.stderr
+    assert mail.messages == []
 
 
 @pytest.mark.parametrize("case", ["untrusted", "smtps_on_starttls_port", "starttls_on_tls_port",
