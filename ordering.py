@@ -6976,6 +6976,8 @@ def install_dashboard(app):
 # has an account; what differs goes by email, to the address's owner.
 
 STORE_SESSION_COOKIE = "ordering_store_session"
+#: A random value of the browser's, set with a signed-out form, that its CSRF token is made of.
+STORE_FORM_COOKIE = "ordering_store_form"
 STORE_NOT_FOUND = "There is no store at this address."
 
 
@@ -7039,6 +7041,27 @@ class StoreSurface(Surface):
             return None, None
         return found, token
 
+    def form_token(self):
+        """The CSRF token of a signed-out form: an HMAC of a random cookie of the browser's,
+        set with the first form, so that no other site can send the form in its name."""
+        secret = (bottle.request.get_cookie(STORE_FORM_COOKIE)
+                  or bottle.request.environ.get("ordering.form_secret"))
+        if not secret:
+            secret = bottle.request.environ["ordering.form_secret"] = secrets.token_urlsafe(32)
+            bottle.response.set_cookie(
+                STORE_FORM_COOKIE, secret, path=self.prefix, httponly=True, samesite="lax",
+                secure=self.secure_request(bottle.request.environ))
+        return hmac.new(secret.encode(), b"store form", hashlib.sha256).hexdigest()
+
+    def form_matches(self):
+        secret = bottle.request.get_cookie(STORE_FORM_COOKIE)
+        sent = str(bottle.request.forms.get("csrf", "")).encode("utf-8", "replace")
+        return bool(secret) and hmac.compare_digest(sent, self.form_token().encode())
+
+    def refused_form(self):
+        return self.public_page("Refused", render('<p class="alert" role="alert">{m}</p>',
+                                                  m=CSRF_REFUSED), 403)
+
     def public_page(self, title, body, status=200, notice=""):
         """A page for a visitor who may not be signed in: the store's name, and the way in."""
         self.headers()
@@ -7063,9 +7086,10 @@ class StoreSurface(Surface):
         if "form" in errors:
             notice = render('<div class="alert" role="alert">{m}</div>', m=errors["form"])
         return self.public_page(title, join([render(
-            '<form class="card narrow" method="post" action="{action}">{controls}'
-            '<button type="submit">{button}</button></form>{after}', action=action,
-            controls=controls, button=button, after=after)]), status, notice)
+            '<form class="card narrow" method="post" action="{action}"><input type="hidden" '
+            'name="csrf" value="{csrf}">{controls}<button type="submit">{button}</button></form>'
+            '{after}', action=action, csrf=self.form_token(), controls=controls, button=button,
+            after=after)]), status, notice)
 
     def sign_in_page(self, error="", email="", notice=""):
         return self.form_page("Sign in", self.prefix + "/sign-in", (
@@ -7073,6 +7097,11 @@ class StoreSurface(Surface):
             ("password", "Password", "password", "current-password", "")), "Sign in",
             {"form": error} if error else None, bottle.response.status_code,
             render(STORE_SIGN_IN_LINKS, prefix=self.prefix), notice)
+
+    def sign_in(self):
+        if not self.form_matches():
+            return self.refused_form()
+        return super().sign_in()
 
     def front_page(self):
         found, token = self.session()
@@ -7122,6 +7151,8 @@ class StoreSurface(Surface):
                    p=self.prefix))
 
     def register(self):
+        if not self.form_matches():
+            return self.refused_form()
         if not self.address_allowed():
             return self.too_many("Register")
         form = bottle.request.forms.decode()
@@ -7141,6 +7172,8 @@ class StoreSurface(Surface):
             {"form": error} if error else None, bottle.response.status_code)
 
     def request_reset(self):
+        if not self.form_matches():
+            return self.refused_form()
         if not self.address_allowed():
             return self.too_many("Set a password")
         email = (bottle.request.forms.decode().get("email") or "").strip()
@@ -7162,6 +7195,8 @@ class StoreSurface(Surface):
              "new-password", ""),), "Set password", errors, status)
 
     def new_password(self, token):
+        if not self.form_matches():
+            return self.refused_form()
         password = bottle.request.forms.decode().get("password", "")
         try:
             with self.service.db.write() as conn:
