@@ -9348,16 +9348,19 @@ def test_sessions_of_a_buyer_end_when_it_is_blocked_through_the_api_dashboard_or
 
     api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "BLOCKED"},
                    headers=tenant.headers, status=200)
-    for each in signed:
-        assert each.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
     store_sign_in(app, tenant, "buyer@cafe.example", status=401)
-
     api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "ACTIVE"},
                    headers=tenant.headers, status=200)
+    for each in signed:  # ended, not merely refused while blocked
+        assert each.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
+
     again, _ = store_sign_in(app, tenant, "buyer@cafe.example")
     page = browser.get(f"/dashboard/customers/{customer['id']}")
     form_to(page, "/status", status="BLOCKED").submit(status=303)
+    form_to(browser.get(f"/dashboard/customers/{customer['id']}"), "/status",
+            status="ACTIVE").submit(status=303)
     again.get(store_of(tenant) + "/account", status=303)
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customer_sessions").fetchone()[0] == 0
 
 
 def test_sign_out_ends_the_session_and_an_old_cookie_is_worth_nothing(app, tenant):
@@ -9641,3 +9644,25 @@ def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in
         driver.quit()
         stop_server(process)
         mail.close()
+
+
+def test_demo_prints_the_storefront_and_a_demo_buyers_sign_in_that_works(db_path):
+    for _ in range(2):  # a new password on every run
+        result = run_cli(db_path, "demo")
+        assert result.returncode == 0, result.stderr
+        [line] = [line for line in result.stdout.splitlines() if line.startswith("Storefront:")]
+        found = re.fullmatch(r"Storefront: http://127\.0\.0\.1:8080(/store/demo-wholesale), sign "
+                             r"in as (\S+) with the password \(new on every run\) (\S+), or "
+                             r"register a buyer and approve it under the dashboard's Customers\.",
+                             line)
+        assert found, line
+        path, email, password = found.groups()
+        app = build_app(db_path)
+        try:
+            browser = store_visitor(app)
+            page = browser.get(path + "/sign-in")
+            main_form(page)["email"], main_form(page)["password"] = email, password
+            assert main_form(page).submit(status=303).follow().status_int == 200
+            assert "Jasmine Rice 25kg" in browser.get(path).text
+        finally:
+            app.service.close(grace=0)
