@@ -1,8 +1,8 @@
 """ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
 Products, orders, customers and signed webhooks behind a small REST API (/api/v1), with a
-staff dashboard, buyers' storefronts, outgoing email and Stripe's billing webhooks, in one module you can run
-(``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI app; ``__all__``
+staff dashboard, buyers' storefronts, outgoing email and Stripe's billing webhooks, in one
+module you can run (``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI app; ``__all__``
 names what embedders may rely on). The sections run in dependency order: each uses only the
 ones above it.
 
@@ -3470,7 +3470,8 @@ def load_session(conn, accounts, token):
     """The session of this cookie value with its account's ID, email and company, while the
     account may sign in; None otherwise."""
     return conn.execute(
-        f"SELECT s.token_hash, s.created_at, s.last_seen_at, a.id AS account_id, a.email, a.company_id, "
+        f"SELECT s.token_hash, s.created_at, s.last_seen_at, a.id AS account_id, a.email, "
+        f"a.company_id, "
         f"c.name AS company_name FROM {accounts.sessions} s JOIN {accounts.table} a "
         f"ON a.id = s.{accounts.account_column} JOIN companies c ON c.id = a.company_id "
         f"WHERE s.token_hash = ? AND a.{accounts.enabled}", (hash_key(token),)).fetchone()
@@ -7025,7 +7026,8 @@ class StoreSurface(Surface):
                 app.route(path, method, bind(handler, refused))
         for method, path, callback in (
                 ("GET", "", self.front_page),
-                ("GET", "/sign-in", lambda: self.sign_in_page()), ("POST", "/sign-in", self.sign_in),
+                ("GET", "/sign-in", lambda: self.sign_in_page()),
+                ("POST", "/sign-in", self.sign_in),
                 ("POST", "/sign-out", self.sign_out),
                 ("GET", "/register", self.register_page), ("POST", "/register", self.register),
                 ("GET", "/reset", self.reset_page), ("POST", "/reset", self.request_reset),
