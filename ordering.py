@@ -103,7 +103,9 @@ __all__ = [
     "Database",
     # Operations, each in the caller's transaction (with db.write() as conn)
     "create_company", "create_api_key", "revoke_api_key", "create_product", "update_product",
-    "create_customer", "update_customer", "storefront_register", "place_order",
+    "create_customer", "update_customer", "storefront_register", "register_customer",
+    "verify_customer_email", "request_password_reset", "reset_password", "invite_customer",
+    "change_customer_password", "place_order",
     "storefront_place_order", "parse_status_update", "update_order_status", "open_return",
     "approve_return", "receive_return", "refund_return", "record_invoice_paid",
     "create_webhook", "update_webhook", "delete_webhook", "rotate_webhook_secret",
@@ -1981,6 +1983,7 @@ STORE_FORMS_SHARE = 60
 LINK_EXPIRED = "This link has expired or was already used. Ask for a new one below."
 CURRENT_PASSWORD_WRONG = "is not the account's current password"
 CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
+CUSTOMER_PENDING = "Customer awaits approval."
 RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
 PASSWORD_SET = "Your password is set. Sign in with it."
 EMAIL_VERIFIED = "Thank you: your email address is confirmed."
@@ -2776,10 +2779,14 @@ def place_order(conn, company_id, body, source="api"):
 
 def storefront_place_order(conn, store_slug, customer_id, items, po_number=None, notes=None):
     """An order placed for a customer of the storefront (order.created carries the storefront
-    shape, with itemCount and no items). A blocked customer cannot order there."""
+    shape, with itemCount and no items). A blocked customer cannot order there, nor one
+    awaiting approval."""
     company = company_by_slug(conn, store_slug)
-    if load_customer(conn, company["id"], customer_id)["status"] == "BLOCKED":
+    status = load_customer(conn, company["id"], customer_id)["status"]
+    if status == "BLOCKED":
         raise ApiError(403, "Customer is blocked.")
+    if status == "PENDING":
+        raise ApiError(403, CUSTOMER_PENDING)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
     order = place_order(conn, company["id"], body, source="storefront")
     queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)

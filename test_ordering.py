@@ -9667,3 +9667,13 @@ def test_demo_prints_the_storefront_and_a_demo_buyers_sign_in_that_works(db_path
             assert "Jasmine Rice 25kg" in browser.get(path).text
         finally:
             app.service.close(grace=0)
+
+
+def test_a_buyer_awaiting_approval_cannot_order(app, tenant):
+    product = tenant.product()
+    customer = store_buyer(app, tenant, status="PENDING")
+    with pytest.raises(ordering.ApiError, match="Customer awaits approval."):
+        with tenant.db.write() as conn:
+            ordering.storefront_place_order(conn, "acme-wholesale", customer["id"],
+                                            [{"productId": product["id"], "quantity": 1}])
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
