@@ -6086,7 +6086,7 @@ class Visit:
                                           m=self.errors.get("form", "see the messages below."))])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
-                      site=self.session["company_name"], header=header, notice=notice, body=body)
+                      site=self.surface.site(), header=header, notice=notice, body=body)
 
     def refusal(self, error):
         title = "Not found" if error.status == 404 else "Refused"

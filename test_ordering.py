@@ -9677,3 +9677,12 @@ def test_a_buyer_awaiting_approval_cannot_order(app, tenant):
             ordering.storefront_place_order(conn, "acme-wholesale", customer["id"],
                                             [{"productId": product["id"], "quantity": 1}])
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+
+
+def test_store_pages_are_titled_with_the_store_and_dashboard_pages_as_before(app, tenant,
+                                                                             browser):
+    store_buyer(app, tenant)
+    buyer, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    assert "<title>Your account - Acme Wholesale</title>" in buyer.get(
+        store_of(tenant) + "/account").text
+    assert "<title>Orders - ordering</title>" in browser.get("/dashboard/orders").text
