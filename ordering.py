@@ -1,8 +1,8 @@
 """ordering: a multi-tenant wholesale ordering service on SQLite or PostgreSQL.
 
 Products, orders, customers and signed webhooks behind a small REST API (/api/v1), with a
-staff dashboard, outgoing email and Stripe's billing webhooks, in one module you can run
-(``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI app; ``__all__``
+staff dashboard, buyers' storefronts, outgoing email and Stripe's billing webhooks, in one
+module you can run (``python ordering.py``), vendor, or embed (``create_app()`` returns a WSGI app; ``__all__``
 names what embedders may rely on). The sections run in dependency order: each uses only the
 ones above it.
 
@@ -26,7 +26,8 @@ ones above it.
                    settings); products; customers; orders; returns, refunds and invoices;
                    billing (Stripe's events); webhook subscriptions; emails (what was sent,
                    sending again); API keys and idempotency; accounts and sessions (any kind
-                   of account); queries (the paginator, list filters, lookups); the demo;
+                   of account); storefront accounts (registration, emailed links, password
+                   reset); queries (the paginator, list filters, lookups); the demo;
                    copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; webhooks (signing, address checks, the POST); email (SMTP,
@@ -38,7 +39,8 @@ ones above it.
                    the API, responses, headers and parameters every operation shares
  11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
                    Surface: sign-in, sessions and security headers); dashboard (the staff's
-                   pages at /dashboard); billing, emails and settings (the company's own)
+                   pages at /dashboard); billing, emails and settings (the company's own);
+                   storefront (the buyers' pages at /store/{slug}: register, sign in, reset)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
  14. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
@@ -101,7 +103,9 @@ __all__ = [
     "Database",
     # Operations, each in the caller's transaction (with db.write() as conn)
     "create_company", "create_api_key", "revoke_api_key", "create_product", "update_product",
-    "create_customer", "update_customer", "storefront_register", "place_order",
+    "create_customer", "update_customer", "storefront_register", "register_customer",
+    "verify_customer_email", "request_password_reset", "reset_password", "invite_customer",
+    "change_customer_password", "place_order",
     "storefront_place_order", "parse_status_update", "update_order_status", "open_return",
     "approve_return", "receive_return", "refund_return", "record_invoice_paid",
     "create_webhook", "update_webhook", "delete_webhook", "rotate_webhook_secret",
@@ -137,7 +141,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -196,8 +200,12 @@ class Settings:
     key_cache_seconds: float = 5.0
     #: Serve the staff dashboard at /dashboard (and send a browser opening / there).
     dashboard: bool = True
-    #: Seconds a dashboard session may sit unused before it ends.
+    #: Serve every company's storefront at /store/{slug} (its buyers' accounts).
+    storefront: bool = True
+    #: Seconds a dashboard or storefront session may sit unused before it ends.
     session_idle_seconds: int = 12 * 3600
+    #: Seconds a session lasts at most from its sign-in, however busy.
+    session_max_seconds: int = 7 * 24 * 3600
     #: URL templates for the named carriers; {number} is replaced by the tracking number.
     tracking_url_templates: dict = dataclasses.field(
         default_factory=lambda: dict(DEFAULT_TRACKING_URL_TEMPLATES))
@@ -700,6 +708,8 @@ MIGRATIONS = {
         "ALTER TABLE companies ADD COLUMN mail_name TEXT",
         "ALTER TABLE companies ADD COLUMN reply_to TEXT",
         "ALTER TABLE companies ADD COLUMN staff_alerts TEXT"),
+    # The storefront: whether new buyers wait for approval (its tables come from schema.sql).
+    4: ("ALTER TABLE companies ADD COLUMN storefront_approval TEXT NOT NULL DEFAULT 'required'",),
 }
 
 
@@ -1575,7 +1585,7 @@ _PAGE = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} - ordering</title>
+<title>{title} - {site}</title>
 <link rel="stylesheet" href="{prefix}/style.css">
 </head>
 <body>
@@ -1589,9 +1599,9 @@ _PAGE = """<!doctype html>
 </html>
 """
 #: A page of a surface, for a signed-in visitor (header: navigation and sign-out).
-LAYOUT = Template("prefix title header notice body", _PAGE)
+LAYOUT = Template("prefix title site header notice body", _PAGE)
 #: A page for a visitor who is not signed in.
-BARE_LAYOUT = Template("prefix title notice body", _PAGE.replace("<header>{header}</header>\n", ""))
+BARE_LAYOUT = Template("prefix title site notice body", _PAGE.replace("<header>{header}</header>\n", ""))
 
 HEADER = Template("company links prefix csrf email", """\
 <nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
@@ -1610,6 +1620,22 @@ SIGN_IN_FORM = Template("prefix error email", """\
 
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
+
+#: The storefront's header for a visitor who is not signed in: the store's name, and the way in.
+STORE_BAR = Template("store prefix", """\
+<nav aria-label="Store"><a class="brand" href="{prefix}">{store}</a><ul>\
+<li><a href="{prefix}/sign-in">Sign in</a></li><li><a href="{prefix}/register">Register</a></li>\
+</ul></nav>""")
+
+#: The storefront's ways on from its sign-in form.
+STORE_SIGN_IN_LINKS = Template("prefix", """\
+<p class="narrow"><a href="{prefix}/reset">Forgot your password?</a> &middot; \
+<a href="{prefix}/register">Register a new account</a></p>""")
+
+#: What a storefront form that sends an email answers, whoever the address belongs to.
+STORE_MAIL_SENT = Template("email what", """\
+<div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
+way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
 
 ORDER_FACTS = Template("status customer po notes created updated tracking", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
@@ -1748,6 +1774,51 @@ EMAIL_TEMPLATES = {
              "Open it in the dashboard: {link}\n",
         html="<p>A new order came in from the storefront.</p>\n{facts}\n{lines}\n"
              '<p><a href="{link}">Open it in the dashboard</a></p>'),
+    "account_verify": EmailTemplate(
+        subject="Confirm your email address for {store}",
+        text="Hello {customerName},\n\nThank you for registering with {store}. Confirm your "
+             "email address with this link (it works once, for an hour):\n\n{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>Thank you for registering with {store}. "
+             '<a href="{link}">Confirm your email address</a> (the link works once, for an '
+             "hour).</p>"),
+    "account_exists": EmailTemplate(
+        subject="Someone tried to register with your address at {store}",
+        text="Hello {customerName},\n\nSomeone tried to register a new account at {store} with "
+             "this email address, which has an account already. If it was you, sign in, or set "
+             "a new password here:\n\n{link}\n\nIf it was not you, there is nothing to do.\n",
+        html="<p>Hello {customerName},</p>\n<p>Someone tried to register a new account at "
+             "{store} with this email address, which has an account already. If it was you, "
+             '<a href="{link}">sign in or set a new password</a>.</p>\n<p>If it was not you, '
+             "there is nothing to do.</p>"),
+    "account_approved": EmailTemplate(
+        subject="Your account at {store} is approved",
+        text="Hello {customerName},\n\nYour account at {store} is approved: sign in and order "
+             "at\n\n{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>Your account at {store} is approved: "
+             '<a href="{link}">sign in and order</a>.</p>'),
+    "account_reset": EmailTemplate(
+        subject="Set your password for {store}",
+        text="Hello {customerName},\n\nSomeone asked to set a new password for your account "
+             "at {store}. Set it with this link (it works once, for an hour):\n\n{link}\n\n"
+             "If it was not you, ignore this email: your password stays as it is.\n",
+        html="<p>Hello {customerName},</p>\n<p>Someone asked to set a new password for your "
+             'account at {store}. <a href="{link}">Set your password</a> (the link works once, '
+             "for an hour).</p>\n<p>If it was not you, ignore this email: your password stays "
+             "as it is.</p>"),
+    "account_invite": EmailTemplate(
+        subject="Your account at {store}",
+        text="Hello {customerName},\n\n{store} opened an account for you in its store. Set "
+             "your password with this link (it works once, for an hour):\n\n{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{store} opened an account for you in its store. "
+             '<a href="{link}">Set your password</a> (the link works once, for an hour).</p>'),
+    "password_changed": EmailTemplate(
+        subject="Your password for {store} was changed",
+        text="Hello {customerName},\n\nThe password of your account at {store} was just "
+             "changed, and every other signed-in browser signed out. If it was not you, set a "
+             "new one at once:\n\n{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>The password of your account at {store} was "
+             "just changed, and every other signed-in browser signed out. If it was not you, "
+             '<a href="{link}">set a new one at once</a>.</p>'),
     "mail_test": EmailTemplate(
         subject="Test email from ordering",
         text="This test email was sent by ordering mail-test through {server}.\n"
@@ -1899,6 +1970,23 @@ MAX_WEBHOOKS = 10
 MAX_IDEMPOTENCY_KEY = 255
 #: The shortest password an account may have.
 PASSWORD_MIN = 12
+#: Whether a company's new storefront accounts wait for approval (the first is the default).
+STOREFRONT_APPROVALS = ("required", "automatic")
+STOREFRONT_APPROVAL_MESSAGE = "Storefront approval must be required or automatic."
+#: Seconds an emailed storefront link (verify an address, set a password) works.
+ACCOUNT_LINK_SECONDS = 3600
+#: Emails with a storefront link one address gets per hour at most (however often asked).
+ACCOUNT_MAILS_PER_HOUR = 3
+#: Registrations and reset requests one client address may send per minute: ip_rate_limit
+#: divided by this (10 at the default 600).
+STORE_FORMS_SHARE = 60
+LINK_EXPIRED = "This link has expired or was already used. Ask for a new one below."
+CURRENT_PASSWORD_WRONG = "is not the account's current password"
+CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
+CUSTOMER_PENDING = "Customer awaits approval."
+RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
+PASSWORD_SET = "Your password is set. Sign in with it."
+EMAIL_VERIFIED = "Thank you: your email address is confirmed."
 #: Hours the old secret of a rotated webhook still signs, unless told otherwise.
 WEBHOOK_SECRET_GRACE_HOURS = 24
 #: Requests per minute of a new API key, unless told otherwise.
@@ -2146,7 +2234,7 @@ def company_json(row):
     return {"id": row["id"], "name": row["name"], "slug": row["slug"],
             "stripeCustomerId": row["stripe_customer_id"], "mailName": row["mail_name"],
             "replyTo": row["reply_to"], "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
-            "createdAt": row["created_at"]}
+            "storefrontApproval": row["storefront_approval"], "createdAt": row["created_at"]}
 
 
 def orders_json(order_rows, item_rows):
@@ -2326,16 +2414,24 @@ def _staff_alerts(value):
     return json_text(addresses) if addresses else None
 
 
+def _storefront_approval(value):
+    if value not in STOREFRONT_APPROVALS:
+        raise ApiError(400, STOREFRONT_APPROVAL_MESSAGE)
+    return value
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
 COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
-                    "reply_to": _reply_to, "staff_alerts": _staff_alerts}
+                    "reply_to": _reply_to, "staff_alerts": _staff_alerts,
+                    "storefront_approval": _storefront_approval}
 
 
 def update_company(conn, company_id, changes):
     """Change some of a company's settings ({column of COMPANY_SETTINGS: value}; None or empty
     clears one); returns the company. Of mail: mail_name (the display name of its emails'
-    From), reply_to and staff_alerts (the addresses that get staff alerts, a list). A Stripe
+    From), reply_to and staff_alerts (the addresses that get staff alerts, a list); of the
+    storefront: storefront_approval (required or automatic). A Stripe
     customer is at most one company's (its paid invoices are that company's invoice.paid)."""
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
@@ -2476,7 +2572,14 @@ def _customer_changes(body):
     return changes
 
 
-def create_customer(conn, company_id, body, source="api", store_slug=None, password=None):
+def customer_by_email(conn, company_id, email):
+    """The company's customer with this email (in any case), or None."""
+    return conn.execute("SELECT * FROM customers WHERE company_id = ? AND email_key = ?",
+                        (company_id, (email or "").strip().casefold())).fetchone()
+
+
+def create_customer(conn, company_id, body, source="api", store_slug=None, password=None,
+                    status="ACTIVE"):
     require_object(body)
     email = body.get("email")
     if email is not None and not isinstance(email, str):
@@ -2493,7 +2596,7 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
         raise ApiError(409, CUSTOMER_EXISTS)
     customer_id, at = new_id_at("cus")
     row = {"id": customer_id, "company_id": company_id, "email": email, "email_key": email_key,
-           "status": "ACTIVE", "created_at": at, "updated_at": at,
+           "status": status, "created_at": at, "updated_at": at,
            "password_hash": password and hash_password(password)}
     row.update(fields)
     insert_row(conn, "customers", row)
@@ -2524,6 +2627,10 @@ def update_customer(conn, company_id, customer_id, body):
     if "status" in changed:
         payload["previousStatus"] = before["status"]
     emit(conn, company_id, "customer.updated", payload)
+    if changed.get("status") == "BLOCKED":  # a blocked customer cannot sign in (spec)
+        end_sessions(conn, CUSTOMERS, customer_id)
+    if before["status"] == "PENDING" and after["status"] == "ACTIVE":
+        queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
     return after
 
 
@@ -2672,10 +2779,14 @@ def place_order(conn, company_id, body, source="api"):
 
 def storefront_place_order(conn, store_slug, customer_id, items, po_number=None, notes=None):
     """An order placed for a customer of the storefront (order.created carries the storefront
-    shape, with itemCount and no items). A blocked customer cannot order there."""
+    shape, with itemCount and no items). A blocked customer cannot order there, nor one
+    awaiting approval."""
     company = company_by_slug(conn, store_slug)
-    if load_customer(conn, company["id"], customer_id)["status"] == "BLOCKED":
+    status = load_customer(conn, company["id"], customer_id)["status"]
+    if status == "BLOCKED":
         raise ApiError(403, "Customer is blocked.")
+    if status == "PENDING":
+        raise ApiError(403, CUSTOMER_PENDING)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
     order = place_order(conn, company["id"], body, source="storefront")
     queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)
@@ -3265,6 +3376,9 @@ class Accounts:
 
 
 STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "disabled = 0")
+#: Buyers of a storefront: a pending one may sign in (and sees that it awaits approval).
+CUSTOMERS = Accounts("Customer", "customers", "customer_sessions", "customer_id",
+                     "status <> 'BLOCKED'")
 
 
 def create_staff(conn, company_id, email, password):
@@ -3300,8 +3414,10 @@ def disable_staff(conn, company_id, staff_id):
     return {"id": staff_id, "disabled": True}
 
 
-def sign_in_subjects(email, address):
-    return ("email:" + email.strip().casefold()[:MAX_EMAIL], "address:" + address)
+def sign_in_subjects(email, address, scope=""):
+    """The throttle's subjects of a sign-in: the email (within a scope: a store's customers are
+    not its staff, nor another store's) and the client address."""
+    return ("email:" + scope + email.strip().casefold()[:MAX_EMAIL], "address:" + address)
 
 
 def sign_in_wait(conn, subjects, now_ms):
@@ -3333,12 +3449,16 @@ def record_sign_in_failure(conn, subjects, now_ms):
             (subject, at, forgotten))
 
 
-def find_account(conn, accounts, email, password):
+def find_account(conn, accounts, email, password, company_id=None):
     """The account of this kind with this email and password that may sign in, or None. An
-    email may belong to accounts of several companies: the password picks the account."""
+    email may belong to accounts of several companies: the password picks the account, unless
+    company_id names the one company to look in (a store's customers). An account without a
+    password (a customer created through the API) costs the same work and matches nothing."""
+    scoped = "" if company_id is None else " AND company_id = ?"
     rows = conn.execute(f"SELECT * FROM {accounts.table} WHERE email_key = ? AND "
-                        f"{accounts.enabled} ORDER BY created_at, id",
-                        (email.strip().casefold(),)).fetchall()
+                        f"{accounts.enabled} AND password_hash IS NOT NULL{scoped} "
+                        f"ORDER BY created_at, id", (email.strip().casefold(),)
+                        + (() if company_id is None else (company_id,))).fetchall()
     if not rows:
         password_matches(password, _stand_in_hash())
     return next((row for row in rows if password_matches(password, row["password_hash"])),
@@ -3362,7 +3482,8 @@ def load_session(conn, accounts, token):
     """The session of this cookie value with its account's ID, email and company, while the
     account may sign in; None otherwise."""
     return conn.execute(
-        f"SELECT s.token_hash, s.last_seen_at, a.id AS account_id, a.email, a.company_id, "
+        f"SELECT s.token_hash, s.created_at, s.last_seen_at, a.id AS account_id, a.email, "
+        f"a.company_id, "
         f"c.name AS company_name FROM {accounts.sessions} s JOIN {accounts.table} a "
         f"ON a.id = s.{accounts.account_column} JOIN companies c ON c.id = a.company_id "
         f"WHERE s.token_hash = ? AND a.{accounts.enabled}", (hash_key(token),)).fetchone()
@@ -3387,6 +3508,144 @@ def staff_account(conn, company_id, email):
     """The company's staff account with this email, or None."""
     return conn.execute("SELECT * FROM staff WHERE company_id = ? AND email_key = ?",
                         (company_id, email.strip().casefold())).fetchone()
+
+
+# Storefront accounts -------------------------------------------------------------------------
+# Buyers register, sign in and set their passwords at their store (see Web pages, Storefront).
+# What a visitor is shown never depends on whether an address has an account: the difference
+# is in the emails, which only the address's owner reads. An emailed link carries a random
+# token (256 bits) of which only the hash is kept; it works once, for ACCOUNT_LINK_SECONDS, and
+# using one ends every older link of its customer. Links are built on the base URL setting.
+
+def queue_account_email(conn, company, customer, kind, path=""):
+    """An email about a customer's account, with a link to path within its store."""
+    return queue_email(conn, company["id"], kind, customer["email"], {
+        "customerName": customer["name"] or customer["email"], "store": company["name"],
+        "path": f"/store/{company['slug']}{path}"}, to_name=customer["name"])
+
+
+def account_mail_allowed(conn, company, customer, now_ms):
+    """Whether one more email with a link may go to this customer within the hour."""
+    (sent,) = conn.execute(
+        "SELECT COUNT(*) FROM emails WHERE company_id = ? AND to_address = ? AND kind IN "
+        "('account_verify', 'account_exists', 'account_reset', 'account_invite') "
+        "AND created_at > ?", (company["id"], customer["email"], iso(now_ms - 3600 * 1000))
+    ).fetchone()
+    return sent < ACCOUNT_MAILS_PER_HOUR
+
+
+def issue_account_link(conn, customer, purpose, now_ms):
+    """A new link of this purpose (verify or reset) for the customer: its path in the store."""
+    token = secrets.token_urlsafe(32)
+    conn.execute("INSERT INTO customer_tokens (token_hash, customer_id, purpose, created_at, "
+                 "expires_at) VALUES (?, ?, ?, ?, ?)",
+                 (hash_key(token), customer["id"], purpose, iso(now_ms),
+                  iso(now_ms + ACCOUNT_LINK_SECONDS * 1000)))
+    return f"/{purpose}/{token}"
+
+
+def account_link(conn, company_id, purpose, token, now_ms, use=False):
+    """The customer of the store whose link this is; with use, the link and every older one of
+    that customer end. An unknown, used, expired or other store's link is LINK_EXPIRED."""
+    row = conn.execute(
+        "SELECT t.customer_id, t.created_at, t.expires_at FROM customer_tokens t JOIN customers c "
+        "ON c.id = t.customer_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
+        (hash_key(token), purpose, company_id)).fetchone()
+    if row is None or row["expires_at"] <= iso(now_ms):
+        raise ApiError(400, LINK_EXPIRED)
+    if use:
+        conn.execute("DELETE FROM customer_tokens WHERE customer_id = ? AND created_at <= ?",
+                     (row["customer_id"], row["created_at"]))
+    return load_customer(conn, company_id, row["customer_id"])
+
+
+def register_customer(conn, store_slug, email, name, password, now_ms):
+    """Self-registration at a store: a new customer (PENDING when the store approves its buyers,
+    else ACTIVE), customer.created with source storefront, and an email whose link verifies the
+    address; for an address that has an account already, only an email to its owner. Returns
+    nothing either way, after the same work."""
+    company = company_by_slug(conn, store_slug)
+    email = (email or "").strip()
+    if not email:
+        raise ApiError(400, EMAIL_REQUIRED)
+    if not valid_email(email):
+        raise ApiError(400, INVALID_EMAIL)
+    body = {"email": email, "name": name} if (name or "").strip() else {"email": email}
+    _customer_changes(body)
+    check_password(password)
+    existing = customer_by_email(conn, company["id"], email)
+    if existing is not None:
+        hash_password(password)  # what a new account costs
+        if account_mail_allowed(conn, company, existing, now_ms):
+            queue_account_email(conn, company, existing, "account_exists", "/reset")
+        return
+    status = "PENDING" if company["storefront_approval"] == "required" else "ACTIVE"
+    customer = create_customer(conn, company["id"], body, source="storefront",
+                               store_slug=store_slug, password=password, status=status)
+    queue_account_email(conn, company, customer, "account_verify",
+                        issue_account_link(conn, customer, "verify", now_ms))
+
+
+def verify_customer_email(conn, store_slug, token, now_ms):
+    """The verification link of a registration: the address is the customer's."""
+    company = company_by_slug(conn, store_slug)
+    customer = account_link(conn, company["id"], "verify", token, now_ms, use=True)
+    _mark_email_verified(conn, customer)
+    return customer
+
+
+def _mark_email_verified(conn, customer):
+    # emailVerified is no field of customer.updated's payload (spec): no event
+    if not customer["email_verified"]:
+        conn.execute("UPDATE customers SET email_verified = 1, updated_at = ? WHERE id = ?",
+                     (now_iso(), customer["id"]))
+
+
+def request_password_reset(conn, store_slug, email, now_ms):
+    """A link to set a password, emailed to the store's customer with this email (not blocked,
+    and not past its hourly emails); nothing otherwise. Returns nothing either way."""
+    company = company_by_slug(conn, store_slug)
+    customer = customer_by_email(conn, company["id"], email)
+    if (customer is None or customer["status"] == "BLOCKED"
+            or not account_mail_allowed(conn, company, customer, now_ms)):
+        return
+    queue_account_email(conn, company, customer, "account_reset",
+                        issue_account_link(conn, customer, "reset", now_ms))
+
+
+def invite_customer(conn, company_id, customer_id, now_ms):
+    """Staff's set-password invitation (for a customer made through the API or the
+    dashboard): the reset flow's link, in an email that says the store opened the account."""
+    company = load_company(conn, company_id)
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["status"] == "BLOCKED":
+        raise ApiError(409, CUSTOMER_BLOCKED_INVITE)
+    queue_account_email(conn, company, customer, "account_invite",
+                        issue_account_link(conn, customer, "reset", now_ms))
+    return customer
+
+
+def reset_password(conn, store_slug, token, password, now_ms):
+    """The reset link's form: the password is set, the address verified (the link reached it),
+    every session of the customer ends, and an email says so. Returns the customer."""
+    company = company_by_slug(conn, store_slug)
+    check_password(password)
+    customer = account_link(conn, company["id"], "reset", token, now_ms, use=True)
+    set_password(conn, CUSTOMERS, customer["id"], password)
+    _mark_email_verified(conn, customer)
+    queue_account_email(conn, company, customer, "password_changed", "/reset")
+    return customer
+
+
+def change_customer_password(conn, company_id, customer_id, current, password):
+    """A signed-in customer's new password: the current one first; every session ends."""
+    customer = load_customer(conn, company_id, customer_id)
+    check_password(password)
+    if not password_matches(current or "", customer["password_hash"]):
+        raise invalid("currentPassword", CURRENT_PASSWORD_WRONG)
+    set_password(conn, CUSTOMERS, customer_id, password)
+    queue_account_email(conn, load_company(conn, company_id), customer, "password_changed",
+                        "/reset")
 
 
 # Queries -------------------------------------------------------------------------------------
@@ -3534,6 +3793,12 @@ def product_choices(conn, company_id):
         "ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, CHOICES_SHOWN)).fetchall()
 
 
+def pending_customers(conn, company_id):
+    """The company's customers awaiting approval, oldest first."""
+    return conn.execute("SELECT * FROM customers WHERE company_id = ? AND status = 'PENDING' "
+                        "ORDER BY created_at, id LIMIT ?", (company_id, CHOICES_SHOWN)).fetchall()
+
+
 def customer_emails(conn, company_id, ids):
     """{customer ID: email} for these IDs of the company's customers."""
     ids = list(set(filter(None, ids)))
@@ -3570,6 +3835,7 @@ def order_history(conn, company_id, order_id):
 
 DEMO_SLUG = "demo-wholesale"
 DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
+DEMO_BUYER_EMAIL = "orders@corner-cafe.example"
 DEMO_CATALOG = (
     # name, sku, category, unit, price (cents), stock, low-stock threshold, active
     ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
@@ -3589,7 +3855,8 @@ DEMO_CATALOG = (
 
 def prepare_demo(conn):
     """A demo company with a small catalog, two customers and a staff account (made once),
-    and on every call a new key with all seven scopes and a new staff password."""
+    and on every call a new key with all seven scopes and new passwords for the staff account
+    and the first customer (the storefront's demo buyer)."""
     company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
     if company is None:
         company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
@@ -3597,7 +3864,7 @@ def prepare_demo(conn):
             create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
                            price_cents=price, stock=stock, low_stock_threshold=threshold,
                            is_active=active)
-        for address, name in (("orders@corner-cafe.example", "Corner Cafe"),
+        for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
                               ("buyer@harbour-bistro.example", "Harbour Bistro")):
             create_customer(conn, company_id, {"email": address, "name": name})
     else:
@@ -3611,9 +3878,13 @@ def prepare_demo(conn):
         set_password(conn, STAFF, staff["id"], password)
     customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
                             "LIMIT 1", (company_id,)).fetchone()
+    buyer_password = secrets.token_urlsafe(12)
+    set_password(conn, CUSTOMERS, customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"],
+                 buyer_password)
     product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
                            "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
     return {"companyId": company_id, "key": key["key"], "password": password,
+            "buyerPassword": buyer_password,
             "customerId": customer["id"], "productId": product["id"]}
 
 
@@ -5668,7 +5939,7 @@ def openapi_document():
 SESSION_COOKIE = "ordering_session"
 #: A session's last_seen_at is written at most this often (seconds): not on every page.
 SESSION_TOUCH_SECONDS = 60
-CSRF_REFUSED = ("This form has expired or did not come from the dashboard. Reload the page "
+CSRF_REFUSED = ("This form has expired or did not come from this site. Reload the page "
                 "and try again.")
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
@@ -5696,7 +5967,7 @@ FIELD_OF_MESSAGE = {
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
-    STAFF_ALERTS_MESSAGE: "staffAlerts",
+    STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
@@ -5823,8 +6094,8 @@ class Visit:
             notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
                                           m=self.errors.get("form", "see the messages below."))])
         bottle.response.status = status
-        return render(LAYOUT, prefix=self.surface.prefix, title=title, header=header,
-                      notice=notice, body=body)
+        return render(LAYOUT, prefix=self.surface.prefix, title=title,
+                      site=self.surface.site(), header=header, notice=notice, body=body)
 
     def refusal(self, error):
         title = "Not found" if error.status == 404 else "Refused"
@@ -5981,8 +6252,10 @@ class Surface:
         if found is None:
             return None, None
         now_ms = self.now_ms()
-        idle_since = iso(now_ms - self.service.settings.session_idle_seconds * 1000)
-        if found["last_seen_at"] < idle_since:
+        settings = self.service.settings
+        idle_since = iso(now_ms - settings.session_idle_seconds * 1000)
+        if (found["last_seen_at"] < idle_since
+                or found["created_at"] < iso(now_ms - settings.session_max_seconds * 1000)):
             with db.write() as conn:
                 end_session(conn, self.accounts, found["token_hash"])
             return None, None
@@ -6021,8 +6294,17 @@ class Surface:
             bottle.response.status = error.status
             return body
 
+    def site(self):
+        """Whose pages these are, as their titles end."""
+        return "ordering"
+
+    def account_company(self):
+        """The one company whose accounts sign in here (None: any)."""
+        return None
+
     def bare_page(self, title, body):
-        return render(BARE_LAYOUT, prefix=self.prefix, title=title, notice="", body=body)
+        return render(BARE_LAYOUT, prefix=self.prefix, title=title, site=self.site(), notice="",
+                      body=body)
 
     def sign_in_page(self, error="", email=""):
         self.headers()
@@ -6034,7 +6316,8 @@ class Surface:
         form = bottle.request.forms.decode()
         email, password = form.get("email", ""), form.get("password", "")
         address = self.service.client_address(bottle.request.environ)
-        subjects = sign_in_subjects(email, address)
+        company_id = self.account_company()
+        subjects = sign_in_subjects(email, address, f"{company_id} " if company_id else "")
         db, now_ms = self.service.db, self.now_ms()
         wait = sign_in_wait(db.conn, subjects, now_ms)
         if wait > 0:
@@ -6042,7 +6325,7 @@ class Surface:
             bottle.response.set_header("Retry-After", str(math.ceil(wait)))
             return self.sign_in_page(f"Too many failed sign-ins. Try again in "
                                      f"{math.ceil(wait)} seconds.", email)
-        account = find_account(db.conn, self.accounts, email, password)
+        account = find_account(db.conn, self.accounts, email, password, company_id)
         with db.write() as conn:
             if account is None:
                 record_sign_in_failure(conn, subjects, now_ms)
@@ -6054,6 +6337,15 @@ class Surface:
             return self.sign_in_page(SIGN_IN_REFUSED, email)
         self.set_session_cookie(token)
         return redirect(self.home)
+
+    def start_session(self, account):
+        """A new session for this browser (after its old ones ended, at a password change)."""
+        address = self.service.client_address(bottle.request.environ)
+        with self.service.db.write() as conn:
+            token = start_session(conn, self.accounts, account,
+                                  sign_in_subjects(account["email"], address, "-"),
+                                  self.now_ms(), self.service.settings.session_idle_seconds)
+        self.set_session_cookie(token)
 
     def sign_out(self):
         found, token = self.session()
@@ -6301,13 +6593,21 @@ def customers_page(visit):
     rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
              status_tag(c["status"]), amount_text(money(c["credit_limit_cents"])),
              c["created_at"][:10]) for c in result["data"]]
+    pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
+                c["created_at"][:10], visit.for_form(f"/dashboard/customers/{c['id']}/status",
+                                                     c["id"]).button(
+                    f"/dashboard/customers/{c['id']}/status", "Approve", status="ACTIVE"))
+               for c in pending_customers(visit.conn, visit.company_id)]
+    waiting = join([render("<h2>Awaiting approval</h2>"), table(
+        ("Email", "Name", "Registered", "Approve"), pending)]) if pending else ""
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
         visit.select("status", "Status",
                      [("", "Any")] + [(s, s) for s in SETTABLE_CUSTOMER_STATUSES],
                      query.get("status"))],
-        table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
-              numeric=("Credit limit",)), result)
+        join([waiting, render("<h2>All customers</h2>") if pending else "",
+              table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
+                    numeric=("Credit limit",))]), result)
 
 
 def customer_body(form):
@@ -6349,10 +6649,14 @@ def create_customer_action(visit):
 def customer_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
     blocked = customer["status"] == "BLOCKED"
-    status = render('<div class="card"><p>Status: {tag}</p>{button}</div>',
-                    tag=status_tag(customer["status"]),
-                    button=visit.button(f"/dashboard/customers/{customer_id}/status",
-                                        "Unblock" if blocked else "Block",
+    status_path = f"/dashboard/customers/{customer_id}/status"
+    approve = visit.button(status_path, "Approve", status="ACTIVE") \
+        if customer["status"] == "PENDING" else ""
+    invite = "" if blocked else visit.button(
+        f"/dashboard/customers/{customer_id}/invite", "Email a set-password link", "secondary")
+    status = render('<div class="card"><p>Status: {tag}</p>{approve}{button}{invite}</div>',
+                    tag=status_tag(customer["status"]), approve=approve, invite=invite,
+                    button=visit.button(status_path, "Unblock" if blocked else "Block",
                                         "" if blocked else "danger",
                                         status="ACTIVE" if blocked else "BLOCKED"))
     edit = visit.form_tag(f"/dashboard/customers/{customer_id}", join([
@@ -6373,6 +6677,15 @@ def customer_status_action(visit, customer_id):
     with visit.write() as conn:
         update_customer(conn, visit.company_id, customer_id, {"status": visit.form.get("status")})
     return redirect(f"/dashboard/customers/{customer_id}")
+
+
+@page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page)
+def invite_customer_action(visit, customer_id):
+    with visit.write() as conn:
+        customer = invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
+    visit.notice = render("A link to set a password at the store is on its way to {e}.",
+                          e=customer["email"])
+    return customer_page(visit, customer_id)
 
 
 RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
@@ -6637,6 +6950,10 @@ def settings_page(visit):
         visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
         visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
                     ", ".join(json.loads(company["staff_alerts"] or "[]"))),
+        render("<h2>Storefront</h2>"),
+        visit.select("storefrontApproval", "New storefront accounts", (
+            ("required", "wait for approval by staff (required)"),
+            ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
         render('<h2>Billing</h2><p>Stripe customer: <code>{c}</code></p><p class="muted">The '
                'company as a customer of the service\'s Stripe account: its paid invoices '
                'become invoice.paid and are listed under Billing. The operator of the service '
@@ -6648,11 +6965,13 @@ def settings_page(visit):
 
 @page("POST", "/dashboard/settings", refused=settings_page)
 def update_settings_action(visit):
+    changes = {"mail_name": form_text(visit.form, "mailName"),
+               "reply_to": form_text(visit.form, "replyTo"),
+               "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
+    if "storefrontApproval" in visit.form:
+        changes["storefront_approval"] = visit.form.get("storefrontApproval")
     with visit.write() as conn:
-        update_company(conn, visit.company_id, {
-            "mail_name": form_text(visit.form, "mailName"),
-            "reply_to": form_text(visit.form, "replyTo"),
-            "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")})
+        update_company(conn, visit.company_id, changes)
     return redirect("/dashboard/settings")
 
 
@@ -6663,6 +6982,303 @@ def install_dashboard(app):
                             "/dashboard/orders", NAVIGATION)
     app.dashboard.install(app)
     app.route("/", "GET", lambda: redirect("/dashboard"))
+
+
+# Storefront ----------------------------------------------------------------------------------
+# Every company's store, at /store/{slug}, where its buyers (customers, the second kind of
+# account) register, sign in, and set their passwords through emailed links. One StoreSurface
+# serves every store: its prefix, cookie path and accounts are those of the slug in the request
+# (an unknown slug is a 404 page), and a session of one store is worth nothing in another. The
+# signed-out forms (register, sign-in, reset) answer the same page whether or not an address
+# has an account; what differs goes by email, to the address's owner.
+
+STORE_SESSION_COOKIE = "ordering_store_session"
+#: A random value of the browser's, set with a signed-out form, that its CSRF token is made of.
+STORE_FORM_COOKIE = "ordering_store_form"
+STORE_NOT_FOUND = "There is no store at this address."
+
+
+class StoreSurface(Surface):
+    """The storefront: a Surface whose prefix is the store of the request."""
+
+    def __init__(self, service):  # prefix, home and navigation are the request's, below
+        self.service, self.cookie, self.accounts = service, STORE_SESSION_COOKIE, CUSTOMERS
+        self.clock = time.time
+
+    prefix = property(lambda self: "/store/" + self.store()["slug"])
+    home = property(lambda self: self.prefix)
+    navigation = property(lambda self: (("Store", self.prefix),
+                                        ("Account", self.prefix + "/account")))
+
+    def store(self):
+        return bottle.request.environ["ordering.store"]
+
+    def site(self):
+        return self.store()["name"]
+
+    def account_company(self):
+        return self.store()["id"]
+
+    def install(self, app):
+        def in_store(callback):
+            def handler(slug, **url_args):
+                try:
+                    bottle.request.environ["ordering.store"] = company_by_slug(
+                        self.service.db.conn, slug)
+                except ApiError:
+                    self.headers()
+                    bottle.response.status = 404
+                    return render(BARE_LAYOUT, prefix="/store/" + slug, title="Not found",
+                                  site="ordering", notice="", body=render(
+                                      '<p class="card narrow">{m}</p>', m=STORE_NOT_FOUND))
+                return callback(**url_args)
+            return handler
+
+        def bind(handler, refused):
+            return in_store(lambda **url_args: self.serve(handler, refused, url_args))
+        base = "/store/<slug>"
+        for method, path, handler, refused in PAGES:
+            if path.startswith(base + "/"):
+                app.route(path, method, bind(handler, refused))
+        for method, path, callback in (
+                ("GET", "", self.front_page),
+                ("GET", "/sign-in", lambda: self.sign_in_page()),
+                ("POST", "/sign-in", self.sign_in),
+                ("POST", "/sign-out", self.sign_out),
+                ("GET", "/register", self.register_page), ("POST", "/register", self.register),
+                ("GET", "/reset", self.reset_page), ("POST", "/reset", self.request_reset),
+                ("GET", "/reset/<token>", self.new_password_page),
+                ("POST", "/reset/<token>", self.new_password),
+                ("GET", "/verify/<token>", self.verify)):
+            app.route(base + path, method, in_store(callback))
+        app.route(base + "/style.css", "GET", lambda slug: self.stylesheet())
+
+    def session(self):
+        found, token = super().session()
+        if found is None or found["company_id"] != self.store()["id"]:
+            return None, None
+        return found, token
+
+    def form_token(self):
+        """The CSRF token of a signed-out form: an HMAC of a random cookie of the browser's,
+        set with the first form, so that no other site can send the form in its name."""
+        secret = (bottle.request.get_cookie(STORE_FORM_COOKIE)
+                  or bottle.request.environ.get("ordering.form_secret"))
+        if not secret:
+            secret = bottle.request.environ["ordering.form_secret"] = secrets.token_urlsafe(32)
+            bottle.response.set_cookie(
+                STORE_FORM_COOKIE, secret, path=self.prefix, httponly=True, samesite="lax",
+                secure=self.secure_request(bottle.request.environ))
+        return hmac.new(secret.encode(), b"store form", hashlib.sha256).hexdigest()
+
+    def form_matches(self):
+        secret = bottle.request.get_cookie(STORE_FORM_COOKIE)
+        sent = str(bottle.request.forms.get("csrf", "")).encode("utf-8", "replace")
+        return bool(secret) and hmac.compare_digest(sent, self.form_token().encode())
+
+    def refused_form(self):
+        return self.public_page("Refused", render('<p class="alert" role="alert">{m}</p>',
+                                                  m=CSRF_REFUSED), 403)
+
+    def public_page(self, title, body, status=200, notice=""):
+        """A page for a visitor who may not be signed in: the store's name, and the way in."""
+        self.headers()
+        bottle.response.status = status
+        return render(LAYOUT, prefix=self.prefix, title=title, site=self.site(),
+                      header=render(STORE_BAR, store=self.site(), prefix=self.prefix),
+                      notice=notice, body=body)
+
+    def form_page(self, title, action, fields, button, errors=None, status=200, after="",
+                  notice=""):
+        """A signed-out form: its fields as (name, label, kind, autocomplete, value), each
+        message next to its field."""
+        errors = errors or {}
+        controls = join(render(
+            '<div><label for="{n}">{label}</label><input id="{n}" name="{n}" type="{kind}" '
+            'autocomplete="{auto}" value="{value}"{invalid}>{error}</div>', n=name,
+            label=label, kind=kind, auto=auto, value=value,
+            invalid=Markup(' aria-invalid="true"') if name in errors else "",
+            error=render('<p class="error" role="alert">{m}</p>', m=errors[name])
+            if name in errors else "") for name, label, kind, auto, value in fields)
+        notice = render('<div class="notice" role="status">{m}</div>', m=notice) if notice else ""
+        if "form" in errors:
+            notice = render('<div class="alert" role="alert">{m}</div>', m=errors["form"])
+        return self.public_page(title, join([render(
+            '<form class="card narrow" method="post" action="{action}"><input type="hidden" '
+            'name="csrf" value="{csrf}">{controls}<button type="submit">{button}</button></form>'
+            '{after}', action=action, csrf=self.form_token(), controls=controls, button=button,
+            after=after)]), status, notice)
+
+    def sign_in_page(self, error="", email="", notice=""):
+        return self.form_page("Sign in", self.prefix + "/sign-in", (
+            ("email", "Email", "email", "username", email),
+            ("password", "Password", "password", "current-password", "")), "Sign in",
+            {"form": error} if error else None, bottle.response.status_code,
+            render(STORE_SIGN_IN_LINKS, prefix=self.prefix), notice)
+
+    def sign_in(self):
+        if not self.form_matches():
+            return self.refused_form()
+        return super().sign_in()
+
+    def front_page(self):
+        found, token = self.session()
+        if found is None:
+            return self.public_page("Welcome", render(
+                '<div class="card"><p>Welcome to the wholesale store of {store}. Sign in to see '
+                'prices and order, or register an account.</p><p><a class="button" '
+                'href="{p}/sign-in">Sign in</a> <a href="{p}/register">Register</a></p></div>',
+                store=self.site(), p=self.prefix))
+        visit = Visit(self, found, token)
+        customer = load_customer(visit.conn, visit.company_id, found["account_id"])
+        if customer["status"] != "ACTIVE":
+            return visit.page("Awaiting approval", render(
+                '<div class="card" role="status"><p>Your account awaits approval by {store}. '
+                'We will email you when it is approved; until then prices and ordering stay '
+                'closed.</p></div>', store=self.site()))
+        products = find_products(visit.conn, visit.company_id, {"active": "true"})["data"]
+        return visit.page("Catalog", table(("Product", "Unit", "Price"), [
+            (product["name"], product["unit"] or "", amount_text(money(product["price_cents"])))
+            for product in products], numeric=("Price",)))
+
+    def address_allowed(self):
+        """Registrations and reset requests of this client address within its share of the
+        per-address limit (ip_rate_limit; 0 is off)."""
+        limit = self.service.settings.ip_rate_limit
+        if limit <= 0:
+            return True
+        address = self.service.client_address(bottle.request.environ)
+        allowed, _, reset = self.service.windows.hit(
+            "store " + address, max(1, limit // STORE_FORMS_SHARE), self.clock())
+        if not allowed:
+            bottle.response.set_header("Retry-After", str(math.ceil(reset)))
+        return allowed
+
+    def too_many(self, title):
+        return self.public_page(title, render('<p class="alert" role="alert">{m}</p>',
+                                              m=RATE_LIMITED_PAGE), 429)
+
+    def register_page(self, errors=None, status=200):
+        form = bottle.request.forms.decode() if errors else {}
+        return self.form_page("Register", self.prefix + "/register", (
+            ("email", "Email", "email", "username", form.get("email", "")),
+            ("name", "Name (your business)", "text", "organization", form.get("name", "")),
+            ("password", f"Password (at least {PASSWORD_MIN} characters)", "password",
+             "new-password", "")), "Register", errors, status,
+            render('<p class="narrow">Have an account? <a href="{p}/sign-in">Sign in</a>.</p>',
+                   p=self.prefix))
+
+    def register(self):
+        if not self.form_matches():
+            return self.refused_form()
+        if not self.address_allowed():
+            return self.too_many("Register")
+        form = bottle.request.forms.decode()
+        try:
+            with self.service.db.write() as conn:
+                register_customer(conn, self.store()["slug"], form.get("email"),
+                                  form.get("name"), form.get("password", ""), self.now_ms())
+        except ApiError as error:
+            return self.register_page(form_errors(error), error.status)
+        return self.public_page("Check your email", render(
+            STORE_MAIL_SENT, email=form.get("email", "").strip(),
+            what="with a link that confirms the address"))
+
+    def reset_page(self, error=""):
+        return self.form_page("Set a password", self.prefix + "/reset", (
+            ("email", "Email", "email", "username", ""),), "Email me a link",
+            {"form": error} if error else None, bottle.response.status_code)
+
+    def request_reset(self):
+        if not self.form_matches():
+            return self.refused_form()
+        if not self.address_allowed():
+            return self.too_many("Set a password")
+        email = (bottle.request.forms.decode().get("email") or "").strip()
+        with self.service.db.write() as conn:
+            request_password_reset(conn, self.store()["slug"], email, self.now_ms())
+        return self.public_page("Check your email", render(
+            STORE_MAIL_SENT, email=email, what="with a link that sets your password"))
+
+    def new_password_page(self, token, errors=None, status=200):
+        if errors is None:
+            try:
+                account_link(self.service.db.conn, self.store()["id"], "reset", token,
+                             self.now_ms())
+            except ApiError as error:
+                bottle.response.status = error.status
+                return self.reset_page(error.message)
+        return self.form_page("Choose a password", f"{self.prefix}/reset/{token}", (
+            ("password", f"New password (at least {PASSWORD_MIN} characters)", "password",
+             "new-password", ""),), "Set password", errors, status)
+
+    def new_password(self, token):
+        if not self.form_matches():
+            return self.refused_form()
+        password = bottle.request.forms.decode().get("password", "")
+        try:
+            with self.service.db.write() as conn:
+                reset_password(conn, self.store()["slug"], token, password, self.now_ms())
+        except ApiError as error:
+            if error.message == LINK_EXPIRED:
+                bottle.response.status = error.status
+                return self.reset_page(error.message)
+            return self.new_password_page(token, form_errors(error), error.status)
+        self.set_session_cookie("", max_age=0)
+        return self.sign_in_page(notice=PASSWORD_SET)
+
+    def verify(self, token):
+        try:
+            with self.service.db.write() as conn:
+                verify_customer_email(conn, self.store()["slug"], token, self.now_ms())
+        except ApiError as error:
+            bottle.response.status = error.status
+            return self.reset_page(error.message)
+        return self.sign_in_page(notice=EMAIL_VERIFIED)
+
+
+@page("GET", "/store/<slug>/account")
+def account_page(visit):
+    customer = load_customer(visit.conn, visit.company_id, visit.session["account_id"])
+    prefix = visit.surface.prefix
+    return visit.page("Your account", join([
+        render('<div class="card"><p>Status: {tag}</p></div>', tag=status_tag(customer["status"])),
+        visit.form_tag(prefix + "/account", join([
+            visit.field("name", "Name", customer["name"], autocomplete="organization"),
+            render('<button type="submit">Save</button>')])),
+        visit.for_form(prefix + "/account/password", "password").form_tag(
+            prefix + "/account/password", join([
+                render("<h2>Password</h2>"),
+                visit.field("currentPassword", "Current password", kind="password",
+                            autocomplete="current-password"),
+                visit.field("password", f"New password (at least {PASSWORD_MIN} characters)",
+                            kind="password", autocomplete="new-password"),
+                render('<button type="submit">Change password</button>')]))]))
+
+
+@page("POST", "/store/<slug>/account", refused=account_page)
+def update_account_action(visit):
+    with visit.write() as conn:
+        update_customer(conn, visit.company_id, visit.session["account_id"],
+                        {"name": form_text(visit.form, "name")})
+    return redirect(visit.surface.prefix + "/account")
+
+
+@page("POST", "/store/<slug>/account/password", refused=account_page)
+def change_password_action(visit):
+    with visit.write() as conn:
+        change_customer_password(conn, visit.company_id, visit.session["account_id"],
+                                 visit.form.get("currentPassword"), visit.form.get("password", ""))
+    visit.surface.start_session(load_customer(visit.conn, visit.company_id,
+                                              visit.session["account_id"]))
+    return redirect(visit.surface.prefix + "/account")
+
+
+def install_storefront(app):
+    if not app.service.settings.storefront:
+        return
+    app.storefront = StoreSurface(app.service)
+    app.storefront.install(app)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -6707,6 +7323,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
     install_stripe_webhook(app)
     install_dashboard(app)
+    install_storefront(app)
     app.error_handler.update({
         404: _error_page(404, UNKNOWN_PATH),
         405: _error_page(405, METHOD_NOT_ALLOWED),
@@ -7072,7 +7689,7 @@ def cmd_company_create(conn, args):
 
 #: company-update's options and the company settings they change.
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
-                    ("reply_to", "reply_to"))
+                    ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"))
 
 
 def cmd_company_update(conn, args):
@@ -7195,6 +7812,9 @@ def demo(settings):
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
+        f"Storefront: http://{settings.host}:{settings.port}/store/{DEMO_SLUG}, sign in as "
+        f"{DEMO_BUYER_EMAIL} with the password (new on every run) {made['buyerPassword']}, "
+        "or register a buyer and approve it under the dashboard's Customers.",
         f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
         f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
         made["password"],
@@ -7233,6 +7853,8 @@ def build_parser():
                            help="take the client address from X-Forwarded-For")
     serve_cmd.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                            default=None, help="serve the API only, no /dashboard")
+    serve_cmd.add_argument("--no-storefront", dest="storefront", action="store_false",
+                           default=None, help="no storefronts at /store/{slug}")
     serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
                            help="with --trust-proxy: the proxy's IP address, or * for any "
                                 "peer (127.0.0.1)")
@@ -7259,6 +7881,9 @@ def build_parser():
     sub.add_argument("--reply-to", help="the Reply-To address of its emails ('' for none)")
     sub.add_argument("--staff-alerts", metavar="E1,E2",
                      help="addresses that get staff alerts, separated by commas ('' for none)")
+    sub.add_argument("--storefront-approval", metavar="|".join(STOREFRONT_APPROVALS),
+                     help="whether new storefront accounts wait for the staff's approval "
+                          "(required, the default) or are active at once (automatic)")
 
     sub = command("mail-test", None, "send one test email at once through the mail server "
                                      "and print its answer")
@@ -7397,7 +8022,7 @@ def main(argv=None):
     overrides = {"db_path": args.db, "smtp_url": args.smtp_url}
     if args.command in (None, "serve"):
         for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard",
+                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard", "storefront",
                      "stripe_webhook_secrets", "base_url"):
             overrides[name] = getattr(args, name, None)
     try:

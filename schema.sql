@@ -15,7 +15,8 @@ CREATE TABLE IF NOT EXISTS companies (
     stripe_customer_id  TEXT,               -- the company as Stripe's customer (cus_...)
     mail_name           TEXT,               -- the display name of its emails' From (default: name)
     reply_to            TEXT,               -- the Reply-To of its emails
-    staff_alerts        TEXT                -- JSON array of the addresses that get staff alerts
+    staff_alerts        TEXT,               -- JSON array of the addresses that get staff alerts
+    storefront_approval TEXT NOT NULL DEFAULT 'required'  -- or 'automatic': new buyers ACTIVE at once
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -284,6 +285,26 @@ CREATE TABLE IF NOT EXISTS staff_sessions (
 );
 CREATE INDEX IF NOT EXISTS staff_sessions_of_staff ON staff_sessions (staff_id);
 
+-- A signed-in storefront buyer, as staff_sessions for staff (the cookie is scoped to its store).
+CREATE TABLE IF NOT EXISTS customer_sessions (
+    token_hash    TEXT PRIMARY KEY,
+    customer_id   TEXT NOT NULL REFERENCES customers(id) ON DELETE CASCADE,
+    created_at    TEXT NOT NULL,
+    last_seen_at  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS customer_sessions_of_customer ON customer_sessions (customer_id);
+
+-- The tokens of emailed storefront links (verify an address, set a password): only their
+-- SHA-256 is kept; a link is used once, and using one ends every older link of its customer.
+CREATE TABLE IF NOT EXISTS customer_tokens (
+    token_hash   TEXT PRIMARY KEY,
+    customer_id  TEXT NOT NULL REFERENCES customers(id) ON DELETE CASCADE,
+    purpose      TEXT NOT NULL CHECK (purpose IN ('verify', 'reset')),
+    created_at   TEXT NOT NULL,
+    expires_at   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS customer_tokens_of_customer ON customer_tokens (customer_id, created_at);
+
 -- Failed dashboard sign-ins, per email and per client address ("email:..." / "address:...").
 CREATE TABLE IF NOT EXISTS sign_in_failures (
     subject          TEXT PRIMARY KEY,
@@ -300,3 +321,4 @@ CREATE TABLE IF NOT EXISTS rate_windows (
     hits     INTEGER NOT NULL,
     PRIMARY KEY (subject, minute)
 ) WITHOUT ROWID;
+

@@ -2334,6 +2334,12 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                           "2026-01-01T00:00:00.000Z"))
         conn.execute("INSERT INTO sign_in_failures VALUES (?, 2, ?)",
                      ("email:staff@acme.example", "2026-01-01T00:00:00.000Z"))
+        conn.execute("INSERT INTO customer_sessions VALUES (?, ?, ?, ?)",
+                     ("a" * 64, customer["id"], "2026-01-01T00:00:00.000Z",
+                      "2026-01-01T00:00:00.000Z"))
+        conn.execute("INSERT INTO customer_tokens VALUES (?, ?, 'reset', ?, ?)",
+                     ("b" * 64, customer["id"], "2026-01-01T00:00:00.000Z",
+                      "2026-01-01T01:00:00.000Z"))
     subscribe(api, tenant, "https://hooks.example/orders", ["order.created"])
     body = {"customerId": customer["id"], "items": [{"productId": rice["id"], "quantity": 2}]}
     placed = api.post_json("/api/v1/orders", body, headers=with_key(tenant, "order-1"),
@@ -2351,7 +2357,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                 "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0,
                 "stripe_events": 0, "webhooks": 1, "events": 2, "deliveries": 2, "emails": 0,
                 "email_attempts": 0, "idempotency_keys": 1, "staff": 1, "staff_sessions": 2,
-                "sign_in_failures": 1, "rate_windows": 0}
+                "customer_sessions": 1, "customer_tokens": 1, "sign_in_failures": 1,
+                "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
     assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
     assert list(result["tables"]) == ordering.tables_in_order()
@@ -7211,7 +7218,7 @@ def stored_amounts(database):
 def back_to_schema_2(conn):
     """A database as version 2 left it: no Stripe customer, no Stripe events, invoice amounts in
     cents of every currency (as the invoice-paid command stored them), no mail settings, no
-    mail outbox."""
+    mail outbox, no storefront accounts."""
     for statement in ("DROP INDEX companies_by_stripe_customer",
                       "DROP INDEX invoices_by_company_newest", "DROP TABLE stripe_events",
                       "ALTER TABLE companies DROP COLUMN stripe_customer_id",
@@ -7219,7 +7226,9 @@ def back_to_schema_2(conn):
                       "amount_paid_cents", "DROP TABLE email_attempts", "DROP TABLE emails",
                       "ALTER TABLE companies DROP COLUMN mail_name",
                       "ALTER TABLE companies DROP COLUMN reply_to",
-                      "ALTER TABLE companies DROP COLUMN staff_alerts"):
+                      "ALTER TABLE companies DROP COLUMN staff_alerts",
+                      "ALTER TABLE companies DROP COLUMN storefront_approval",
+                      "DROP TABLE customer_sessions", "DROP TABLE customer_tokens"):
         conn.execute(statement)
     conn.engine.set_schema_version(conn, 2)
 
@@ -7243,7 +7252,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 3
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 4
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -7739,7 +7748,7 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
                        "cus_NffrFeUfNV2Hib")
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
-                "createdAt": printed["createdAt"]}
+                "storefrontApproval": "required", "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
     assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
@@ -8956,7 +8965,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 3
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 4
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -8971,7 +8980,7 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
                        "stripeCustomerId": None,
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
-                       "createdAt": updated["createdAt"]}
+                       "storefrontApproval": "required", "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "")
     assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
@@ -9103,3 +9112,610 @@ def test_email_retention_keeps_waiting_emails_and_five_per_company(app, tenant):
     left = [row["id"] for row in email_rows(tenant.db)]
     assert left == ids[3:]  # the five most recent finished, and the one still waiting
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM email_attempts").fetchone()[0] == 5
+
+
+# ---------------------------------------------------------------------------------------------
+# Storefront: buyers' accounts at /store/{slug}: registration with approval, sign-in, sessions,
+# password reset and set-password links (WebTest)
+# ---------------------------------------------------------------------------------------------
+
+BUYER_PASSWORD = "buyer password 12"
+
+
+def store_of(tenant):
+    return "/store/" + tenant.company["slug"]
+
+
+def store_visitor(app, **environ):
+    return webtest.TestApp(app, extra_environ=environ)
+
+
+def store_register(app, tenant, email, name="Corner Cafe", password=BUYER_PASSWORD,
+                   status=200, **environ):
+    page = store_visitor(app, **environ).get(store_of(tenant) + "/register")
+    form = main_form(page)
+    form["email"], form["name"], form["password"] = email, name, password
+    return form.submit(status=status)
+
+
+def store_sign_in(app, tenant, email, password=BUYER_PASSWORD, status=303, **environ):
+    """(the browser, the answer to its sign-in)."""
+    browser = store_visitor(app, **environ)
+    page = browser.get(store_of(tenant) + "/sign-in")
+    form = main_form(page)
+    form["email"], form["password"] = email, password
+    return browser, form.submit(status=status)
+
+
+def store_buyer(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
+    """A customer with a password, as the storefront's registration leaves one."""
+    with tenant.db.write() as conn:
+        customer = ordering.create_customer(conn, tenant.id, dict(fields, email=email),
+                                            source="storefront", password=BUYER_PASSWORD,
+                                            status=status)
+    return customer
+
+
+def account_emails(app, kind=None):
+    """(kind, address, data) of the emails queued, oldest first."""
+    rows = app.service.db.conn.execute(
+        "SELECT kind, to_address, data FROM emails ORDER BY created_at, id").fetchall()
+    return [(row["kind"], row["to_address"], json.loads(row["data"])) for row in rows
+            if kind is None or row["kind"] == kind]
+
+
+def emailed_path(app, kind):
+    return account_emails(app, kind)[-1][2]["path"]
+
+
+def without_secrets(page):
+    """A page's text without what differs between visits by design (CSRF tokens)."""
+    return re.sub(r'name="csrf" value="[0-9a-f]+"', 'name="csrf" value=""', page.text)
+
+
+def store_events(app, name):
+    return [json.loads(row["body"])["data"] for row in app.service.db.conn.execute(
+        "SELECT body FROM events WHERE name = ? ORDER BY created_at, id", (name,))]
+
+
+def watch_customers(api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["customer.created", "customer.updated"])
+
+
+def test_registration_makes_a_pending_customer_its_event_and_a_verification_email(
+        app, api, tenant):
+    watch_customers(api, tenant)
+    page = store_register(app, tenant, "new@cafe.example")
+    assert "Check your email" in page.text
+    customer = app.service.db.conn.execute("SELECT * FROM customers").fetchone()
+    assert (customer["status"], customer["email_verified"]) == ("PENDING", 0)
+    assert ordering.password_matches(BUYER_PASSWORD, customer["password_hash"])
+    assert store_events(app, "customer.created") == [{
+        "id": customer["id"], "email": "new@cafe.example", "name": "Corner Cafe",
+        "storeSlug": "acme-wholesale", "source": "storefront"}]
+    [(kind, address, data)] = account_emails(app)
+    assert (kind, address) == ("account_verify", "new@cafe.example")
+    assert re.fullmatch(r"/store/acme-wholesale/verify/[A-Za-z0-9_-]{43}", data["path"])
+    token = data["path"].rsplit("/", 1)[1]
+    assert app.service.db.conn.execute("SELECT token_hash FROM customer_tokens").fetchone()[0] \
+        == ordering.hash_key(token)
+    done = store_visitor(app).get(data["path"], status=200)
+    assert "your email address is confirmed" in done.text
+    assert app.service.db.conn.execute("SELECT email_verified FROM customers").fetchone()[0] == 1
+    again = store_visitor(app).get(data["path"], status=400)
+    assert "has expired or was already used" in again.text
+
+
+def test_registration_refuses_a_short_password_next_to_its_field_and_writes_nothing(app, tenant):
+    page = store_register(app, tenant, "new@cafe.example", password="x" * 11, status=400)
+    assert field_error(page, "password") == "must be at least 12 characters"
+    page = store_register(app, tenant, "not an address", status=400)
+    assert field_error(page, "email") == "Invalid email address."
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 0
+
+
+def test_register_answers_the_same_for_a_known_and_an_unknown_address(app, tenant):
+    store_buyer(app, tenant, "known@cafe.example")
+    known = store_register(app, tenant, "known@cafe.example")
+    unknown = store_register(app, tenant, "fresh@cafe.example")
+    assert known.status == unknown.status and known.headers == unknown.headers
+    assert known.body.replace(b"known@", b"fresh@") == unknown.body
+    assert [(kind, address) for kind, address, _ in account_emails(app)] == [
+        ("account_exists", "known@cafe.example"), ("account_verify", "fresh@cafe.example")]
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 2
+
+
+def test_sign_in_answers_the_same_for_a_wrong_email_a_wrong_password_and_a_blocked_buyer(
+        app, tenant):
+    store_buyer(app, tenant, "known@cafe.example")
+    store_buyer(app, tenant, "blocked@cafe.example", status="BLOCKED")
+    answers = [store_sign_in(app, tenant, email, password, status=401)[1] for email, password in
+               (("known@cafe.example", "wrong password 1"), ("nobody@cafe.example",
+                                                             BUYER_PASSWORD),
+                ("blocked@cafe.example", BUYER_PASSWORD))]
+    bodies = {without_secrets(answer).replace(email, "") for answer, email in zip(
+        answers, ("known@cafe.example", "nobody@cafe.example", "blocked@cafe.example"))}
+    assert len(bodies) == 1 and "Wrong email or password." in answers[0].text
+    assert all("Set-Cookie" not in answer.headers for answer in answers)
+
+
+def test_signed_out_forms_need_the_csrf_token_of_the_browsers_form_cookie(app, tenant):
+    store_buyer(app, tenant)
+    stranger = store_visitor(app)
+    page = stranger.get(store_of(tenant) + "/register")
+    assert "ordering_store_form" in page.headers["Set-Cookie"]
+    assert "Path=/store/acme-wholesale" in page.headers["Set-Cookie"]
+    forged = {"email": "forged@cafe.example", "name": "Forged", "password": BUYER_PASSWORD}
+    for path in ("/register", "/sign-in", "/reset", "/reset/sometoken"):
+        for csrf in ("", "0" * 64):
+            refused = store_visitor(app).post(store_of(tenant) + path, dict(forged, csrf=csrf),
+                                              status=403)
+            assert ordering.CSRF_REFUSED in refused.text
+        # a token of another browser's cookie is no better
+        stranger.reset()
+        refused = stranger.post(store_of(tenant) + path, dict(forged, csrf=csrf_of(page)),
+                                status=403)
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 1
+    assert account_emails(app) == []
+
+
+def test_reset_answers_the_same_for_a_known_and_an_unknown_address(app, tenant):
+    store_buyer(app, tenant, "known@cafe.example")
+    answers = []
+    for email in ("known@cafe.example", "fresh@cafe.example"):
+        page = store_visitor(app).get(store_of(tenant) + "/reset")
+        main_form(page)["email"] = email
+        answers.append(main_form(page).submit(status=200))
+    assert answers[0].body.replace(b"known@", b"fresh@") == answers[1].body
+    assert answers[0].headers == answers[1].headers
+    assert [(kind, address) for kind, address, _ in account_emails(app)] == [
+        ("account_reset", "known@cafe.example")]
+
+
+def request_reset(app, tenant, email, status=200, **environ):
+    page = store_visitor(app, **environ).get(store_of(tenant) + "/reset")
+    main_form(page)["email"] = email
+    return main_form(page).submit(status=status)
+
+
+def set_password_through(app, path, password, status=200):
+    page = store_visitor(app).get(path, status=200)
+    main_form(page)["password"] = password
+    return main_form(page).submit(status=status)
+
+
+def test_a_reset_link_works_once_sets_the_password_verifies_and_ends_every_session(
+        app, api, tenant):
+    watch_customers(api, tenant)
+    customer = store_buyer(app, tenant)
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    browser.get(store_of(tenant) + "/account", status=200)
+    request_reset(app, tenant, "buyer@cafe.example")
+    path = emailed_path(app, "account_reset")
+    short = set_password_through(app, path, "x" * 11, status=400)
+    assert field_error(short, "password") == "must be at least 12 characters"
+    done = set_password_through(app, path, "a new password 1")
+    assert "Your password is set" in done.text
+    assert browser.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
+    assert "has expired or was already used" in store_visitor(app).get(path, status=400).text
+    store_sign_in(app, tenant, "buyer@cafe.example", status=401)
+    store_sign_in(app, tenant, "buyer@cafe.example", "a new password 1")
+    row = app.service.db.conn.execute("SELECT email_verified FROM customers WHERE id = ?",
+                                      (customer["id"],)).fetchone()
+    assert row[0] == 1
+    assert account_emails(app)[-1][:2] == ("password_changed", "buyer@cafe.example")
+    assert store_events(app, "customer.updated") == []  # emailVerified is no field of it
+
+
+def test_a_reset_link_expires_after_an_hour_and_a_newer_used_one_voids_the_older(app, tenant):
+    store_buyer(app, tenant)
+    now = [time.time()]
+    app.storefront.clock = lambda: now[0]
+    paths = []
+    for _ in range(3):
+        request_reset(app, tenant, "buyer@cafe.example")
+        paths.append(emailed_path(app, "account_reset"))
+        now[0] += 1
+    first, second, third = paths
+    assert len(set(paths)) == 3
+    set_password_through(app, second, "a new password 1")
+    for used in (first, second):  # the one used, and the older one
+        assert "has expired or was already used" in store_visitor(app).get(used, status=400).text
+    now[0] += ordering.ACCOUNT_LINK_SECONDS - 2
+    store_visitor(app).get(third, status=200)  # newer than the one used, and not an hour old
+    now[0] += 1
+    assert "has expired" in store_visitor(app).get(third, status=400).text
+
+
+def test_reset_mail_is_throttled_per_address_of_email(app, tenant):
+    store_buyer(app, tenant)
+    for _ in range(ordering.ACCOUNT_MAILS_PER_HOUR + 2):
+        request_reset(app, tenant, "buyer@cafe.example")
+    assert len(account_emails(app, "account_reset")) == ordering.ACCOUNT_MAILS_PER_HOUR
+
+
+def test_registrations_and_reset_requests_are_throttled_per_client_address(database):
+    app = build_app(database, ip_rate_limit=ordering.STORE_FORMS_SHARE * 2)
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        environ = {"REMOTE_ADDR": "192.0.2.7"}
+        store_register(app, tenant, "a@cafe.example", **environ)
+        request_reset(app, tenant, "a@cafe.example", **environ)
+        refused = request_reset(app, tenant, "b@cafe.example", status=429, **environ)
+        assert "Too many requests" in refused.text and int(refused.headers["Retry-After"]) > 0
+        store_register(app, tenant, "c@cafe.example", status=429, **environ)
+        store_register(app, tenant, "c@cafe.example", REMOTE_ADDR="192.0.2.8")
+    finally:
+        app.service.close(grace=0)
+
+
+def test_an_api_created_customer_sets_its_password_through_the_reset_flow(app, api, tenant):
+    created = api.post_json("/api/v1/customers", {"email": "api@cafe.example", "name": "Api"},
+                            headers=tenant.headers, status=201).json["data"]
+    assert created["emailVerified"] is False
+    store_sign_in(app, tenant, "api@cafe.example", status=401)
+    request_reset(app, tenant, "api@cafe.example")
+    set_password_through(app, emailed_path(app, "account_reset"), BUYER_PASSWORD)
+    store_sign_in(app, tenant, "api@cafe.example")
+    fetched = api.get(f"/api/v1/customers/{created['id']}", headers=tenant.headers).json["data"]
+    assert fetched["emailVerified"] is True
+
+
+def test_staff_email_a_set_password_invitation_from_the_customers_page(app, tenant, browser):
+    customer = tenant.customer("invited@cafe.example", name="Invited")
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    answer = form_to(page, "/invite").submit(status=200)
+    assert "on its way to invited@cafe.example" in answer.text
+    [(kind, address, data)] = account_emails(app)
+    assert (kind, address, data["store"]) == ("account_invite", "invited@cafe.example",
+                                              "Acme Wholesale")
+    set_password_through(app, data["path"], BUYER_PASSWORD)
+    store_sign_in(app, tenant, "invited@cafe.example")
+
+
+def test_sessions_of_a_buyer_end_when_it_is_blocked_through_the_api_dashboard_or_command(
+        database, app, api, tenant, browser):
+    customer = store_buyer(app, tenant)
+    signed = [store_sign_in(app, tenant, "buyer@cafe.example")[0] for _ in range(3)]
+    for each in signed:
+        each.get(store_of(tenant) + "/account", status=200)
+
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "BLOCKED"},
+                   headers=tenant.headers, status=200)
+    store_sign_in(app, tenant, "buyer@cafe.example", status=401)
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "ACTIVE"},
+                   headers=tenant.headers, status=200)
+    for each in signed:  # ended, not merely refused while blocked
+        assert each.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
+
+    again, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    form_to(page, "/status", status="BLOCKED").submit(status=303)
+    form_to(browser.get(f"/dashboard/customers/{customer['id']}"), "/status",
+            status="ACTIVE").submit(status=303)
+    again.get(store_of(tenant) + "/account", status=303)
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customer_sessions").fetchone()[0] == 0
+
+
+def test_sign_out_ends_the_session_and_an_old_cookie_is_worth_nothing(app, tenant):
+    store_buyer(app, tenant)
+    browser, answer = store_sign_in(app, tenant, "buyer@cafe.example")
+    cookie = answer.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "Path=/store/acme-wholesale" in cookie
+    assert "samesite=lax" in cookie.lower()
+    token = browser.cookies["ordering_store_session"]
+    assert app.service.db.conn.execute("SELECT token_hash FROM customer_sessions").fetchone()[0] \
+        == ordering.hash_key(token)
+    page = browser.get(store_of(tenant) + "/account")
+    browser.post(store_of(tenant) + "/sign-out", {"csrf": csrf_of(page)}, status=303)
+    replay = store_visitor(app)
+    replay.set_cookie("ordering_store_session", token)
+    assert replay.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
+    _, second = store_sign_in(app, tenant, "buyer@cafe.example")
+    assert second.headers["Set-Cookie"] != cookie  # a new token at every sign-in
+
+
+def test_sign_out_needs_the_csrf_token_and_so_does_every_account_form(app, tenant):
+    store_buyer(app, tenant, name="Cafe")
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    for path, fields in (("/sign-out", {}), ("/account", {"name": "Forged"}),
+                         ("/account/password", {"currentPassword": BUYER_PASSWORD,
+                                                "password": "forged password"})):
+        refused = browser.post(store_of(tenant) + path, dict(fields, csrf="0" * 64),
+                               status=403)
+        assert ordering.CSRF_REFUSED in refused.text
+    browser.get(store_of(tenant) + "/account", status=200)
+    assert app.service.db.conn.execute("SELECT name FROM customers").fetchone()[0] == "Cafe"
+
+
+def test_a_password_change_ends_every_other_session_and_keeps_this_browser_signed_in(
+        app, tenant):
+    store_buyer(app, tenant)
+    other_browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    page = browser.get(store_of(tenant) + "/account")
+    form = form_to(page, "/account/password")
+    form["currentPassword"], form["password"] = "wrong password 1", "a new password 1"
+    refused = form.submit(status=400)
+    assert field_error(refused, "currentPassword") == ordering.CURRENT_PASSWORD_WRONG
+    form = form_to(refused, "/account/password")
+    form["currentPassword"], form["password"] = BUYER_PASSWORD, "a new password 1"
+    form.submit(status=303)
+    browser.get(store_of(tenant) + "/account", status=200)
+    other_browser.get(store_of(tenant) + "/account", status=303)
+    assert account_emails(app)[-1][:2] == ("password_changed", "buyer@cafe.example")
+
+
+def test_a_session_of_one_store_is_worth_nothing_in_another_and_emails_are_per_store(
+        app, tenant, other):
+    store_buyer(app, tenant, "same@cafe.example")
+    with other.db.write() as conn:
+        ordering.create_customer(conn, other.id, {"email": "same@cafe.example"},
+                                 source="storefront", password="other password 1")
+    store_sign_in(app, other, "same@cafe.example", status=401)  # its own password only
+    store_sign_in(app, other, "same@cafe.example", "other password 1")
+    browser, _ = store_sign_in(app, tenant, "same@cafe.example")
+    token = browser.cookies["ordering_store_session"]
+    elsewhere = store_visitor(app)
+    elsewhere.set_cookie("ordering_store_session", token)
+    assert elsewhere.get(store_of(other) + "/account", status=303).location.endswith(
+        store_of(other) + "/sign-in")
+
+
+def test_an_unknown_store_is_a_404_page(app, tenant):
+    for path in ("/store/nowhere", "/store/nowhere/sign-in", "/store/nowhere/register",
+                 "/store/nowhere/reset/abc", "/store/nowhere/account"):
+        page = store_visitor(app).get(path, status=404)
+        assert "There is no store at this address." in page.text
+        assert page.headers["X-Frame-Options"] == "DENY"
+
+
+def test_store_pages_send_the_security_headers_and_carry_the_companys_name(app, tenant):
+    page = store_visitor(app).get(store_of(tenant))
+    for name, value in ordering.SECURITY_HEADERS.items():
+        assert page.headers[name] == value
+    assert "<title>Welcome - Acme Wholesale</title>" in page.text
+    assert "ordering" not in page.html.find("title").get_text()
+
+
+def test_a_pending_buyer_signs_in_to_see_it_awaits_approval_and_no_prices(app, api, tenant,
+                                                                          browser):
+    watch_customers(api, tenant)
+    tenant.product("Rice 25kg", price_cents=4250)
+    store_register(app, tenant, "new@cafe.example")
+    buyer, answer = store_sign_in(app, tenant, "new@cafe.example")
+    front = answer.follow()
+    assert "awaits approval" in front.text and "42.50" not in front.text
+    customers = browser.get("/dashboard/customers")
+    assert "Awaiting approval" in customers.text
+    form_to(customers, "/status", status="ACTIVE").submit(status=303)
+    customer = app.service.db.conn.execute("SELECT * FROM customers").fetchone()
+    assert customer["status"] == "ACTIVE"
+    assert store_events(app, "customer.updated") == [{
+        "id": customer["id"], "email": "new@cafe.example", "name": "Corner Cafe",
+        "status": "ACTIVE", "previousStatus": "PENDING"}]
+    assert account_emails(app)[-1][:2] == ("account_approved", "new@cafe.example")
+    front = buyer.get(store_of(tenant))
+    assert "42.50" in front.text and "awaits approval" not in front.text
+
+
+def test_a_patch_to_active_through_the_api_approves_the_same_way(app, api, tenant):
+    watch_customers(api, tenant)
+    store_register(app, tenant, "new@cafe.example")
+    customer_id = app.service.db.conn.execute("SELECT id FROM customers").fetchone()[0]
+    api.patch_json(f"/api/v1/customers/{customer_id}", {"status": "ACTIVE"},
+                   headers=tenant.headers, status=200)
+    assert store_events(app, "customer.updated")[0]["previousStatus"] == "PENDING"
+    assert account_emails(app)[-1][:2] == ("account_approved", "new@cafe.example")
+
+
+def test_automatic_approval_through_company_update_and_the_settings_page(database, app, tenant,
+                                                                         browser):
+    assert tenant.db.conn.execute("SELECT storefront_approval FROM companies").fetchone()[0] \
+        == "required"
+    printed = cli_json(database, "company-update", tenant.id, "--storefront-approval",
+                       "automatic")
+    assert printed["storefrontApproval"] == "automatic"
+    store_register(app, tenant, "auto@cafe.example")
+    assert app.service.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "ACTIVE"
+    page = browser.get("/dashboard/settings")
+    assert main_form(page)["storefrontApproval"].value == "automatic"
+    main_form(page)["storefrontApproval"] = "required"
+    main_form(page).submit(status=303)
+    store_register(app, tenant, "manual@cafe.example")
+    assert app.service.db.conn.execute(
+        "SELECT status FROM customers WHERE email = 'manual@cafe.example'").fetchone()[0] \
+        == "PENDING"
+    cli_refuses(database, "company-update", tenant.id, "--storefront-approval", "sometimes",
+                message=ordering.STOREFRONT_APPROVAL_MESSAGE)
+
+
+def test_a_buyer_named_script_is_escaped_everywhere(app, tenant, browser):
+    name = "<script>alert(1)</script>"
+    store_register(app, tenant, "x@cafe.example", name=name)
+    buyer, answer = store_sign_in(app, tenant, "x@cafe.example")
+    for page in (buyer.get(store_of(tenant) + "/account"), browser.get("/dashboard/customers")):
+        assert name not in page.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+
+
+def test_failed_store_sign_ins_are_throttled_per_email(app, tenant):
+    store_buyer(app, tenant)
+    for _ in range(ordering.SIGN_IN_FREE_FAILURES):
+        store_sign_in(app, tenant, "buyer@cafe.example", "wrong password 1", status=401)
+    refused = store_sign_in(app, tenant, "buyer@cafe.example", status=429)[1]
+    assert "Too many failed sign-ins" in refused.text and refused.headers["Retry-After"]
+
+
+def test_store_sessions_end_when_idle_and_at_their_absolute_limit(app, tenant):
+    store_buyer(app, tenant)
+    now = [time.time()]
+    app.storefront.clock = lambda: now[0]
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    now[0] += app.service.settings.session_idle_seconds + 1
+    browser.get(store_of(tenant) + "/account", status=303)
+    now[0] = time.time()
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    for _ in range(app.service.settings.session_max_seconds // 3600):
+        now[0] += 3600
+        browser.get(store_of(tenant) + "/account", status=200)
+    now[0] += 3600
+    browser.get(store_of(tenant) + "/account", status=303)
+
+
+def test_the_storefront_can_be_turned_off(db_path):
+    app = build_app(db_path, storefront=False)
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        webtest.TestApp(app).get(store_of(tenant), status=404)
+    finally:
+        app.service.close(grace=0)
+    assert ordering.build_parser().parse_args(["serve", "--no-storefront"]).storefront is False
+
+
+@pytest.mark.sqlite_only
+def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        company = ordering.create_company(conn, "Old Co")
+        for statement in ("DROP TABLE customer_sessions", "DROP TABLE customer_tokens",
+                          "ALTER TABLE companies DROP COLUMN storefront_approval"):
+            conn.execute(statement)
+        conn.engine.set_schema_version(conn, 3)
+    database.close()
+    database = ordering.Database(str(db_path))
+    try:
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 4
+        assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
+                                     (company["id"],)).fetchone()[0] == "required"
+        assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
+    finally:
+        database.close()
+
+
+# Storefront in a real browser, with the real mail server ------------------------------------
+
+def emailed_link(mail, count, address, base):
+    """The link in the text of the count-th email to arrive, which must be to address."""
+    message = mail.wait_for(count)[count - 1]
+    assert message["to"] == [address]
+    text, _ = parts(message)
+    return re.search(re.escape(base) + r"/store/\S+", text).group(0)
+
+
+def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in_chromium(
+        tmp_path):
+    require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    mail = MailServer()
+    path = tmp_path / "store.db"
+    db = ordering.Database(str(path))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Chromium Foods")
+        ordering.create_staff(conn, company["id"], "staff@chromium.example", STAFF_PASSWORD)
+        ordering.create_product(conn, company["id"], name="Rice 25kg", price_cents=4250,
+                                stock=10)
+        key = ordering.create_api_key(conn, company["id"], ALL_SCOPES)
+    db.close()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process, _ = start_server(path, "--base-url", base, port=port, env={
+        "ORDERING_SMTP_URL": mail.url, "ORDERING_MAIL_FROM": MAIL_FROM})
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.implicitly_wait(5)
+    browser = Served.__new__(Served)  # its page helpers, on this server and driver
+    browser.driver, browser.base = driver, base
+    store = "/store/chromium-foods"
+
+    def send(action_end, **values):
+        form = browser.form(action_end)
+        browser.fill(form, **values)
+        browser.submit(form.find_element("css selector", "button[type=submit]"))
+
+    try:
+        browser.open(store + "/register")
+        send("/register", email="new@buyer.example", name="New Buyer",
+             password=BUYER_PASSWORD)
+        assert "Check your email" in driver.page_source
+        driver.get(emailed_link(mail, 1, "new@buyer.example", base))
+        assert "your email address is confirmed" in driver.page_source
+        send(store + "/sign-in", email="new@buyer.example", password=BUYER_PASSWORD)
+        assert "awaits approval" in driver.page_source and "42.50" not in driver.page_source
+
+        browser.open("/dashboard/sign-in")
+        send("/dashboard/sign-in", email="staff@chromium.example", password=STAFF_PASSWORD)
+        browser.open("/dashboard/customers")
+        assert "Awaiting approval" in driver.page_source
+        approve = [button for button in driver.find_elements("css selector", "button")
+                   if button.text == "Approve"]
+        assert len(approve) == 1
+        browser.submit(approve[0])
+        assert emailed_link(mail, 2, "new@buyer.example", base) == base + store
+
+        browser.open(store)
+        assert "42.50" in driver.page_source and "awaits approval" not in driver.page_source
+
+        status, created = http_request(port, "POST", "/api/v1/customers",
+                                       {"email": "api@buyer.example", "name": "Api Buyer"},
+                                       auth(key))
+        assert status == 201 and created["data"]["emailVerified"] is False
+        browser.open(store + "/reset")
+        send("/reset", email="api@buyer.example")
+        driver.get(emailed_link(mail, 3, "api@buyer.example", base))
+        send("", password="the api buyer password")
+        assert "Your password is set" in driver.page_source
+        assert mail.wait_for(4)[3]["to"] == ["api@buyer.example"]  # the password was changed
+        send(store + "/sign-in", email="api@buyer.example", password="the api buyer password")
+        assert "42.50" in driver.page_source
+        status, fetched = http_request(port, "GET", f"/api/v1/customers/{created['data']['id']}",
+                                       headers=auth(key))
+        assert fetched["data"]["emailVerified"] is True
+    finally:
+        driver.quit()
+        stop_server(process)
+        mail.close()
+
+
+def test_demo_prints_the_storefront_and_a_demo_buyers_sign_in_that_works(db_path):
+    for _ in range(2):  # a new password on every run
+        result = run_cli(db_path, "demo")
+        assert result.returncode == 0, result.stderr
+        [line] = [line for line in result.stdout.splitlines() if line.startswith("Storefront:")]
+        found = re.fullmatch(r"Storefront: http://127\.0\.0\.1:8080(/store/demo-wholesale), sign "
+                             r"in as (\S+) with the password \(new on every run\) (\S+), or "
+                             r"register a buyer and approve it under the dashboard's Customers\.",
+                             line)
+        assert found, line
+        path, email, password = found.groups()
+        app = build_app(db_path)
+        try:
+            browser = store_visitor(app)
+            page = browser.get(path + "/sign-in")
+            main_form(page)["email"], main_form(page)["password"] = email, password
+            assert main_form(page).submit(status=303).follow().status_int == 200
+            assert "Jasmine Rice 25kg" in browser.get(path).text
+        finally:
+            app.service.close(grace=0)
+
+
+def test_a_buyer_awaiting_approval_cannot_order(app, tenant):
+    product = tenant.product()
+    customer = store_buyer(app, tenant, status="PENDING")
+    with pytest.raises(ordering.ApiError, match="Customer awaits approval."):
+        with tenant.db.write() as conn:
+            ordering.storefront_place_order(conn, "acme-wholesale", customer["id"],
+                                            [{"productId": product["id"], "quantity": 1}])
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+
+
+def test_store_pages_are_titled_with_the_store_and_dashboard_pages_as_before(app, tenant,
+                                                                             browser):
+    store_buyer(app, tenant)
+    buyer, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    assert "<title>Your account - Acme Wholesale</title>" in buyer.get(
+        store_of(tenant) + "/account").text
+    assert "<title>Orders - ordering</title>" in browser.get("/dashboard/orders").text
