@@ -1708,6 +1708,37 @@ def test_expired_keys_are_forgotten_and_purged(app, api, tenant):
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM idempotency_keys").fetchone()[0] == 0
 
 
+def test_a_server_error_lets_go_of_the_key_so_a_retry_runs(api, tenant, monkeypatch):
+    real, failed = ordering.create_customer, []
+
+    def fail_once(*args, **kwargs):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("the disk went away")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ordering, "create_customer", fail_once)
+    body = {"email": "retry@example.com"}
+    broken = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "retry"),
+                           status=500)
+    assert broken.text == "Internal Server Error"
+    done = api.post_json("/api/v1/customers", body, headers=with_key(tenant, "retry"),
+                         status=201)
+    assert "Idempotent-Replayed" not in done.headers
+    assert done.json["data"]["email"] == "retry@example.com"
+
+
+def test_a_savepoint_undoes_only_its_own_part(tenant):
+    with tenant.db.write() as conn:
+        ordering.create_company(conn, "Kept Before")
+        with pytest.raises(ordering.ApiError):
+            with ordering.savepoint(conn):
+                ordering.create_company(conn, "Undone Inside")
+                raise ordering.ApiError(409, "refused")
+        ordering.create_company(conn, "Kept After")
+    names = {row[0] for row in tenant.db.conn.execute("SELECT name FROM companies")}
+    assert {"Kept Before", "Kept After"} <= names and "Undone Inside" not in names
+
+
 def test_same_key_from_eight_threads_places_one_order(app, tenant):
     product = tenant.product(stock=100)
     customer = tenant.customer()
@@ -8232,6 +8263,27 @@ def test_operation_ids_are_the_route_functions_named_as_operations():
     assert ordering.Api.create_customer is not ordering.create_customer
 
 
+def test_operations_that_take_an_id_refuse_another_companys_record(api, tenant, other):
+    hook = subscribe(api, tenant, "https://hooks.example.com/in", ["customer.created"])
+    mine = tenant.customer(email="mine@example.com")
+    theirs = other.customer(email="theirs@example.com")
+    with tenant.db.write() as conn:
+        for refused, message in (
+                (lambda: ordering.revoke_api_key(conn, other.id, tenant.key["id"]),
+                 "API key not found."),
+                (lambda: ordering.rotate_webhook_secret(conn, other.id, hook["id"]),
+                 "Webhook not found.")):
+            with pytest.raises(ordering.ApiError) as refusal:
+                refused()
+            assert (refusal.value.status, refusal.value.message) == (404, message)
+        assert ordering.customer_emails(conn, tenant.id, [mine["id"], theirs["id"]]) == {
+            mine["id"]: "mine@example.com"}
+    api.get("/api/v1/products", headers=tenant.headers, status=200)   # the key still works
+    stored = tenant.db.conn.execute("SELECT secret, old_secret FROM webhooks WHERE id = ?",
+                                    (hook["id"],)).fetchone()
+    assert (stored["secret"], stored["old_secret"]) == (hook["secret"], None)
+
+
 def test_an_earlier_releases_customer_password_hash_matches_nothing():
     earlier = ("pbkdf2_sha256$200000$00112233445566778899aabbccddeeff$"
                "0000000000000000000000000000000000000000000000000000000000000000")
@@ -9259,6 +9311,23 @@ def test_signed_out_forms_need_the_csrf_token_of_the_browsers_form_cookie(app, t
     assert account_emails(app) == []
 
 
+def test_a_browser_holding_its_form_cookie_still_needs_the_forms_token(app, tenant):
+    store_buyer(app, tenant)
+    browser = store_visitor(app)
+    page = browser.get(store_of(tenant) + "/register")
+    elsewhere = csrf_of(store_visitor(app).get(store_of(tenant) + "/register"))
+    forged = {"email": "forged@cafe.example", "name": "Forged", "password": BUYER_PASSWORD}
+    for path in ("/register", "/sign-in", "/reset", "/reset/sometoken"):
+        for csrf in ("", "0" * 64, elsewhere):
+            refused = browser.post(store_of(tenant) + path, dict(forged, csrf=csrf),
+                                   status=403)
+            assert ordering.CSRF_REFUSED in refused.text
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 1
+    assert account_emails(app) == []
+    browser.post(store_of(tenant) + "/register", dict(forged, csrf=csrf_of(page)), status=200)
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 2
+
+
 def test_reset_answers_the_same_for_a_known_and_an_unknown_address(app, tenant):
     store_buyer(app, tenant, "known@cafe.example")
     answers = []
@@ -9544,6 +9613,21 @@ def test_failed_store_sign_ins_are_throttled_per_email(app, tenant):
         store_sign_in(app, tenant, "buyer@cafe.example", "wrong password 1", status=401)
     refused = store_sign_in(app, tenant, "buyer@cafe.example", status=429)[1]
     assert "Too many failed sign-ins" in refused.text and refused.headers["Retry-After"]
+
+
+def test_failed_store_sign_ins_are_throttled_per_email_whatever_the_address(app, tenant):
+    store_buyer(app, tenant)
+    now = time.time()
+    app.storefront.clock = lambda: now
+    for number in range(ordering.SIGN_IN_FREE_FAILURES):
+        store_sign_in(app, tenant, "buyer@cafe.example", "wrong password 1", status=401,
+                      REMOTE_ADDR=f"10.9.0.{number}")
+    refused = store_sign_in(app, tenant, "buyer@cafe.example", status=429,
+                            REMOTE_ADDR="10.9.1.1")[1]
+    assert "Too many failed sign-ins. Try again in 2 seconds." in refused.text
+    assert refused.headers["Retry-After"] == "2"
+    store_sign_in(app, tenant, "other@cafe.example", "wrong password 1", status=401,
+                  REMOTE_ADDR="10.9.1.2")
 
 
 def test_store_sessions_end_when_idle_and_at_their_absolute_limit(app, tenant):
