@@ -290,12 +290,18 @@ class Settings:
         on (a wildcard address by this machine's name)."""
         if self.base_url:
             return self.base_url.rstrip("/")
-        host = socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+        host = this_host() if self.host in ("", "0.0.0.0", "::") else self.host
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
 #: The PRAGMA synchronous levels accepted; see README, Storage and durability.
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+@functools.lru_cache(maxsize=1)
+def this_host():
+    """This machine's name (a reverse lookup that can take seconds: asked once)."""
+    return socket.getfqdn()
 
 
 def _flag(text):
@@ -650,6 +656,15 @@ def savepoint(conn):
 
 #: Event IDs emitted by the transaction open on this thread (see emit()).
 _emitted = threading.local()
+
+
+def announce(outbox_id):
+    """Count an outbox row (an event, an email) among the IDs the open transaction emitted:
+    after its commit the outbox looks for work at once, and an operator command sends it
+    before it exits."""
+    pending = getattr(_emitted, "event_ids", None)
+    if pending is not None:
+        pending.append(outbox_id)
 
 
 # Schema and migrations -----------------------------------------------------------------------
@@ -2280,9 +2295,7 @@ def emit(conn, company_id, name, data):
     conn.executemany(
         "INSERT INTO deliveries (id, event_id, webhook_id, created_at) VALUES (?, ?, ?, ?)",
         [(new_id("dlv"), event_id, webhook_id, at) for webhook_id in targets])
-    pending = getattr(_emitted, "event_ids", None)
-    if pending is not None:
-        pending.append(event_id)
+    announce(event_id)
     return event_id
 
 
@@ -2301,16 +2314,10 @@ def queue_email(conn, company_id, kind, to_address, data, to_name=None):
         "queued_at, next_attempt_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (email_id, company_id, kind, to_address, to_name,
          plain(EMAIL_TEMPLATES[kind].subject, **data), json_text(data), at, at, at))
-    announce_email(email_id)
+    announce(email_id)
     return email_id
 
 
-def announce_email(email_id):
-    """Count an email among the IDs the open transaction emitted: after its commit the
-    outbox looks for work at once, and an operator command sends it before it exits."""
-    pending = getattr(_emitted, "event_ids", None)
-    if pending is not None:
-        pending.append(email_id)
 
 
 # Rows and tenancy ----------------------------------------------------------------------------
@@ -3258,7 +3265,7 @@ def send_email_again(conn, company_id, email_id):
     at = now_iso()
     conn.execute("UPDATE emails SET state = 'pending', queued_at = ?, next_attempt_at = ?, "
                  "finished_at = NULL WHERE id = ?", (at, at, email_id))
-    announce_email(email_id)
+    announce(email_id)
     return load_email(conn, company_id, email_id)
 
 
@@ -3356,6 +3363,7 @@ SIGN_IN_FREE_FAILURES = 3
 SIGN_IN_LOCKOUT_FAILURES = 10
 SIGN_IN_LOCKOUT_SECONDS = 15 * 60
 SIGN_IN_REFUSED = "Wrong email or password."
+SIGN_IN_THROTTLED = "Too many failed sign-ins. Try again in {seconds} seconds."
 
 
 def check_password(password):
@@ -6323,8 +6331,7 @@ class Surface:
         if wait > 0:
             bottle.response.status = 429
             bottle.response.set_header("Retry-After", str(math.ceil(wait)))
-            return self.sign_in_page(f"Too many failed sign-ins. Try again in "
-                                     f"{math.ceil(wait)} seconds.", email)
+            return self.sign_in_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)), email)
         account = find_account(db.conn, self.accounts, email, password, company_id)
         with db.write() as conn:
             if account is None:
@@ -7373,6 +7380,11 @@ class OverloadLog:
                     "(peak queue depth %d)", waited, max(now - since, 0.0), peak)
 
 
+#: The token of an emailed storefront link in a path: kept only hashed, never in a log line
+#: (whoever reads it could set the customer's password within the hour).
+_LINK_TOKEN = re.compile(r"^(/store/[^/]+/(?:reset|verify)/)[^/]+")
+
+
 class AccessLog:
     """One line per request on stderr. Lines are queued and written in batches by a thread of
     their own, so a request never waits on the terminal or a full pipe, and pays no logging
@@ -7399,7 +7411,8 @@ class AccessLog:
             return self.app(environ, start)
         finally:
             self.lines.append((started, client_ip(environ.get("REMOTE_ADDR")),
-                               environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"),
+                               environ.get("REQUEST_METHOD"),
+                               _LINK_TOKEN.sub(r"\1-", environ.get("PATH_INFO") or ""),
                                status[0], (time.time() - started) * 1000))
 
     def _write(self):

@@ -8284,6 +8284,27 @@ def test_operations_that_take_an_id_refuse_another_companys_record(api, tenant, 
     assert (stored["secret"], stored["old_secret"]) == (hook["secret"], None)
 
 
+def test_the_access_log_never_writes_an_emailed_links_token():
+    stream = io.StringIO()
+
+    def app(environ, start_response):
+        start_response("200 OK", [])
+        return [b""]
+    logged = ordering.AccessLog(app, stream)
+    try:
+        for path in ("/store/acme/reset/s3cretToken", "/store/acme/verify/s3cretToken",
+                     "/store/acme/sign-in"):
+            logged({"REQUEST_METHOD": "GET", "PATH_INFO": path, "REMOTE_ADDR": "127.0.0.1"},
+                   lambda *args: None)
+        logged.flush()
+    finally:
+        logged.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split('"')[1] for line in lines] == [
+        "GET /store/acme/reset/-", "GET /store/acme/verify/-", "GET /store/acme/sign-in"]
+    assert "s3cretToken" not in stream.getvalue()
+
+
 def test_an_earlier_releases_customer_password_hash_matches_nothing():
     earlier = ("pbkdf2_sha256$200000$00112233445566778899aabbccddeeff$"
                "0000000000000000000000000000000000000000000000000000000000000000")
