@@ -23,11 +23,15 @@ ones above it.
   7. Operations    what the business does, without HTTP: events (the catalog, emit() into
                    the outbox); email (queue_email(), written like an event); rows and
                    tenancy (load_row, the one "fetch or 404"); companies (and their
-                   settings); products; customers; orders; returns, refunds and invoices;
+                   settings); products; customers; customer prices (a customer's own, for
+                   storefront and dashboard orders); orders (and their status changes);
+                   returns, refunds and invoices (returns' lines);
                    billing (Stripe's events); webhook subscriptions; emails (what was sent,
                    sending again); API keys and idempotency; accounts and sessions (any kind
                    of account); storefront accounts (registration, emailed links, password
-                   reset); queries (the paginator, list filters, lookups); the demo;
+                   reset); queries (the paginator, list filters, lookups); storefront
+                   ordering (catalog, cart, quick order, reorder, addresses, checkout, a
+                   buyer's orders); the demo;
                    copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; webhooks (signing, address checks, the POST); email (SMTP,
@@ -88,6 +92,7 @@ import struct
 import sys
 import threading
 import time
+import unicodedata
 import urllib.parse
 
 import bottle
@@ -141,7 +146,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -725,6 +730,17 @@ MIGRATIONS = {
         "ALTER TABLE companies ADD COLUMN staff_alerts TEXT"),
     # The storefront: whether new buyers wait for approval (its tables come from schema.sql).
     4: ("ALTER TABLE companies ADD COLUMN storefront_approval TEXT NOT NULL DEFAULT 'required'",),
+    # Storefront ordering: an order's shipping address and checkout form, and the record of
+    # status changes, which begins with each order's placement and (for an order that has
+    # moved since) its status now: the steps between were not recorded.
+    5: ("ALTER TABLE orders ADD COLUMN shipping_address TEXT",
+        "ALTER TABLE orders ADD COLUMN checkout_token TEXT",
+        "INSERT INTO order_status_changes (id, order_id, from_status, to_status, source, "
+        "created_at) SELECT 'osc_' || substr(id, 5), id, NULL, 'SUBMITTED', source, created_at "
+        "FROM orders",
+        "INSERT INTO order_status_changes (id, order_id, from_status, to_status, source, "
+        "tracking_number, created_at) SELECT 'osc_' || substr(id, 5) || 'n', id, NULL, status, "
+        "NULL, tracking_number, updated_at FROM orders WHERE status <> 'SUBMITTED'"),
 }
 
 
@@ -1999,6 +2015,22 @@ LINK_EXPIRED = "This link has expired or was already used. Ask for a new one bel
 CURRENT_PASSWORD_WRONG = "is not the account's current password"
 CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
 CUSTOMER_PENDING = "Customer awaits approval."
+CUSTOMER_BLOCKED = "Customer is blocked."
+CART_EMPTY = "Your cart is empty."
+#: Characters a quick order's pasted or uploaded lines may hold at most.
+MAX_QUICK_ORDER = 20_000
+QUICK_ORDER_FORMAT = "line {n}: write a SKU and a quantity, such as GR-RICE-25 3"
+CART_FULL = f"must stay within {MAX_ORDER_LINES} products, what one order may hold"
+#: Saved shipping addresses a customer may keep.
+MAX_ADDRESSES = 20
+ADDRESSES_FULL = (f"must stay within {MAX_ADDRESSES} saved addresses: remove one on your "
+                  "account page")
+#: A shipping address's fields: (form and JSON name, label, most characters, required).
+ADDRESS_FIELDS = (("name", "Recipient", 200, True), ("line1", "Address", 200, True),
+                  ("line2", "Address line 2", 200, False), ("city", "City", 100, True),
+                  ("region", "Region or state", 100, False),
+                  ("postalCode", "Postal code", 20, True), ("country", "Country", 100, True))
+RETURN_NOT_SHIPPED = "Only a shipped or delivered order can be returned."
 RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
 PASSWORD_SET = "Your password is set. Sign in with it."
 EMAIL_VERIFIED = "Thank you: your email address is confirmed."
@@ -2239,6 +2271,11 @@ def return_json(row):
     return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
             "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
             "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
+
+
+def customer_price_json(customer_id, product_id, price_cents, updated_at):
+    return {"customerId": customer_id, "productId": product_id, "price": money(price_cents),
+            "updatedAt": updated_at}
 
 
 def staff_json(row):
@@ -2649,6 +2686,53 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
                            store_slug=store_slug, password=password)
 
 
+# Customer prices -----------------------------------------------------------------------------
+# A customer's own price for a product, set by staff (the dashboard's customer page, price-set
+# and price-clear). Storefront and dashboard orders use it; API orders use the catalog price,
+# as the spec says.
+
+def customer_prices_of(conn, customer_id, product_ids):
+    """{product ID: the customer's own price in cents}, for those of product_ids that have one."""
+    if not product_ids:  # PostgreSQL has no empty IN ()
+        return {}
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT product_id, price_cents FROM customer_prices WHERE customer_id = ? AND "
+        f"product_id IN ({','.join('?' * len(product_ids))})", [customer_id, *product_ids]))
+
+
+def set_customer_price(conn, company_id, customer_id, product_id, price_cents):
+    load_customer(conn, company_id, customer_id)
+    load_product(conn, company_id, product_id)
+    if not (isinstance(price_cents, int) and 0 <= price_cents <= MAX_AMOUNT_CENTS):
+        raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
+    at = now_iso()
+    conn.execute(
+        "INSERT INTO customer_prices (customer_id, product_id, company_id, price_cents, "
+        "updated_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (customer_id, product_id) DO UPDATE "
+        "SET price_cents = excluded.price_cents, updated_at = excluded.updated_at",
+        (customer_id, product_id, company_id, price_cents, at))
+    return customer_price_json(customer_id, product_id, price_cents, at)
+
+
+def clear_customer_price(conn, company_id, customer_id, product_id):
+    """The customer pays the catalog price again; clearing a price it does not have is no
+    error (cleared says whether there was one)."""
+    load_customer(conn, company_id, customer_id)
+    load_product(conn, company_id, product_id)
+    cleared = conn.execute("DELETE FROM customer_prices WHERE customer_id = ? AND product_id = ?",
+                           (customer_id, product_id)).rowcount
+    return {"customerId": customer_id, "productId": product_id, "cleared": cleared > 0}
+
+
+def price_list(conn, company_id, customer_id):
+    """The customer's own prices, each with its product (name, SKU, catalog price), by name."""
+    load_customer(conn, company_id, customer_id)
+    return conn.execute(
+        "SELECT p.id, p.name, p.sku, p.price_cents AS catalog_cents, p.is_active, "
+        "c.price_cents, c.updated_at FROM customer_prices c JOIN products p ON p.id = "
+        "c.product_id WHERE c.customer_id = ? ORDER BY p.name, p.id", (customer_id,)).fetchall()
+
+
 # Orders --------------------------------------------------------------------------------------
 
 #: The dashboard's stricter workflow; the API itself enforces only the CANCELLED lock.
@@ -2725,10 +2809,12 @@ def parse_order_request(body):
     return customer_id, lines, po_number, notes
 
 
-def place_order(conn, company_id, body, source="api"):
-    """POST /api/v1/orders in the spec's processing order. The write lock the caller's
-    transaction holds makes the stock check and the decrement one step: stock never goes
-    below zero."""
+def place_order(conn, company_id, body, source="api", shipping_address=None,
+                checkout_token=None):
+    """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
+    storefront's orders, which take the customer's own prices where there are any (API orders
+    never do). The write lock the caller's transaction holds makes the stock check and the
+    decrement one step: stock never goes below zero."""
     customer_id, lines, po_number, notes = parse_order_request(body)
     load_customer(conn, company_id, customer_id)
     wanted = {}
@@ -2749,15 +2835,20 @@ def place_order(conn, company_id, body, source="api"):
         if product["stock"] < quantity:
             raise ApiError(400, INSUFFICIENT_STOCK.format(
                 name=product["name"], N=max(product["stock"], 0), M=quantity))
-    total = sum(products[product_id]["price_cents"] * quantity for product_id, quantity in lines)
+    prices = {product_id: product["price_cents"] for product_id, product in products.items()}
+    if source != "api":
+        prices.update(customer_prices_of(conn, customer_id, ids))
+    total = sum(prices[product_id] * quantity for product_id, quantity in lines)
     if total > MAX_CENTS:
         raise invalid("items", "order total is too large")
     order_id, at = new_id_at("ord")
     conn.execute(
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
-        "source, created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?)",
-        (order_id, company_id, customer_id, po_number, notes, total, source, at, at))
-    items = [(new_id("oi"), quantity, products[product_id]["price_cents"], product_id,
+        "source, shipping_address, checkout_token, created_at, updated_at) "
+        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?)",
+        (order_id, company_id, customer_id, po_number, notes, total, source,
+         shipping_address and json_text(shipping_address), checkout_token, at, at))
+    items = [(new_id("oi"), quantity, prices[product_id], product_id,
               products[product_id]["name"], products[product_id]["sku"])
              for product_id, quantity in lines]
     conn.executemany(
@@ -2768,6 +2859,7 @@ def place_order(conn, company_id, body, source="api"):
          in enumerate(items)])
     conn.executemany("UPDATE products SET stock = stock - ?, updated_at = ? WHERE id = ?",
                      [(quantity, at, product_id) for product_id, quantity in wanted.items()])
+    record_status_change(conn, order_id, None, "SUBMITTED", source, None, at)
     order = order_json((order_id, "SUBMITTED", po_number, notes, total, at, at, customer_id,
                         None, None, None), items)
     if source == "api":
@@ -2784,20 +2876,43 @@ def place_order(conn, company_id, body, source="api"):
     return order
 
 
-def storefront_place_order(conn, store_slug, customer_id, items, po_number=None, notes=None):
+def storefront_place_order(conn, store_slug, customer_id, items, po_number=None, notes=None,
+                           shipping_address=None, checkout_token=None):
     """An order placed for a customer of the storefront (order.created carries the storefront
-    shape, with itemCount and no items). A blocked customer cannot order there, nor one
-    awaiting approval."""
+    shape, with itemCount and no items), at the customer's own prices. A blocked customer
+    cannot order there, nor one awaiting approval."""
     company = company_by_slug(conn, store_slug)
     status = load_customer(conn, company["id"], customer_id)["status"]
     if status == "BLOCKED":
-        raise ApiError(403, "Customer is blocked.")
+        raise ApiError(403, CUSTOMER_BLOCKED)
     if status == "PENDING":
         raise ApiError(403, CUSTOMER_PENDING)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
-    order = place_order(conn, company["id"], body, source="storefront")
+    order = place_order(conn, company["id"], body, "storefront", shipping_address,
+                        checkout_token)
     queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)
     return order
+
+
+def record_status_change(conn, order_id, from_status, to_status, source, tracking_number, at):
+    conn.execute(
+        "INSERT INTO order_status_changes (id, order_id, from_status, to_status, source, "
+        "tracking_number, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (new_id("osc"), order_id, from_status, to_status, source, tracking_number, at))
+
+
+def status_changes(conn, company_id, order_id):
+    """The order's status changes, oldest first, from its placement on (see
+    order_status_changes in schema.sql)."""
+    load_order(conn, company_id, order_id)
+    return conn.execute("SELECT * FROM order_status_changes WHERE order_id = ? "
+                        "ORDER BY created_at, id", (order_id,)).fetchall()
+
+
+def shipping_address_of(order_row):
+    """The address an order ships to ({field: text}), or None (API and dashboard orders)."""
+    text = order_row["shipping_address"]
+    return json.loads(text) if text else None
 
 
 def queue_order_emails(conn, company, customer, order):
@@ -2863,9 +2978,10 @@ def parse_status_update(body, templates):
     return status, {"carrier": carrier, "number": number, "url": url}
 
 
-def update_order_status(conn, company_id, order_id, status, tracking=None):
+def update_order_status(conn, company_id, order_id, status, tracking=None, source="api"):
     """The API's rule: any status to any status, except out of CANCELLED. Tracking, once set,
-    stays through later transitions. Cancelling touches neither stock nor returns."""
+    stays through later transitions. Cancelling touches neither stock nor returns. source
+    (api or dashboard) is recorded with the change."""
     before = load_order(conn, company_id, order_id)
     if before["status"] == "CANCELLED":
         raise ApiError(422, ORDER_CANCELLED)
@@ -2880,6 +2996,8 @@ def update_order_status(conn, company_id, order_id, status, tracking=None):
                      (status, at, order_id))
     order = order_with_items(conn, company_id, order_id)
     previous = before["status"]
+    record_status_change(conn, order_id, previous, status, source,
+                         order["tracking"] and order["tracking"]["number"], at)
     emit(conn, company_id, "order.status_changed", dict(order, previousStatus=previous))
     summary = {"id": order_id, "previousStatus": previous, "total": order["total"],
                "customerId": order["customerId"]}
@@ -2903,7 +3021,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
         if current == "CANCELLED":
             raise ApiError(422, ORDER_CANCELLED)
         raise ApiError(422, f"The dashboard does not move an order from {current} to {status}.")
-    return update_order_status(conn, company_id, order_id, status, tracking)
+    return update_order_status(conn, company_id, order_id, status, tracking, "dashboard")
 
 
 # Returns, refunds and invoices ---------------------------------------------------------------
@@ -2912,31 +3030,86 @@ def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
 
 
-def open_return(conn, company_id, order_id, reason, item_count=None, actor=None):
-    """A return opened by a customer (actor None) or from the dashboard (actor 'staff')."""
+def open_return(conn, company_id, order_id, reason, item_count=None, actor=None, lines=None,
+                customer_id=None):
+    """A return opened by a customer (actor None) or from the dashboard (actor 'staff').
+
+    lines, {order item ID: units}, are what goes back (itemCount is then their number), each
+    at most the units of the line not already in another return of the order; without lines,
+    item_count says how many of the order's lines go back (the older form, which records no
+    lines). customer_id is the buyer opening it at the storefront: the order must be theirs,
+    and shipped or delivered."""
     order = load_order(conn, company_id, order_id)
+    if customer_id is not None:
+        if order["customer_id"] != customer_id:
+            raise not_found("Order")
+        if order["status"] not in ("SHIPPED", "DELIVERED"):
+            raise ApiError(422, RETURN_NOT_SHIPPED)
     reason = (reason or "").strip()
     shortest, longest = RETURN_REASON_LENGTH
     if not shortest <= len(reason) <= longest:
         raise invalid("reason", f"must be {shortest} to {longest} characters")
     if actor not in (None, "staff"):
         raise invalid("actor", "must be staff or absent")
-    lines = conn.execute("SELECT COUNT(*) FROM order_items WHERE order_id = ?",
-                         (order_id,)).fetchone()[0]
-    item_count = lines if item_count is None else item_count
-    if not 1 <= item_count <= lines:
-        raise invalid("itemCount", f"must be 1 to {lines}, the order's line items")
+    returnable = returnable_units(conn, order_id)
+    if lines is not None:
+        if not lines:
+            raise invalid("lines", "choose at least one line and how many of its units go back")
+        for item_id, units in lines.items():
+            if item_id not in returnable:
+                raise invalid("lines", f"{item_id} is not a line of this order")
+            name, left = returnable[item_id]
+            if not isinstance(units, int) or not 1 <= units <= left:
+                raise invalid("lines", f"at most {left} units of {name} can go back" if left
+                              else f"every unit of {name} is already in a return")
+        item_count = len(lines)
+    elif item_count is None:
+        item_count = len(returnable)
+    if not 1 <= item_count <= len(returnable):
+        raise invalid("itemCount", f"must be 1 to {len(returnable)}, the order's line items")
     return_id, at = new_id_at("ret")
     conn.execute(
         "INSERT INTO returns (id, company_id, order_id, customer_id, status, reason, item_count, "
         "actor, created_at, updated_at) VALUES (?, ?, ?, ?, 'REQUESTED', ?, ?, ?, ?, ?)",
         (return_id, company_id, order_id, order["customer_id"], reason, item_count, actor, at, at))
+    conn.executemany("INSERT INTO return_lines (return_id, order_item_id, quantity) "
+                     "VALUES (?, ?, ?)", [(return_id, item_id, units)
+                                          for item_id, units in (lines or {}).items()])
     payload = {"id": return_id, "orderId": order_id, "customerId": order["customer_id"],
                "itemCount": item_count, "reason": reason, "status": "REQUESTED"}
     if actor:
         payload["actor"] = actor
     emit(conn, company_id, "return.created", payload)
     return load_return(conn, company_id, return_id)
+
+
+def returnable_units(conn, order_id):
+    """{order item ID: (product name, units not yet in a return of the order)}."""
+    return {row[0]: (row[1], row[2] - row[3]) for row in conn.execute(
+        "SELECT i.id, p.name, i.quantity, COALESCE((SELECT SUM(l.quantity) FROM return_lines l "
+        "WHERE l.order_item_id = i.id), 0) FROM order_items i JOIN products p ON p.id = "
+        "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,))}
+
+
+def returns_of_order(conn, company_id, order_id):
+    """The order's returns, oldest first, each with its refund's amount (None before it)."""
+    return conn.execute(
+        "SELECT r.*, f.amount_cents FROM returns r LEFT JOIN refunds f ON f.return_id = r.id "
+        "WHERE r.order_id = ? AND r.company_id = ? ORDER BY r.created_at, r.id",
+        (order_id, company_id)).fetchall()
+
+
+def return_lines_of(conn, return_ids):
+    """{return ID: [(product name, SKU, units)]} for these returns (in order line order)."""
+    lines = collections.defaultdict(list)
+    if return_ids:  # PostgreSQL has no empty IN ()
+        for row in conn.execute(
+                "SELECT l.return_id, p.name, p.sku, l.quantity FROM return_lines l JOIN "
+                "order_items i ON i.id = l.order_item_id JOIN products p ON p.id = i.product_id "
+                f"WHERE l.return_id IN ({','.join('?' * len(return_ids))}) "
+                "ORDER BY l.return_id, i.position", list(return_ids)):
+            lines[row[0]].append(tuple(row[1:]))
+    return lines
 
 
 def _move_return(conn, company_id, return_id, from_status, to_status):
@@ -3829,14 +4002,281 @@ def order_search(conn, company_id, text):
             [text, text + chr(0x10FFFF)])
 
 
-def order_history(conn, company_id, order_id):
-    """The order's status changes, oldest first, as its order.status_changed events recorded
-    them (events are kept when a webhook subscribes to them)."""
-    return [json.loads(row[0])["data"] | {"at": row[1]} for row in conn.execute(
-        "SELECT body, created_at FROM events WHERE company_id = ? AND name = "
-        f"'order.status_changed' AND {conn.engine.json_field('body', 'data.id')} = ? "
-        "ORDER BY created_at, id",
-        (company_id, order_id))]
+# Storefront ordering -------------------------------------------------------------------------
+# What a signed-in buyer does at the store (see Web pages, Storefront): the catalog at their
+# own prices, a cart kept on the server, quick order by SKU, reorder, saved addresses, checkout
+# (one order per checkout form, however often it is sent), their orders and returns. Only an
+# ACTIVE customer orders; a buyer's order of another customer is "not found", as another
+# company's is.
+
+def require_buyer(conn, company_id, customer_id):
+    """The customer, who may order: neither blocked nor awaiting approval."""
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["status"] == "BLOCKED":
+        raise ApiError(403, CUSTOMER_BLOCKED)
+    if customer["status"] == "PENDING":
+        raise ApiError(403, CUSTOMER_PENDING)
+    return customer
+
+
+#: How a buyer sees stock: never the count, which is the company's business.
+STOCK_LEVELS = ("In stock", "Low stock", "Out of stock")
+
+
+def stock_level(product):
+    """Low at or below the product's low-stock threshold (never, without one)."""
+    if product["stock"] <= 0:
+        return STOCK_LEVELS[2]
+    threshold = product["low_stock_threshold"]
+    return STOCK_LEVELS[1] if threshold is not None and product["stock"] <= threshold \
+        else STOCK_LEVELS[0]
+
+
+def catalog(conn, company_id, customer_id, query):
+    """A page of the store's active products (search, category, cursor, limit) and
+    {product ID: the customer's price in cents}."""
+    result = find_products(conn, company_id, {
+        name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
+        "active": "true"})
+    prices = {row["id"]: row["price_cents"] for row in result["data"]}
+    prices.update(customer_prices_of(conn, customer_id, list(prices)))
+    return result, prices
+
+
+def store_categories(conn, company_id):
+    return [row[0] for row in conn.execute(
+        "SELECT DISTINCT category FROM products WHERE company_id = ? AND is_active = 1 AND "
+        "category IS NOT NULL ORDER BY category LIMIT ?", (company_id, CHOICES_SHOWN))]
+
+
+def store_product(conn, company_id, customer_id, product_id):
+    """(product, the customer's price in cents) of an active product; an inactive one is not
+    found, as at the API's order placement."""
+    product = load_product(conn, company_id, product_id)
+    if not product["is_active"]:
+        raise not_found("Product")
+    prices = customer_prices_of(conn, customer_id, [product_id])
+    return product, prices.get(product_id, product["price_cents"])
+
+
+def cart_of(conn, company_id, customer_id):
+    """The customer's cart at today's prices: {"lines": [{product, quantity, unitPrice,
+    lineTotal (cents), sold (false once the product is inactive)}], "total" (cents, of the
+    lines still sold)}."""
+    rows = conn.execute(
+        "SELECT p.*, c.quantity AS cart_quantity FROM cart_lines c JOIN products p ON p.id = "
+        "c.product_id WHERE c.customer_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
+        (customer_id, company_id)).fetchall()
+    prices = customer_prices_of(conn, customer_id, [row["id"] for row in rows])
+    lines = [{"product": row, "quantity": row["cart_quantity"],
+              "unitPrice": prices.get(row["id"], row["price_cents"]),
+              "lineTotal": prices.get(row["id"], row["price_cents"]) * row["cart_quantity"],
+              "sold": bool(row["is_active"])} for row in rows]
+    return {"lines": lines, "total": sum(line["lineTotal"] for line in lines if line["sold"])}
+
+
+def cart_quantity(value):
+    """A quantity as the order placement reads one, with its messages."""
+    if not is_number(value):
+        raise ApiError(400, QUANTITY_NOT_A_NUMBER)
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ApiError(400, QUANTITY_NOT_WHOLE)
+        value = int(value)
+    if value < 1:
+        raise ApiError(400, QUANTITY_TOO_SMALL)
+    if value > MAX_QUANTITY:
+        raise invalid("quantity", f"must be at most {MAX_QUANTITY}")
+    return value
+
+
+def add_to_cart(conn, company_id, customer_id, product_id, quantity):
+    """Put quantity more of an active product in the cart."""
+    require_buyer(conn, company_id, customer_id)
+    quantity = cart_quantity(quantity)
+    product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
+                           "is_active = 1", (product_id, company_id)).fetchone()
+    if product is None:
+        raise ApiError(400, PRODUCT_UNAVAILABLE.format(id=product_id))
+    line = conn.execute("SELECT quantity FROM cart_lines WHERE customer_id = ? AND "
+                        "product_id = ?", (customer_id, product_id)).fetchone()
+    if line is None:
+        lines = conn.execute("SELECT COUNT(*) FROM cart_lines WHERE customer_id = ?",
+                             (customer_id,)).fetchone()[0]
+        if lines >= MAX_ORDER_LINES:
+            raise invalid("cart", CART_FULL)
+        conn.execute("INSERT INTO cart_lines (customer_id, product_id, quantity, added_at) "
+                     "VALUES (?, ?, ?, ?)", (customer_id, product_id, quantity, now_iso()))
+    else:
+        set_cart_quantity(conn, company_id, customer_id, product_id, line[0] + quantity)
+    return product
+
+
+def set_cart_quantity(conn, company_id, customer_id, product_id, quantity):
+    """A cart line's new quantity; 0 removes the line (as does removing it)."""
+    load_customer(conn, company_id, customer_id)
+    if quantity == 0:
+        conn.execute("DELETE FROM cart_lines WHERE customer_id = ? AND product_id = ?",
+                     (customer_id, product_id))
+        return
+    quantity = cart_quantity(quantity)
+    if not conn.execute("UPDATE cart_lines SET quantity = ? WHERE customer_id = ? AND "
+                        "product_id = ?", (quantity, customer_id, product_id)).rowcount:
+        raise not_found("Cart line")
+
+
+def parse_quick_order(text):
+    """[(SKU, quantity)] from lines of "SKU quantity" (or "SKU,quantity", as a spreadsheet
+    saves them as CSV); blank lines and a first line "sku,quantity" are skipped."""
+    if len(text) > MAX_QUICK_ORDER:
+        raise invalid("lines", f"must be at most {MAX_QUICK_ORDER} characters")
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = [field.strip().strip('"') for field in re.split(r"[,;\t ]+", line.strip())]
+        fields = [field for field in fields if field]
+        if not fields or (number == 1 and [f.casefold() for f in fields] == ["sku", "quantity"]):
+            continue
+        if len(fields) != 2 or not re.fullmatch(r"\d{1,10}", fields[1]):
+            raise invalid("lines", QUICK_ORDER_FORMAT.format(n=number))
+        entries.append((fields[0], int(fields[1])))
+    if not entries:
+        raise invalid("lines", QUICK_ORDER_FORMAT.format(n=1))
+    return entries
+
+
+def quick_order(conn, company_id, customer_id, text):
+    """Lines of SKUs and quantities into the cart. Returns {"added": [(product, quantity)],
+    "unknown": [each SKU that names no active product of the store, once]}."""
+    require_buyer(conn, company_id, customer_id)
+    entries = parse_quick_order(text)
+    skus = list(dict.fromkeys(sku for sku, _ in entries))
+    found = {}
+    for row in conn.execute(
+            f"SELECT * FROM products WHERE company_id = ? AND is_active = 1 AND sku IN "
+            f"({','.join('?' * len(skus))}) ORDER BY created_at, id", [company_id, *skus]):
+        found.setdefault(row["sku"], row)  # a SKU two products share: the older one
+    added = []
+    for sku, quantity in entries:
+        if sku in found:
+            add_to_cart(conn, company_id, customer_id, found[sku]["id"], quantity)
+            added.append((found[sku], quantity))
+    return {"added": added, "unknown": [sku for sku in skus if sku not in found]}
+
+
+def buyer_order(conn, company_id, customer_id, order_id):
+    """One of the customer's own orders (whatever its source); another's is not found."""
+    order = load_order(conn, company_id, order_id)
+    if order["customer_id"] != customer_id:
+        raise not_found("Order")
+    return order
+
+
+def buyer_orders(conn, company_id, customer_id, query):
+    """A page of the customer's orders, newest first (status, cursor, limit)."""
+    return find_orders(conn, company_id, {name: query.get(name) for name in (
+        "status", "cursor", "limit")} | {"customerId": customer_id})
+
+
+def reorder(conn, company_id, customer_id, order_id):
+    """A past order's lines into the cart. Returns {"added": [(product, quantity)],
+    "skipped": [names of the products no longer sold]}."""
+    buyer_order(conn, company_id, customer_id, order_id)
+    added, skipped = [], []
+    for row in conn.execute(
+            "SELECT p.*, i.quantity AS ordered FROM order_items i JOIN products p ON p.id = "
+            "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,)).fetchall():
+        if row["is_active"]:
+            add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
+            added.append((row, row["ordered"]))
+        elif row["name"] not in skipped:
+            skipped.append(row["name"])
+    return {"added": added, "skipped": skipped}
+
+
+def parse_address(form):
+    """A shipping address from a form or a body: {field: text}, each field of ADDRESS_FIELDS
+    trimmed, on one line, within its length; every refusal at once."""
+    address, details = {}, []
+    for name, _, longest, required in ADDRESS_FIELDS:
+        value = form.get(name)
+        value = value.strip() if isinstance(value, str) else ""
+        if required and not value:
+            details.append({"field": name, "rule": "is required"})
+        elif len(value) > longest or any(unicodedata.category(c)[0] == "C" for c in value):
+            details.append({"field": name, "rule": f"must be at most {longest} characters "
+                                                   "on one line"})
+        address[name] = value or None
+    if details:
+        raise ApiError(400, VALIDATION_FAILED, details)
+    return address
+
+
+def customer_addresses(conn, customer_id):
+    """The customer's saved addresses, newest first, as rows."""
+    return conn.execute("SELECT * FROM addresses WHERE customer_id = ? ORDER BY created_at DESC, "
+                        "id DESC", (customer_id,)).fetchall()
+
+
+def address_of(row):
+    """A saved address row as {field: text}, the shape an order keeps."""
+    return {"name": row["name"], "line1": row["line1"], "line2": row["line2"],
+            "city": row["city"], "region": row["region"], "postalCode": row["postal_code"],
+            "country": row["country"]}
+
+
+def save_address(conn, customer_id, address):
+    """Save a new address (one already saved, field for field, is not saved twice)."""
+    rows = customer_addresses(conn, customer_id)
+    if any(address_of(row) == address for row in rows):
+        return
+    if len(rows) >= MAX_ADDRESSES:
+        raise invalid("address", ADDRESSES_FULL)
+    conn.execute(
+        "INSERT INTO addresses (id, customer_id, name, line1, line2, city, region, postal_code, "
+        "country, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (new_id("addr"), customer_id, address["name"], address["line1"], address["line2"],
+         address["city"], address["region"], address["postalCode"], address["country"],
+         now_iso()))
+
+
+def delete_address(conn, customer_id, address_id):
+    if not conn.execute("DELETE FROM addresses WHERE id = ? AND customer_id = ?",
+                        (address_id, customer_id)).rowcount:
+        raise not_found("Address")
+
+
+def checkout(conn, store_slug, customer_id, token, address_id=None, address=None,
+             po_number=None, notes=None):
+    """The cart becomes an order (storefront_place_order: stock, events and emails as for any
+    storefront order) shipped to a saved address (address_id) or a new one (address, then
+    saved), and the cart is emptied, in the caller's transaction. token is the checkout
+    form's: sent again, it finds the order it placed instead of placing another."""
+    company = company_by_slug(conn, store_slug)
+    if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9_-]{16,64}", token):
+        raise invalid("form", "is not a checkout form")
+    placed = conn.execute("SELECT id FROM orders WHERE customer_id = ? AND checkout_token = ?",
+                          (customer_id, token)).fetchone()
+    if placed is not None:
+        return order_with_items(conn, company["id"], placed["id"])
+    require_buyer(conn, company["id"], customer_id)
+    lines = cart_of(conn, company["id"], customer_id)["lines"]
+    if not lines:
+        raise ApiError(400, CART_EMPTY)
+    if address_id:
+        row = conn.execute("SELECT * FROM addresses WHERE id = ? AND customer_id = ?",
+                           (address_id, customer_id)).fetchone()
+        if row is None:
+            raise not_found("Address")
+        address = address_of(row)
+    else:
+        address = parse_address(address or {})
+        save_address(conn, customer_id, address)
+    order = storefront_place_order(
+        conn, store_slug, customer_id,
+        [{"productId": line["product"]["id"], "quantity": line["quantity"]} for line in lines],
+        po_number, notes, shipping_address=address, checkout_token=token)
+    conn.execute("DELETE FROM cart_lines WHERE customer_id = ?", (customer_id,))
+    return order
 
 
 # The demo ------------------------------------------------------------------------------------
@@ -6463,11 +6903,10 @@ def order_page(visit, order_id):
                   [("", "", "", render("<strong>Total</strong>"),
                     render("<strong>{t}</strong>", t=amount_text(order["total"])))],
                   numeric=("Quantity", "Unit price", "Line total"))
-    history = table(("When (UTC)", "From", "To", "Tracking"),
-                    [(order["createdAt"], "", "SUBMITTED", "")] +
-                    [(change["at"], change["previousStatus"], change["status"],
-                      change["tracking"]["number"] if change["tracking"] else "")
-                     for change in order_history(visit.conn, visit.company_id, order_id)])
+    history = table(("When (UTC)", "From", "To", "By", "Tracking"),
+                    [(change["created_at"], change["from_status"] or "", change["to_status"],
+                      change["source"] or "", change["tracking_number"] or "")
+                     for change in status_changes(visit.conn, visit.company_id, order_id)])
     actions = []
     for status in DASHBOARD_TRANSITIONS[order["status"]]:
         action = f"/dashboard/orders/{order_id}/status"
@@ -6494,8 +6933,6 @@ def order_page(visit, order_id):
     body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}</div>',
                                                            a=join(actions)),
                  render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
-                 render('<p class="muted">Status changes come from the order.status_changed '
-                        'events, which are kept while a webhook subscribes to them.</p>'),
                  open_return])
     return visit.page(f"Order {order_id}", body)
 

@@ -56,6 +56,7 @@ CREATE INDEX IF NOT EXISTS products_by_company_category_newest
     ON products (company_id, category, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS products_by_company_active_newest
     ON products (company_id, is_active, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS products_by_company_sku ON products (company_id, sku);   -- quick order
 
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,
@@ -79,6 +80,42 @@ CREATE INDEX IF NOT EXISTS customers_by_company_newest
 CREATE INDEX IF NOT EXISTS customers_by_company_status_newest
     ON customers (company_id, status, created_at DESC, id DESC);
 
+-- A customer's own price for a product: storefront and dashboard orders use it; orders placed
+-- through the API never do (the spec).
+CREATE TABLE IF NOT EXISTS customer_prices (
+    customer_id  TEXT NOT NULL REFERENCES customers(id),
+    product_id   TEXT NOT NULL REFERENCES products(id),
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    price_cents  INTEGER NOT NULL CHECK (price_cents >= 0),
+    updated_at   TEXT NOT NULL,
+    PRIMARY KEY (customer_id, product_id)
+) WITHOUT ROWID;
+
+-- A buyer's cart, kept on the server: it survives signing out and follows the buyer to
+-- another device. Prices are not kept: the cart shows them as they are now.
+CREATE TABLE IF NOT EXISTS cart_lines (
+    customer_id  TEXT NOT NULL REFERENCES customers(id),
+    product_id   TEXT NOT NULL REFERENCES products(id),
+    quantity     INTEGER NOT NULL CHECK (quantity >= 1),
+    added_at     TEXT NOT NULL,
+    PRIMARY KEY (customer_id, product_id)
+) WITHOUT ROWID;
+
+-- A buyer's saved shipping addresses (an order keeps its own copy of the one it ships to).
+CREATE TABLE IF NOT EXISTS addresses (
+    id           TEXT PRIMARY KEY,
+    customer_id  TEXT NOT NULL REFERENCES customers(id),
+    name         TEXT NOT NULL,             -- who receives the goods
+    line1        TEXT NOT NULL,
+    line2        TEXT,
+    city         TEXT NOT NULL,
+    region       TEXT,
+    postal_code  TEXT NOT NULL,
+    country      TEXT NOT NULL,
+    created_at   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS addresses_of_customer ON addresses (customer_id, created_at);
+
 CREATE TABLE IF NOT EXISTS orders (
     id               TEXT PRIMARY KEY,
     status           TEXT NOT NULL CHECK (status IN ('SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', 'CANCELLED')),
@@ -92,7 +129,9 @@ CREATE TABLE IF NOT EXISTS orders (
     tracking_number  TEXT,
     tracking_url     TEXT,
     company_id       TEXT NOT NULL REFERENCES companies(id),
-    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard'))
+    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard')),
+    shipping_address TEXT,              -- JSON: a copy of the address a storefront order ships to
+    checkout_token   TEXT               -- the checkout form's, so that a resubmitted form finds its order
 );
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at DESC, id DESC);
@@ -102,6 +141,22 @@ CREATE INDEX IF NOT EXISTS orders_by_company_customer_newest
     ON orders (company_id, customer_id, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS orders_by_company_po_number    -- the dashboard's search
     ON orders (company_id, po_number COLLATE NOCASE);
+CREATE UNIQUE INDEX IF NOT EXISTS orders_by_checkout ON orders (customer_id, checkout_token);
+
+-- Every status an order has had and where each change came from (api, dashboard or
+-- storefront; null for changes made before this record was kept): the storefront's timeline
+-- and the dashboard's history, whether or not a webhook subscribes to the events.
+CREATE TABLE IF NOT EXISTS order_status_changes (
+    id               TEXT PRIMARY KEY,
+    order_id         TEXT NOT NULL REFERENCES orders(id),
+    from_status      TEXT,              -- null: the order was placed
+    to_status        TEXT NOT NULL,
+    source           TEXT,
+    tracking_number  TEXT,              -- the order's tracking number after the change
+    created_at       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS order_status_changes_of_order
+    ON order_status_changes (order_id, created_at, id);
 
 CREATE TABLE IF NOT EXISTS order_items (
     id               TEXT PRIMARY KEY,
@@ -125,6 +180,17 @@ CREATE TABLE IF NOT EXISTS returns (
     created_at   TEXT NOT NULL,
     updated_at   TEXT NOT NULL
 );
+CREATE INDEX IF NOT EXISTS returns_by_company_newest ON returns (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS returns_of_order ON returns (order_id, created_at);
+
+-- The lines a return takes back and how many units of each (returns opened before lines were
+-- recorded have none: their item_count says how many lines).
+CREATE TABLE IF NOT EXISTS return_lines (
+    return_id      TEXT NOT NULL REFERENCES returns(id),
+    order_item_id  TEXT NOT NULL REFERENCES order_items(id),
+    quantity       INTEGER NOT NULL CHECK (quantity >= 1),
+    PRIMARY KEY (return_id, order_item_id)
+) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS refunds (
     id             TEXT PRIMARY KEY,

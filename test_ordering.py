@@ -2377,6 +2377,15 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                            status=201)
     place(api, tenant, [{"productId": tea["id"], "quantity": 1},
                         {"productId": rice["id"], "quantity": 3}], customer_id=customer["id"])
+    with app.service.db.write() as conn:
+        ordering.set_customer_price(conn, tenant.id, customer["id"], tea["id"], 350)
+        ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2)
+        ordering.add_to_cart(conn, tenant.id, customer["id"], tea["id"], 1)
+        ordering.save_address(conn, customer["id"], ordering.parse_address({
+            "name": "Dock 4", "line1": "1 Quay Street", "city": "Leith",
+            "postalCode": "EH6 6LX", "country": "GB"}))
+        ordering.open_return(conn, tenant.id, placed.json["data"]["id"], "Torn bag",
+                             lines={placed.json["data"]["items"][0]["id"]: 1})
     pages = {path: api.get(path, headers=tenant.headers).json
              for path in ("/api/v1/orders", "/api/v1/products", "/api/v1/customers")}
     app.service.close(grace=0)
@@ -2384,12 +2393,13 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
 
     result = cli_json(db_path, "copy-to", url)
 
-    expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1, "orders": 2,
-                "order_items": 3, "returns": 0, "refunds": 0, "invoices": 0,
-                "stripe_events": 0, "webhooks": 1, "events": 2, "deliveries": 2, "emails": 0,
-                "email_attempts": 0, "idempotency_keys": 1, "staff": 1, "staff_sessions": 2,
-                "customer_sessions": 1, "customer_tokens": 1, "sign_in_failures": 1,
-                "rate_windows": 0}
+    expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1,
+                "customer_prices": 1, "cart_lines": 2, "addresses": 1, "orders": 2,
+                "order_status_changes": 2, "order_items": 3, "returns": 1, "return_lines": 1,
+                "refunds": 0, "invoices": 0, "stripe_events": 0, "webhooks": 1, "events": 2,
+                "deliveries": 2, "emails": 0, "email_attempts": 0, "idempotency_keys": 1,
+                "staff": 1, "staff_sessions": 2, "customer_sessions": 1, "customer_tokens": 1,
+                "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
     assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
     assert list(result["tables"]) == ordering.tables_in_order()
@@ -7261,7 +7271,20 @@ def back_to_schema_2(conn):
                       "ALTER TABLE companies DROP COLUMN storefront_approval",
                       "DROP TABLE customer_sessions", "DROP TABLE customer_tokens"):
         conn.execute(statement)
+    back_to_schema_4(conn)
     conn.engine.set_schema_version(conn, 2)
+
+
+def back_to_schema_4(conn):
+    """A database as version 4 left it: no shipping addresses or checkout forms on orders, no
+    record of status changes, no customer prices, carts, saved addresses or return lines."""
+    for statement in ("DROP INDEX orders_by_checkout",
+                      "ALTER TABLE orders DROP COLUMN shipping_address",
+                      "ALTER TABLE orders DROP COLUMN checkout_token",
+                      "DROP TABLE order_status_changes", "DROP TABLE customer_prices",
+                      "DROP TABLE cart_lines", "DROP TABLE addresses", "DROP TABLE return_lines"):
+        conn.execute(statement)
+    conn.engine.set_schema_version(conn, 4)
 
 
 def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(database):
@@ -7283,7 +7306,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 4
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 5
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -9038,7 +9061,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 4
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 5
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -9682,6 +9705,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database = ordering.Database(str(db_path))
     with database.write() as conn:
         company = ordering.create_company(conn, "Old Co")
+        back_to_schema_4(conn)
         for statement in ("DROP TABLE customer_sessions", "DROP TABLE customer_tokens",
                           "ALTER TABLE companies DROP COLUMN storefront_approval"):
             conn.execute(statement)
@@ -9689,13 +9713,40 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 4
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 5
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
     finally:
         database.close()
 
+
+
+def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, tenant, database):
+    api = webtest.TestApp(app)
+    product = tenant.product(stock=10)
+    kept = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    moved = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{moved['id']}", {"status": "SHIPPED", "tracking": {
+        "carrier": "CARRIER_A", "number": "1Z999"}}, headers=tenant.headers, status=200)
+    with app.service.db.write() as conn:
+        back_to_schema_4(conn)
+    app.service.close(grace=0)
+    db = ordering.Database(str(database))
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 5
+        changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
+                                  row["tracking_number"])
+                                 for row in ordering.status_changes(db.conn, tenant.id,
+                                                                    order["id"])]
+                   for order in (kept, moved)}
+        assert changes == {kept["id"]: [(None, "SUBMITTED", "api", None)],
+                           moved["id"]: [(None, "SUBMITTED", "api", None),
+                                         (None, "SHIPPED", None, "1Z999")]}
+        assert db.conn.execute("SELECT COUNT(*) FROM orders WHERE shipping_address IS NULL AND "
+                               "checkout_token IS NULL").fetchone()[0] == 2
+    finally:
+        db.close()
 
 # Storefront in a real browser, with the real mail server ------------------------------------
 
