@@ -18,6 +18,7 @@ import os
 import pathlib
 import random
 import re
+import secrets
 import signal
 import socket
 import sqlite3
@@ -1540,6 +1541,243 @@ def test_racing_threads_never_oversell(app, tenant):
     assert tenant.stock(product["id"]) == 0
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 10
 
+
+
+# Storefront ordering's operations: a customer's prices, the cart, checkout, returns' lines ---
+# (the pages that call them are tested with the storefront, at the end)
+
+def buyer_rows(db):
+    """What a buyer's actions write: orders, cart lines, saved addresses, stock."""
+    return {table: [tuple(row) for row in db.conn.execute(f"SELECT * FROM {table} ORDER BY 1, 2")]
+            for table in ("orders", "order_items", "cart_lines", "addresses", "products",
+                          "events", "emails")}
+
+
+ADDRESS = {"name": "Corner Cafe", "line1": "1 Quay Street", "city": "Leith",
+           "postalCode": "EH6 6LX", "country": "GB"}
+
+
+def test_storefront_and_dashboard_orders_take_the_customers_price_and_api_orders_never(
+        app, tenant, database):
+    rice, tea = tenant.product("Rice", 1250), tenant.product("Tea", 400)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 999)
+    items = [{"productId": rice["id"], "quantity": 2}, {"productId": tea["id"], "quantity": 1}]
+    api_order = place(webtest.TestApp(app), tenant, items, customer["id"]).json["data"]
+    with tenant.db.write() as conn:
+        store = ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"],
+                                                items)
+        staff = ordering.place_order(conn, tenant.id, {"customerId": customer["id"],
+                                                       "items": items}, source="dashboard")
+    assert [item["unitPrice"] for item in api_order["items"]] == [12.5, 4]
+    assert api_order["total"] == 29
+    for order in (store, staff):
+        assert [item["unitPrice"] for item in order["items"]] == [9.99, 4]
+        assert order["total"] == 23.98
+    with tenant.db.write() as conn:  # frozen at placement
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 100)
+    assert webtest.TestApp(app).get(f"/api/v1/orders/{store['id']}", headers=tenant.headers
+                                    ).json["data"]["total"] == 23.98
+
+
+def test_a_customers_price_is_of_its_own_company(app, tenant, other, database):
+    mine, theirs = tenant.product(), other.product()
+    customer, stranger = tenant.customer(), other.customer()
+    with tenant.db.write() as conn:
+        for customer_id, product_id in ((customer["id"], theirs["id"]),
+                                        (stranger["id"], mine["id"])):
+            with pytest.raises(ordering.ApiError) as refused:
+                ordering.set_customer_price(conn, tenant.id, customer_id, product_id, 100)
+            assert refused.value.status == 404
+        with pytest.raises(ordering.ApiError) as refused:
+            ordering.set_customer_price(conn, tenant.id, customer["id"], mine["id"], -1)
+        assert refused.value.details == [{"field": "price",
+                                          "rule": "must be an amount from 0 to 10000000000"}]
+        assert ordering.clear_customer_price(conn, tenant.id, customer["id"], mine["id"]) == {
+            "customerId": customer["id"], "productId": mine["id"], "cleared": False}
+
+
+def test_checkout_places_one_order_per_form_however_often_it_is_sent(app, tenant, database):
+    rice = tenant.product(stock=5)
+    customer = tenant.customer()
+    slug, token = tenant.company["slug"], secrets.token_urlsafe(24)
+    with tenant.db.write() as conn:
+        ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2)
+        first = ordering.checkout(conn, slug, customer["id"], token, address=ADDRESS,
+                                  po_number="PO-7")
+    with tenant.db.write() as conn:
+        ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 1)
+        again = ordering.checkout(conn, slug, customer["id"], token, address=ADDRESS)
+    assert again == first and (first["poNumber"], first["items"][0]["quantity"]) == ("PO-7", 2)
+    assert tenant.stock(rice["id"]) == 3
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
+    row = tenant.db.conn.execute("SELECT * FROM orders").fetchone()
+    assert (row["source"], ordering.shipping_address_of(row)) == (
+        "storefront", dict(ADDRESS, line2=None, region=None))
+    assert [ordering.address_of(a) for a in ordering.customer_addresses(
+        tenant.db.conn, customer["id"])] == [dict(ADDRESS, line2=None, region=None)]
+    assert ordering.cart_of(tenant.db.conn, tenant.id, customer["id"])["lines"][0][
+        "quantity"] == 1  # what was added after the order stays for the next one
+
+
+@pytest.mark.parametrize("case", ["stock", "inactive", "empty", "address", "pending"])
+def test_a_refused_checkout_writes_nothing(app, tenant, database, case):
+    rice = tenant.product(stock=1)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        if case != "empty":
+            ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2 if case ==
+                                 "stock" else 1)
+    if case == "inactive":
+        tenant.update_product(rice["id"], is_active=False)
+    if case == "pending":
+        with tenant.db.write() as conn:
+            conn.execute("UPDATE customers SET status = 'PENDING' WHERE id = ?",
+                         (customer["id"],))
+    before = buyer_rows(tenant.db)
+    with pytest.raises(ordering.ApiError) as refused:
+        with tenant.db.write() as conn:
+            ordering.checkout(conn, tenant.company["slug"], customer["id"],
+                              secrets.token_urlsafe(24),
+                              address={} if case == "address" else ADDRESS)
+    expected = {
+        "stock": (400, 'Insufficient stock for product "Rice 25kg". Available: 1, requested: 2.'),
+        "inactive": (400, f'Product "{rice["id"]}" not found or is inactive.'),
+        "empty": (400, "Your cart is empty."),
+        "address": (400, "Validation failed."),
+        "pending": (403, "Customer awaits approval.")}[case]
+    assert (refused.value.status, refused.value.message) == expected
+    if case == "address":
+        assert [d["field"] for d in refused.value.details] == [
+            "name", "line1", "city", "postalCode", "country"]
+    assert buyer_rows(tenant.db) == before
+
+
+def test_quick_order_adds_known_skus_and_names_the_rest(app, tenant, database):
+    rice = tenant.product("Rice", sku="GR-RICE")
+    tea = tenant.product("Tea", sku="BV-TEA")
+    tenant.product("Old", sku="OLD-1", is_active=False)
+    customer = tenant.customer()
+    text = "sku,quantity\nGR-RICE 2\n\n\"BV-TEA\",3\nNOPE;1\nOLD-1\t4\nGR-RICE 1\n"
+    with tenant.db.write() as conn:
+        added = ordering.quick_order(conn, tenant.id, customer["id"], text)
+    assert [(p["sku"], n) for p, n in added["added"]] == [("GR-RICE", 2), ("BV-TEA", 3),
+                                                          ("GR-RICE", 1)]
+    assert added["unknown"] == ["NOPE", "OLD-1"]
+    cart = ordering.cart_of(tenant.db.conn, tenant.id, customer["id"])
+    assert [(line["product"]["id"], line["quantity"]) for line in cart["lines"]] == [
+        (rice["id"], 3), (tea["id"], 3)]
+    assert cart["total"] == 3 * 1250 + 3 * 1250
+
+
+@pytest.mark.parametrize("text, rule", [
+    ("GR-RICE", "line 1: write a SKU and a quantity, such as GR-RICE-25 3"),
+    ("GR-RICE 2\nGR-RICE two", "line 2: write a SKU and a quantity, such as GR-RICE-25 3"),
+    ("GR-RICE 2 3", "line 1: write a SKU and a quantity, such as GR-RICE-25 3"),
+    ("\n\n", "line 1: write a SKU and a quantity, such as GR-RICE-25 3"),
+    ("GR-RICE 0", "quantity must be at least 1"),
+    ("x 1\n" * 5001, "must be at most 20000 characters")],
+    ids=["no quantity", "a word for a quantity", "three fields", "blank", "zero", "too long"])
+def test_a_malformed_quick_order_adds_nothing(app, tenant, text, rule):
+    tenant.product("Rice", sku="GR-RICE")
+    customer = tenant.customer()
+    with pytest.raises(ordering.ApiError) as refused:
+        with tenant.db.write() as conn:
+            ordering.quick_order(conn, tenant.id, customer["id"], text)
+    assert (refused.value.details or [{"rule": refused.value.message}])[0]["rule"] == rule
+    assert ordering.cart_of(tenant.db.conn, tenant.id, customer["id"])["lines"] == []
+
+
+def test_a_cart_holds_what_one_order_may(app, tenant):
+    customer = tenant.customer()
+    products = [tenant.product(f"P{n}") for n in range(ordering.MAX_ORDER_LINES + 1)]
+    with tenant.db.write() as conn:
+        for product in products[:-1]:
+            ordering.add_to_cart(conn, tenant.id, customer["id"], product["id"], 1)
+    with pytest.raises(ordering.ApiError) as refused:
+        with tenant.db.write() as conn:
+            ordering.add_to_cart(conn, tenant.id, customer["id"], products[-1]["id"], 1)
+    assert refused.value.details == [
+        {"field": "cart", "rule": "must stay within 100 products, what one order may hold"}]
+    with tenant.db.write() as conn:  # more of a product already there is fine
+        ordering.add_to_cart(conn, tenant.id, customer["id"], products[0]["id"], 1)
+
+
+def test_reorder_puts_back_what_is_still_sold_and_names_the_rest(app, tenant, other, database):
+    rice, tea = tenant.product("Rice"), tenant.product("Tea")
+    customer, someone = tenant.customer(), tenant.customer()
+    with tenant.db.write() as conn:
+        past = ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"], [
+            {"productId": rice["id"], "quantity": 2}, {"productId": tea["id"], "quantity": 1}])
+    tenant.update_product(tea["id"], is_active=False)
+    with tenant.db.write() as conn:
+        again = ordering.reorder(conn, tenant.id, customer["id"], past["id"])
+        for stranger, company_id in ((someone["id"], tenant.id), (customer["id"], other.id)):
+            with pytest.raises(ordering.ApiError) as refused:
+                ordering.reorder(conn, company_id, stranger, past["id"])
+            assert (refused.value.status, refused.value.message) == (404, "Order not found.")
+    assert ([(p["id"], n) for p, n in again["added"]], again["skipped"]) == (
+        [(rice["id"], 2)], ["Tea"])
+
+
+def test_a_return_takes_at_most_the_units_not_yet_returned(app, tenant, receiver, database):
+    subscribe(webtest.TestApp(app), tenant, receiver.url, ["return.created"])
+    rice, tea = tenant.product("Rice"), tenant.product("Tea")
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"], [
+            {"productId": rice["id"], "quantity": 3}, {"productId": tea["id"], "quantity": 1}])
+    rice_line, tea_line = (item["id"] for item in order["items"])
+
+    def open_return(lines, customer_id=customer["id"]):
+        with tenant.db.write() as conn:
+            return ordering.open_return(conn, tenant.id, order["id"], "  Torn bags  ",
+                                        lines=lines, customer_id=customer_id)
+    with pytest.raises(ordering.ApiError) as refused:
+        open_return({rice_line: 1})
+    assert (refused.value.status, refused.value.message) == (
+        422, "Only a shipped or delivered order can be returned.")
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, order["id"], "SHIPPED")
+    first = open_return({rice_line: 2, tea_line: 1})
+    created = one(receiver, "return.created")["json"]["data"]
+    assert created == {"id": first["id"], "orderId": order["id"], "customerId": customer["id"],
+                       "itemCount": 2, "reason": "Torn bags", "status": "REQUESTED"}
+    for lines, rule in (({rice_line: 2}, "at most 1 units of Rice can go back"),
+                        ({tea_line: 1}, "every unit of Tea is already in a return"),
+                        ({rice_line: 0}, "at most 1 units of Rice can go back"),
+                        ({"oi_x": 1}, "oi_x is not a line of this order"),
+                        ({}, "choose at least one line and how many of its units go back")):
+        with pytest.raises(ordering.ApiError) as refused:
+            open_return(lines)
+        assert refused.value.details == [{"field": "lines", "rule": rule}]
+    with pytest.raises(ordering.ApiError) as refused:
+        open_return({rice_line: 1}, customer_id=tenant.customer()["id"])
+    assert (refused.value.status, refused.value.message) == (404, "Order not found.")
+    open_return({rice_line: 1})
+    assert ordering.return_lines_of(tenant.db.conn, [first["id"]]) == {
+        first["id"]: [("Rice", None, 2), ("Tea", None, 1)]}
+    assert {item: left for item, (_, left) in ordering.returnable_units(
+        tenant.db.conn, order["id"]).items()} == {rice_line: 0, tea_line: 0}
+
+
+def test_every_status_change_is_recorded_with_its_source(app, tenant, database):
+    customer = tenant.customer()
+    order = place(webtest.TestApp(app), tenant, [{"productId": tenant.product()["id"],
+                                                  "quantity": 1}], customer["id"]).json["data"]
+    webtest.TestApp(app).patch_json(f"/api/v1/orders/{order['id']}", {"status": "CONFIRMED"},
+                                    headers=tenant.headers, status=200)
+    with tenant.db.write() as conn:
+        ordering.dashboard_update_order_status(conn, tenant.id, order["id"], "SHIPPED", {
+            "carrier": "OTHER", "number": "PKG-1", "url": "https://track.example/PKG-1"})
+    changes = ordering.status_changes(tenant.db.conn, tenant.id, order["id"])
+    assert [(c["from_status"], c["to_status"], c["source"], c["tracking_number"])
+            for c in changes] == [(None, "SUBMITTED", "api", None),
+                                  ("SUBMITTED", "CONFIRMED", "api", None),
+                                  ("CONFIRMED", "SHIPPED", "dashboard", "PKG-1")]
+    assert changes[0]["created_at"] == order["createdAt"]
+    assert not tenant.db.conn.execute("SELECT COUNT(*) FROM events").fetchone()[0]
 
 # ---------------------------------------------------------------------------------------------
 # Idempotency-Key
