@@ -3430,8 +3430,8 @@ def email_attempts(conn, email_id):
 
 
 def send_email_again(conn, company_id, email_id):
-    """A failed or unsent email waits again, at once, with a new day of retries (its
-    Message-ID stays)."""
+    """A failed or unsent email waits again, at once, with retries of its own (backing off
+    from a minute again, for MAIL_RETRY_SECONDS; its Message-ID stays)."""
     row = load_email(conn, company_id, email_id)
     if row["state"] not in SENDABLE_AGAIN:
         raise ApiError(422, NOT_SENDABLE_AGAIN)
@@ -4454,7 +4454,8 @@ def _table_digest(db, table, columns):
 # send may take), batch (rows one send carries at most), clock() (the time its ready condition
 # and leases go by: tests move it), jobs(conn, ids) (the claimed rows, in sends of at most
 # batch rows, with what sending needs), send(db, job) (send one and record the outcome in its
-# rows) and prune(conn, before, batch) (one batch of retention). To add a channel, write such
+# rows), row_ids(job) (the rows a job holds: released if send fails unexpectedly) and
+# prune(conn, before, batch) (one batch of retention). To add a channel, write such
 # a class below and list it in outbox_channels().
 
 #: Rows retention deletes per subject (a webhook's log, events) in one write transaction, so
@@ -4597,6 +4598,19 @@ class Outbox:
             log.warning("%d %s claimed by %s, which is gone, are pending again",
                         released, channel.noun, ", ".join(dead))
 
+    def release(self, job):
+        """After a send failed unexpectedly: the job's rows that it left claimed wait again.
+        This process lives on, so no one else would take them before it restarts."""
+        channel, ids = job["channel"], job["channel"].row_ids(job)
+        try:
+            with self.db.write() as conn:
+                conn.execute(
+                    f"UPDATE {channel.table} SET state = 'pending', lease_until = NULL, "
+                    f"claimed_by = NULL WHERE state = 'sending' AND claimed_by = ? AND id IN "
+                    f"({','.join('?' * len(ids))})", [process_identity(), *ids])
+        except sqlite3.DatabaseError:  # the database itself fails: a restart releases them
+            log.exception("%s %s stay claimed", channel.noun, job["id"])
+
     def submit(self, jobs):
         with self.busy_changed:
             self.busy += len(jobs)
@@ -4660,6 +4674,7 @@ class Outbox:
                 job["channel"].send(self.db, job)
             except Exception:
                 log.exception("%s %s failed unexpectedly", job["channel"].noun, job["id"])
+                self.release(job)
             finally:
                 with self.busy_changed:
                     self.busy -= 1
@@ -4851,6 +4866,9 @@ class WebhookChannel:
 
     def prune(self, conn, before, batch):
         return prune_history(conn, before, batch)
+
+    def row_ids(self, job):
+        return [job["id"]]
 
     def send(self, db, job):
         body = job["body"].encode("utf-8")
@@ -5124,6 +5142,9 @@ class EmailChannel:
     def prune(self, conn, before, batch):
         return prune_emails(conn, before, batch)
 
+    def row_ids(self, job):
+        return [row["id"] for row in job["emails"]]
+
     def send(self, db, job):
         started = time.monotonic()
         now = iso(int(self.clock() * 1000))
@@ -5148,7 +5169,6 @@ class EmailChannel:
                 self.record(db, row, "deferred", str(error),
                             int((time.monotonic() - started) * 1000))
             return
-        index = 0
         try:
             for index, row in enumerate(emails):
                 if smtp.sock is None or (
@@ -5163,13 +5183,16 @@ class EmailChannel:
                     self.record(db, row, "failed", f"Not sent: the message cannot be built "
                                                    f"({type(error).__name__}: {error}).", 0)
                     continue
-                outcome, reply = transmit(smtp, self.settings.mail_from, row["to_address"],
-                                          message, utf8)
+                try:
+                    outcome, reply = transmit(smtp, self.settings.mail_from, row["to_address"],
+                                              message, utf8)
+                except Exception as error:
+                    # Counted as an attempt, so that an email that always fails this way backs
+                    # off and its retries end; the outbox releases the emails after it.
+                    self.record(db, row, "deferred", f"Not sent: {type(error).__name__}: "
+                                                     f"{error}", 0)
+                    raise
                 self.record(db, row, outcome, reply, int((time.monotonic() - sent_at) * 1000))
-        except Exception:
-            # This process lives on, so its claims would hold: what was not answered waits again.
-            self.release(db, emails[index:])
-            raise
         finally:
             if smtp.sock is not None:
                 try:
@@ -5182,8 +5205,11 @@ class EmailChannel:
         attempt (failed when that would come after its retries end)."""
         clock = self.clock()
         at, attempts, state, next_at = iso(int(clock * 1000)), row["attempts"] + 1, outcome, None
-        if outcome == "deferred":
-            next_at = iso(int((clock + mail_retry_delay(attempts)) * 1000))
+        if outcome == "deferred":  # backing off from the attempts since it began to wait
+            tried = db.conn.execute("SELECT COUNT(*) FROM email_attempts WHERE email_id = ? AND "
+                                    "attempted_at >= ?", (row["id"], row["queued_at"])
+                                    ).fetchone()[0] + 1
+            next_at = iso(int((clock + mail_retry_delay(tried)) * 1000))
             state = "pending"
             if next_at >= retries_end(row):
                 state = outcome = "failed"

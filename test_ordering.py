@@ -8922,6 +8922,75 @@ def test_4xx_replies_back_off_and_retries_end_after_two_days(mailed, mail):
         f"<{row['id']}@acme.example>"}
 
 
+def test_an_email_sent_again_backs_off_from_a_minute_again(mailed, mail):
+    clock = MailClock(mailed)
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    mail.data_replies.extend(["451 4.3.0 Try again later"] * 4)
+    shipped_order(api, tenant, tenant.customer())
+    for attempt in (1, 2, 3):
+        [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == attempt)
+        clock.move(ordering.mail_retry_delay(attempt), mailed)
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == 4)
+    with tenant.db.write() as conn:  # as if its retries had ended
+        conn.execute("UPDATE emails SET state = 'failed', next_attempt_at = '9999' WHERE id = ?",
+                     (row["id"],))
+        ordering.send_email_again(conn, tenant.id, row["id"])
+        conn.execute("UPDATE emails SET queued_at = ?",  # at the channel's time, moved ahead
+                     (ordering.iso(int(mail_channel(mailed).clock() * 1000)),))
+    mail.data_replies.append("451 4.3.0 Still busy")
+    clock.move(0, mailed)
+    [row] = wait_for_email(tenant.db, lambda rows: rows[0]["attempts"] == 5)
+    last = ordering.email_attempts(tenant.db.conn, row["id"])[-1]
+    assert (row["state"], last["reply"]) == ("pending", "DATA: 451 4.3.0 Still busy")
+    assert ordering.js_parse_date(row["next_attempt_at"]) - ordering.js_parse_date(
+        last["attempted_at"]) == 60_000
+
+
+def test_an_email_whose_sending_fails_unexpectedly_counts_an_attempt_and_backs_off(
+        mailed, mail, monkeypatch):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    transmit = ordering.transmit
+
+    def failing(smtp, sender, recipient, message, utf8):
+        if recipient == "first@example.com":
+            raise RuntimeError("a bug in sending")
+        return transmit(smtp, sender, recipient, message, utf8)
+    monkeypatch.setattr(ordering, "transmit", failing)
+    mailed.service.outbox.stop()
+    for address in ("first@example.com", "second@example.com"):
+        shipped_order(api, tenant, tenant.customer(email=address))
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE emails SET state = 'pending'")
+    mailed.service.outbox.stopping.clear()
+    mailed.service.outbox.start()
+    rows = wait_for_email(tenant.db, lambda rows: {r["to_address"]: r["state"] for r in rows}
+                          == {"first@example.com": "pending", "second@example.com": "sent"}
+                          and rows[0]["attempts"] == 1)
+    first = next(r for r in rows if r["to_address"] == "first@example.com")
+    assert (first["last_reply"], first["claimed_by"]) == (
+        "Not sent: RuntimeError: a bug in sending", None)
+    assert ordering.js_parse_date(first["next_attempt_at"]) - ordering.js_parse_date(
+        ordering.email_attempts(tenant.db.conn, first["id"])[0]["attempted_at"]) == 60_000
+    assert [m["to"] for m in mail.messages] == [["second@example.com"]]
+
+
+def test_rows_a_send_left_claimed_when_it_failed_unexpectedly_wait_again(mailed, mail,
+                                                                         monkeypatch):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    channel = mail_channel(mailed)
+    record, failures = channel.record, []
+
+    def record_once_failing(db, row, outcome, reply, duration_ms):
+        if not failures:
+            failures.append(row["id"])
+            raise sqlite3.OperationalError("disk I/O error")
+        return record(db, row, outcome, reply, duration_ms)
+    monkeypatch.setattr(channel, "record", record_once_failing)
+    shipped_order(api, tenant, tenant.customer())
+    # Still claimed by this process, which lives, it would wait for a restart.
+    [row] = wait_for_email(tenant.db, lambda rows: failures and rows[0]["state"] == "sent")
+    assert (row["attempts"], len(mail.messages)) == (1, 2)  # sent, not recorded: sent again
+
 def test_one_connection_carries_a_batch_of_emails(database, mail):
     quiet_app = build_app(database, deliver=False)
     api, tenant = webtest.TestApp(quiet_app), Tenant(quiet_app, "Acme Wholesale")
