@@ -2673,6 +2673,7 @@ def update_customer(conn, company_id, customer_id, body):
     emit(conn, company_id, "customer.updated", payload)
     if changed.get("status") == "BLOCKED":  # a blocked customer cannot sign in (spec)
         end_sessions(conn, CUSTOMERS, customer_id)
+        end_account_links(conn, customer_id, ("verify", "reset"))
     if before["status"] == "PENDING" and after["status"] == "ACTIVE":
         queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
     return after
@@ -3696,7 +3697,8 @@ def staff_account(conn, company_id, email):
 # What a visitor is shown never depends on whether an address has an account: the difference
 # is in the emails, which only the address's owner reads. An emailed link carries a random
 # token (256 bits) of which only the hash is kept; it works once, for ACCOUNT_LINK_SECONDS, and
-# using one ends every older link of its customer. Links are built on the base URL setting.
+# using one ends every other link of its kind that its customer has. A new password and a block
+# end the customer's password links. Links are built on the base URL setting.
 
 def queue_account_email(conn, company, customer, kind, path=""):
     """An email about a customer's account, with a link to path within its store."""
@@ -3726,18 +3728,22 @@ def issue_account_link(conn, customer, purpose, now_ms):
 
 
 def account_link(conn, company_id, purpose, token, now_ms, use=False):
-    """The customer of the store whose link this is; with use, the link and every older one of
-    that customer end. An unknown, used, expired or other store's link is LINK_EXPIRED."""
+    """The customer of the store whose link this is; with use, every link of this purpose of
+    that customer ends. An unknown, used, expired or other store's link is LINK_EXPIRED."""
     row = conn.execute(
-        "SELECT t.customer_id, t.created_at, t.expires_at FROM customer_tokens t JOIN customers c "
+        "SELECT t.customer_id, t.expires_at FROM customer_tokens t JOIN customers c "
         "ON c.id = t.customer_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
         (hash_key(token), purpose, company_id)).fetchone()
     if row is None or row["expires_at"] <= iso(now_ms):
         raise ApiError(400, LINK_EXPIRED)
     if use:
-        conn.execute("DELETE FROM customer_tokens WHERE customer_id = ? AND created_at <= ?",
-                     (row["customer_id"], row["created_at"]))
+        end_account_links(conn, row["customer_id"], (purpose,))
     return load_customer(conn, company_id, row["customer_id"])
+
+
+def end_account_links(conn, customer_id, purposes=("reset",)):
+    conn.execute(f"DELETE FROM customer_tokens WHERE customer_id = ? AND purpose IN "
+                 f"({','.join('?' * len(purposes))})", (customer_id, *purposes))
 
 
 def register_customer(conn, store_slug, email, name, password, now_ms):
@@ -3825,6 +3831,7 @@ def change_customer_password(conn, company_id, customer_id, current, password):
     if not password_matches(current or "", customer["password_hash"]):
         raise invalid("currentPassword", CURRENT_PASSWORD_WRONG)
     set_password(conn, CUSTOMERS, customer_id, password)
+    end_account_links(conn, customer_id)
     queue_account_email(conn, load_company(conn, company_id), customer, "password_changed",
                         "/reset")
 

@@ -361,7 +361,8 @@ CREATE TABLE IF NOT EXISTS customer_sessions (
 CREATE INDEX IF NOT EXISTS customer_sessions_of_customer ON customer_sessions (customer_id);
 
 -- The tokens of emailed storefront links (verify an address, set a password): only their
--- SHA-256 is kept; a link is used once, and using one ends every older link of its customer.
+-- SHA-256 is kept; a link is used once, and using one ends its customer's other links of its
+-- purpose.
 CREATE TABLE IF NOT EXISTS customer_tokens (
     token_hash   TEXT PRIMARY KEY,
     customer_id  TEXT NOT NULL REFERENCES customers(id) ON DELETE CASCADE,

@@ -9727,24 +9727,49 @@ def test_a_reset_link_works_once_sets_the_password_verifies_and_ends_every_sessi
     assert store_events(app, "customer.updated") == []  # emailVerified is no field of it
 
 
-def test_a_reset_link_expires_after_an_hour_and_a_newer_used_one_voids_the_older(app, tenant):
+def test_a_reset_link_expires_after_an_hour(app, tenant):
     store_buyer(app, tenant)
     now = [time.time()]
     app.storefront.clock = lambda: now[0]
+    request_reset(app, tenant, "buyer@cafe.example")
+    path = emailed_path(app, "account_reset")
+    now[0] += ordering.ACCOUNT_LINK_SECONDS - 1
+    store_visitor(app).get(path, status=200)
+    now[0] += 1
+    assert "has expired" in store_visitor(app).get(path, status=400).text
+
+
+def test_a_used_reset_link_voids_every_other_reset_link_older_or_newer(app, tenant):
+    store_buyer(app, tenant)
     paths = []
     for _ in range(3):
         request_reset(app, tenant, "buyer@cafe.example")
         paths.append(emailed_path(app, "account_reset"))
-        now[0] += 1
-    first, second, third = paths
     assert len(set(paths)) == 3
-    set_password_through(app, second, "a new password 1")
-    for used in (first, second):  # the one used, and the older one
-        assert "has expired or was already used" in store_visitor(app).get(used, status=400).text
-    now[0] += ordering.ACCOUNT_LINK_SECONDS - 2
-    store_visitor(app).get(third, status=200)  # newer than the one used, and not an hour old
-    now[0] += 1
-    assert "has expired" in store_visitor(app).get(third, status=400).text
+    set_password_through(app, paths[1], "a new password 1")
+    for path in paths:
+        assert "has expired or was already used" in store_visitor(app).get(path, status=400).text
+
+
+@pytest.mark.parametrize("change", ["password changed", "blocked"])
+def test_a_password_change_or_a_block_voids_the_reset_links_already_sent(app, tenant, change):
+    customer = store_buyer(app, tenant)
+    request_reset(app, tenant, "buyer@cafe.example")
+    path = emailed_path(app, "account_reset")
+    with tenant.db.write() as conn:
+        if change == "blocked":
+            ordering.update_customer(conn, tenant.id, customer["id"], {"status": "BLOCKED"})
+        else:
+            ordering.change_customer_password(conn, tenant.id, customer["id"], BUYER_PASSWORD,
+                                              "another password 2")
+    before = tenant.db.conn.execute("SELECT password_hash FROM customers").fetchone()[0]
+    assert "has expired or was already used" in store_visitor(app).get(path, status=400).text
+    with pytest.raises(ordering.ApiError) as refused:
+        with tenant.db.write() as conn:
+            ordering.reset_password(conn, tenant.company["slug"], path.rsplit("/", 1)[1],
+                                    "a new password 1", int(time.time() * 1000))
+    assert (refused.value.status, refused.value.message) == (400, ordering.LINK_EXPIRED)
+    assert tenant.db.conn.execute("SELECT password_hash FROM customers").fetchone()[0] == before
 
 
 def test_reset_mail_is_throttled_per_address_of_email(app, tenant):
