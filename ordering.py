@@ -1490,6 +1490,8 @@ def password_matches(password, stored):
     customer's hash from an earlier release (PBKDF2, which nothing ever read) is no password,
     and its customer sets one through the storefront's reset flow (see README)."""
     if not stored or not stored.startswith("scrypt$"):
+        # The same work as a real hash, or a stranger could tell such accounts by the time.
+        password_matches(password, _stand_in_hash())
         return False
     _, n, r, p, salt, digest = stored.split("$")
     candidate = hashlib.scrypt(password.encode("utf-8"), salt=bytes.fromhex(salt), n=int(n),
@@ -1499,8 +1501,8 @@ def password_matches(password, stored):
 
 @functools.lru_cache(maxsize=1)
 def _stand_in_hash():
-    """Checked against when no account has the email, so that a wrong email takes as long to
-    refuse as a wrong password."""
+    """Checked against when no account has the email, or its account no hash of this scheme,
+    so that either takes as long to refuse as a wrong password."""
     return hash_password(secrets.token_urlsafe(16))
 
 

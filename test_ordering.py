@@ -8566,12 +8566,20 @@ def test_the_access_log_never_writes_an_emailed_links_token():
     assert "s3cretToken" not in stream.getvalue()
 
 
-def test_an_earlier_releases_customer_password_hash_matches_nothing():
+def test_an_earlier_releases_customer_password_hash_matches_nothing_after_the_same_work(
+        monkeypatch):
     earlier = ("pbkdf2_sha256$200000$00112233445566778899aabbccddeeff$"
                "0000000000000000000000000000000000000000000000000000000000000000")
+    real = ordering.hash_password("a long password")
+    ordering._stand_in_hash()
+    scrypt, work = hashlib.scrypt, []
+    monkeypatch.setattr(ordering.hashlib, "scrypt", lambda *a, **k: work.append(k) or scrypt(
+        *a, **k))
     assert ordering.password_matches("anything at all", earlier) is False
     assert ordering.password_matches("anything at all", None) is False
-    assert ordering.password_matches("a long password", ordering.hash_password("a long password"))
+    assert ordering.password_matches("a long password", real)
+    assert [(w["n"], w["r"], w["p"]) for w in work] == [
+        (ordering.SCRYPT_N, ordering.SCRYPT_R, ordering.SCRYPT_P)] * 3
 
 
 # ---------------------------------------------------------------------------------------------
