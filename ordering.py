@@ -5068,6 +5068,16 @@ def _reply(code, text):
     return one_line(f"{code} {text}")[:MAX_LOGGED_BODY]
 
 
+def hang_up(smtp):
+    """QUIT; a connection the server dropped, or that fails at QUIT, is just closed (what was
+    sent was answered already)."""
+    if smtp.sock is not None:
+        try:
+            smtp.quit()
+        except (smtplib.SMTPException, OSError):
+            smtp.close()
+
+
 def transmit(smtp, sender, recipient, message, utf8):
     """One email over an open connection: ("sent", "deferred" or "failed", the server's
     reply). A 2xx is sent, a 5xx failed at once; anything else (a 4xx, a dropped connection)
@@ -5091,9 +5101,9 @@ def transmit(smtp, sender, recipient, message, utf8):
         return "deferred", f"The connection was lost at {step}: {error or 'closed'}."
     if code == 421:  # the server is closing the connection
         smtp.close()
-    elif not 200 <= code < 300 and step != "DATA":
-        try:
-            smtp.rset()  # the connection serves the next email of the batch
+    elif not 200 <= code < 300:
+        try:  # the connection serves the next email of the batch, a DATA refused before
+            smtp.rset()  # the message included (its MAIL and RCPT would still stand)
         except OSError:
             smtp.close()
     reply = _reply(code, text)
@@ -5203,11 +5213,7 @@ class EmailChannel:
                     raise
                 self.record(db, row, outcome, reply, int((time.monotonic() - sent_at) * 1000))
         finally:
-            if smtp.sock is not None:
-                try:
-                    smtp.quit()
-                except (smtplib.SMTPException, OSError):
-                    smtp.close()
+            hang_up(smtp)
 
     def record(self, db, row, outcome, reply, duration_ms):
         """An attempt and its reply; the email is then sent, failed, or waits for its next
@@ -5263,8 +5269,7 @@ def send_test_email(settings, to_address):
         message, utf8 = build_message(row, settings)
         outcome, reply = transmit(smtp, settings.mail_from, to_address, message, utf8)
     finally:
-        if smtp.sock is not None:
-            smtp.quit()
+        hang_up(smtp)
     if outcome != "sent":
         raise MailServerError(f"The mail server did not take the email: {reply}")
     return reply
