@@ -2389,8 +2389,9 @@ def load_row(conn, table, resource, company_id, row_id):
 
 
 #: The table of each kind of record an operator command may name by its ID alone.
-_TABLE_OF = {"Product": "products", "Order": "orders", "Return": "returns",
-             "Webhook": "webhooks", "API key": "api_keys", "Staff account": "staff"}
+_TABLE_OF = {"Product": "products", "Customer": "customers", "Order": "orders",
+             "Return": "returns", "Webhook": "webhooks", "API key": "api_keys",
+             "Staff account": "staff"}
 
 
 def company_of(conn, resource, row_id):
@@ -6901,7 +6902,9 @@ def new_order_page(visit):
                                              kind="number", min="1"))
                  for n in range(LINES_ON_NEW_ORDER))
     body = visit.form_tag("/dashboard/orders", join([
-        render('<p class="muted">Orders created here emit no order.created.</p>'),
+        render('<p class="muted">Orders created here emit no order.created. Each line takes '
+               'the customer\'s own price where one is set (on the customer\'s page), else '
+               'the catalog price.</p>'),
         visit.select("customerId", "Customer", customers), lines, visit.error("items"),
         visit.field("poNumber", "PO number"), visit.field("notes", "Notes", kind="textarea"),
         render('<button type="submit">Create order</button>')]))
@@ -6924,7 +6927,8 @@ def create_order_action(visit):
 
 @page("GET", "/dashboard/orders/<order_id>")
 def order_page(visit, order_id):
-    order = order_with_items(visit.conn, visit.company_id, order_id)
+    row = load_order(visit.conn, visit.company_id, order_id)
+    order = orders_with_items(visit.conn, [row])[0]
     customer = order["customerId"] and load_customer(visit.conn, visit.company_id,
                                                      order["customerId"])
     facts = render(
@@ -6945,7 +6949,8 @@ def order_page(visit, order_id):
                   numeric=("Quantity", "Unit price", "Line total"))
     history = table(("When (UTC)", "From", "To", "By", "Tracking"),
                     [(change["created_at"], change["from_status"] or "", change["to_status"],
-                      change["source"] or "", change["tracking_number"] or "")
+                      change["source"] or render('<span class="muted">not recorded</span>'),
+                      change["tracking_number"] or "")
                      for change in status_changes(visit.conn, visit.company_id, order_id)])
     actions = []
     for status in DASHBOARD_TRANSITIONS[order["status"]]:
@@ -6964,17 +6969,46 @@ def order_page(visit, order_id):
     if not actions:
         actions.append(render('<p class="muted">{s} is final: no further status.</p>',
                               s=order["status"]))
+    returnable = returnable_units(visit.conn, order_id)
     open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
         render("<h3>Open a return</h3>"),
         visit.field("reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
                     kind="textarea"),
-        visit.field("itemCount", "Line items returned (default: all)", kind="number", min="1"),
+        render('<div class="grid">{units}</div>', units=join(
+            visit.field(f"units.{item_id}", f"{name}: units going back (at most {left})",
+                        left, kind="number", min="0", max=left)
+            for item_id, (name, left) in returnable.items())),
+        visit.error("lines"),
         render('<button type="submit" class="secondary">Open return</button>')]))
-    body = join([facts, render("<h2>Status</h2>"), render('<div class="card">{a}</div>',
-                                                           a=join(actions)),
+    address = shipping_address_of(row)
+    ships_to = render('<h2>Ships to</h2><address class="card">{a}</address>', a=join(
+        render("{v}<br>", v=address[name]) for name, *_ in ADDRESS_FIELDS if address[name])) \
+        if address else ""
+    body = join([facts, ships_to, render("<h2>Status</h2>"),
+                 render('<div class="card">{a}</div>', a=join(actions)),
                  render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
-                 open_return])
+                 render("<h2>Returns</h2>"), order_returns(visit, order_id), open_return])
     return visit.page(f"Order {order_id}", body)
+
+
+def return_lines_text(lines, item_count):
+    """A return's lines as a cell shows them: product (SKU) and units, one a line; a return
+    opened before lines were recorded shows how many line items it named."""
+    if not lines:
+        return render('<span class="muted">{n} line item(s), units not recorded</span>',
+                      n=item_count)
+    return join(render("{name} ({sku}): {units}<br>", name=name, sku=sku or "-", units=units)
+                for name, sku, units in lines)
+
+
+def order_returns(visit, order_id):
+    returns = returns_of_order(visit.conn, visit.company_id, order_id)
+    lines = return_lines_of(visit.conn, [row["id"] for row in returns])
+    return table(("Return", "Opened (UTC)", "Status", "Reason", "Lines", "Refunded"), [
+        (row["id"], row["created_at"], status_tag(row["status"]), row["reason"],
+         return_lines_text(lines.get(row["id"]), row["item_count"]),
+         amount_text(money(row["amount_cents"])) if row["amount_cents"] is not None else "")
+        for row in returns], numeric=("Refunded",))
 
 
 @page("POST", "/dashboard/orders/<order_id>/status", refused=order_page)
@@ -7146,7 +7180,51 @@ def customer_page(visit, customer_id):
     edit = visit.form_tag(f"/dashboard/customers/{customer_id}", join([
         customer_fields(visit, dict(customer)), render('<button type="submit">Save</button>')]))
     orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
-    return visit.page(customer["email"], join([status, edit, render("<p>{o}</p>", o=orders)]))
+    return visit.page(customer["email"], join([status, edit, render("<p>{o}</p>", o=orders),
+                                               customer_prices_section(visit, customer_id)]))
+
+
+def customer_prices_section(visit, customer_id):
+    """The customer's own prices, each with its Remove button, and the form that sets one."""
+    path = f"/dashboard/customers/{customer_id}/prices"
+    rows = [(row["name"], row["sku"] or "", amount_text(money(row["catalog_cents"])),
+             amount_text(money(row["price_cents"])),
+             visit.button(f"{path}/{row['id']}/clear", "Remove", "secondary"))
+            for row in price_list(visit.conn, visit.company_id, customer_id)]
+    products = [("", "(choose)")] + [(product_id, f"{name} ({sku or '-'})")
+                                     for product_id, name, sku, _ in
+                                     product_choices(visit.conn, visit.company_id)]
+    form = visit.for_form(path, "price")
+    return join([
+        render('<h2 id="prices">Prices</h2><p class="muted">This customer\'s own prices: '
+               'orders placed at the storefront and here in the dashboard use them; orders '
+               'placed through the API always use the catalog price.</p>'),
+        table(("Product", "SKU", "Catalog price", "Their price", "Remove"), rows,
+              numeric=("Catalog price", "Their price")),
+        form.form_tag(path, join([
+            render("<h3>Set a price</h3>"),
+            render('<div class="grid">{p}{a}</div>', p=form.select("productId", "Product",
+                                                                 products),
+                   a=form.field("price", "Their price", inputmode="decimal")),
+            render('<button type="submit">Set price</button>')]))])
+
+
+@page("POST", "/dashboard/customers/<customer_id>/prices", refused=customer_page)
+def set_customer_price_action(visit, customer_id):
+    if not visit.form.get("productId"):
+        raise invalid("productId", "choose a product")
+    with visit.write() as conn:
+        set_customer_price(conn, visit.company_id, customer_id, visit.form["productId"],
+                           form_amount(visit.form, "price"))
+    return redirect(f"/dashboard/customers/{customer_id}#prices")
+
+
+@page("POST", "/dashboard/customers/<customer_id>/prices/<product_id>/clear",
+      refused=customer_page)
+def clear_customer_price_action(visit, customer_id, product_id):
+    with visit.write() as conn:
+        clear_customer_price(conn, visit.company_id, customer_id, product_id)
+    return redirect(f"/dashboard/customers/{customer_id}#prices")
 
 
 @page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
@@ -7178,6 +7256,7 @@ RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Ma
 @page("GET", "/dashboard/returns")
 def returns_page(visit):
     result = find_returns(visit.conn, visit.company_id, visit.filters())
+    lines = return_lines_of(visit.conn, [row["id"] for row in result["data"]])
     rows = []
     for row in result["data"]:
         action = f"/dashboard/returns/{row['id']}"
@@ -7198,9 +7277,10 @@ def returns_page(visit):
         else:
             next_step = ""
         rows.append((row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
-                     row["reason"], row["item_count"], status_tag(row["status"]), next_step))
+                     row["reason"], return_lines_text(lines.get(row["id"]), row["item_count"]),
+                     status_tag(row["status"]), next_step))
     body = join([
-        table(("Return", "Order", "Reason", "Items", "Status", "Next step"), rows),
+        table(("Return", "Order", "Reason", "Lines", "Status", "Next step"), rows),
         pager(visit, result, "/dashboard/returns"),
         render('<p class="muted">Open a return from its order\'s page.</p>')])
     return visit.page("Returns", body)
@@ -7208,9 +7288,11 @@ def returns_page(visit):
 
 @page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
 def open_return_action(visit, order_id):
+    units = {name[len("units."):]: form_int(visit.form, name, required=False)
+             for name in visit.form if name.startswith("units.")}
     with visit.write() as conn:
-        open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
-                    form_int(visit.form, "itemCount", required=False), actor="staff")
+        open_return(conn, visit.company_id, order_id, visit.form.get("reason"), actor="staff",
+                    lines={item_id: count for item_id, count in units.items() if count})
     return redirect("/dashboard/returns")
 
 
@@ -8217,20 +8299,44 @@ def cmd_storefront_register(conn, args):
                                              args.password))
 
 
+def _id_counts(texts, option, shape):
+    """[(ID, whole number)] from an option's ID:N values."""
+    pairs = []
+    for text in texts:
+        record_id, _, count = text.rpartition(":")
+        if not record_id or not count.isdigit():
+            raise invalid(option, f"must be {shape}")
+        pairs.append((record_id, int(count)))
+    return pairs
+
+
 def cmd_storefront_order(conn, args):
-    items = []
-    for text in args.item:
-        product_id, _, quantity = text.rpartition(":")
-        if not product_id or not quantity.isdigit():
-            raise invalid("item", "must be PRODUCT_ID:QUANTITY")
-        items.append({"productId": product_id, "quantity": int(quantity)})
+    items = [{"productId": product_id, "quantity": quantity} for product_id, quantity
+             in _id_counts(args.item, "item", "PRODUCT_ID:QUANTITY")]
     return storefront_place_order(conn, args.store, args.customer, items, args.po_number,
                                   args.notes)
 
 
+def cmd_price_set(conn, args):
+    return set_customer_price(conn, company_of(conn, "Customer", args.customer), args.customer,
+                              args.product, args.price)
+
+
+def cmd_price_clear(conn, args):
+    return clear_customer_price(conn, company_of(conn, "Customer", args.customer),
+                                args.customer, args.product)
+
+
 def cmd_return_open(conn, args):
+    lines = None
+    if args.line:
+        pairs = _id_counts(args.line, "line", "ORDER_ITEM_ID:UNITS")
+        lines = dict(pairs)
+        if len(lines) < len(pairs):
+            raise invalid("line", "must name each order item once")
     return return_json(open_return(conn, company_of(conn, "Order", args.order), args.order,
-                                   args.reason, args.item_count, "staff" if args.staff else None))
+                                   args.reason, args.item_count, "staff" if args.staff else None,
+                                   lines))
 
 
 def cmd_return_approve(conn, args):
@@ -8417,11 +8523,27 @@ def build_parser():
     sub.add_argument("--po-number")
     sub.add_argument("--notes")
 
+    for name, handler, help_text in (
+            ("price-set", cmd_price_set, "set a customer's own price for a product (storefront "
+                                         "and dashboard orders use it; API orders never do)"),
+            ("price-clear", cmd_price_clear, "remove a customer's own price for a product: "
+                                             "the catalog price applies again")):
+        sub = command(name, handler, help_text)
+        sub.add_argument("--customer", required=True, help="customer ID")
+        sub.add_argument("--product", required=True, help="product ID")
+        if name == "price-set":
+            sub.add_argument("--price", type=_amount, required=True, help="e.g. 9.50")
+
     sub = command("return-open", cmd_return_open, "open a return on an order (return.created)")
     sub.add_argument("--order", required=True, help="order ID")
     sub.add_argument("--reason", required=True,
                      help="{} to {} characters".format(*RETURN_REASON_LENGTH))
-    sub.add_argument("--item-count", type=_positive, help="line items returned (default: all)")
+    returned = sub.add_mutually_exclusive_group()
+    returned.add_argument("--line", action="append", metavar="ORDER_ITEM_ID:UNITS",
+                          help="a line and how many of its units go back (recorded with the "
+                               "return); repeat for more lines")
+    returned.add_argument("--item-count", type=_positive,
+                          help="line items returned, without recording which (default: all)")
     sub.add_argument("--staff", action="store_true", help="opened from the dashboard")
 
     for name, handler, help_text in (

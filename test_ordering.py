@@ -1553,7 +1553,7 @@ def buyer_rows(db):
                           "events", "emails")}
 
 
-ADDRESS = {"name": "Corner Cafe", "line1": "1 Quay Street", "city": "Leith",
+REQUIRED_ADDRESS = {"name": "Corner Cafe", "line1": "1 Quay Street", "city": "Leith",
            "postalCode": "EH6 6LX", "country": "GB"}
 
 
@@ -1604,19 +1604,19 @@ def test_checkout_places_one_order_per_form_however_often_it_is_sent(app, tenant
     slug, token = tenant.company["slug"], secrets.token_urlsafe(24)
     with tenant.db.write() as conn:
         ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2)
-        first = ordering.checkout(conn, slug, customer["id"], token, address=ADDRESS,
+        first = ordering.checkout(conn, slug, customer["id"], token, address=REQUIRED_ADDRESS,
                                   po_number="PO-7")
     with tenant.db.write() as conn:
         ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 1)
-        again = ordering.checkout(conn, slug, customer["id"], token, address=ADDRESS)
+        again = ordering.checkout(conn, slug, customer["id"], token, address=REQUIRED_ADDRESS)
     assert again == first and (first["poNumber"], first["items"][0]["quantity"]) == ("PO-7", 2)
     assert tenant.stock(rice["id"]) == 3
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
     row = tenant.db.conn.execute("SELECT * FROM orders").fetchone()
     assert (row["source"], ordering.shipping_address_of(row)) == (
-        "storefront", dict(ADDRESS, line2=None, region=None))
+        "storefront", dict(REQUIRED_ADDRESS, line2=None, region=None))
     assert [ordering.address_of(a) for a in ordering.customer_addresses(
-        tenant.db.conn, customer["id"])] == [dict(ADDRESS, line2=None, region=None)]
+        tenant.db.conn, customer["id"])] == [dict(REQUIRED_ADDRESS, line2=None, region=None)]
     assert ordering.cart_of(tenant.db.conn, tenant.id, customer["id"])["lines"][0][
         "quantity"] == 1  # what was added after the order stays for the next one
 
@@ -1640,7 +1640,7 @@ def test_a_refused_checkout_writes_nothing(app, tenant, database, case):
         with tenant.db.write() as conn:
             ordering.checkout(conn, tenant.company["slug"], customer["id"],
                               secrets.token_urlsafe(24),
-                              address={} if case == "address" else ADDRESS)
+                              address={} if case == "address" else REQUIRED_ADDRESS)
     expected = {
         "stock": (400, 'Insufficient stock for product "Rice 25kg". Available: 1, requested: 2.'),
         "inactive": (400, f'Product "{rice["id"]}" not found or is inactive.'),
@@ -7478,6 +7478,361 @@ def test_key_form_refuses_no_scopes_and_a_bad_expiry(app, tenant, browser):
     create["expiresAt"] = ""
     assert "must be some of" in create.submit(status=400).text
     assert snapshot(app.service.db) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Prices per customer, shipping addresses, status history and return lines (dashboard and commands)
+# ---------------------------------------------------------------------------------------------
+
+PAYLOAD = "<script>alert(1)</script>\"'"
+ADDRESS = {"name": "Dock 4 Receiving", "line1": "1 Quay Street", "line2": "Unit 7",
+           "city": "Leith", "region": "Lothian", "postalCode": "EH6 6LX", "country": "GB"}
+
+
+def priced(tenant, customer_id, product_id, cents):
+    with tenant.db.write() as conn:
+        return ordering.set_customer_price(conn, tenant.id, customer_id, product_id, cents)
+
+
+def checked_out(tenant, customer_id, product_id, quantity=2, address=ADDRESS, **fields):
+    """A storefront order placed through checkout, shipped to address."""
+    with tenant.db.write() as conn:
+        ordering.add_to_cart(conn, tenant.id, customer_id, product_id, quantity)
+        return ordering.checkout(conn, tenant.company["slug"], customer_id,
+                                 "checkout-" + secrets_token(), address=address, **fields)
+
+
+def secrets_token():
+    return base64.urlsafe_b64encode(os.urandom(12)).decode()
+
+
+def history_of(page):
+    """The order page's History table as rows of cell texts."""
+    table = page.html.find("h2", string="History").find_next("table")
+    return [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+            for row in table.select("tbody tr")]
+
+
+def test_price_set_and_price_clear_print_json_and_keep_to_the_company(database, app, tenant,
+                                                                      other):
+    product = tenant.product(price_cents=1250)
+    customer = tenant.customer()
+    theirs = other.product()
+    printed = cli_json(database, "price-set", "--customer", customer["id"], "--product",
+                       product["id"], "--price", "9.50")
+    assert set(printed) == {"customerId", "productId", "price", "updatedAt"}
+    assert (printed["customerId"], printed["productId"], printed["price"]) == (
+        customer["id"], product["id"], 9.5)
+    assert ISO_MS.match(printed["updatedAt"])
+    assert cli_json(database, "price-set", "--customer", customer["id"], "--product",
+                    product["id"], "--price", "8")["price"] == 8
+    stored = read_db(database)
+    try:
+        assert [tuple(row) for row in stored.execute(
+            "SELECT customer_id, product_id, company_id, price_cents FROM customer_prices")] == [
+            (customer["id"], product["id"], tenant.id, 800)]
+    finally:
+        stored.close()
+    cli_refuses(database, "price-set", "--customer", customer["id"], "--product", theirs["id"],
+                "--price", "1", message="Product not found.")
+    cli_refuses(database, "price-clear", "--customer", "cus_nope", "--product", product["id"],
+                message="Customer not found.")
+    cli_refuses(database, "price-set", "--customer", customer["id"], "--product",
+                product["id"], "--price", "9.505",
+                message="argument --price: must be an amount such as 12.50")
+    clear = ("price-clear", "--customer", customer["id"], "--product", product["id"])
+    assert cli_json(database, *clear) == {"customerId": customer["id"],
+                                          "productId": product["id"], "cleared": True}
+    assert cli_json(database, *clear)["cleared"] is False
+
+
+def test_dashboard_and_storefront_orders_take_the_customers_price_and_api_orders_never_do(
+        app, api, tenant, browser, database):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["order.created"])
+    product = tenant.product(price_cents=1250, stock=100)
+    customer, plain = tenant.customer(), tenant.customer()
+    priced(tenant, customer["id"], product["id"], 950)
+    placed = place(api, tenant, [{"productId": product["id"], "quantity": 2}],
+                   customer["id"]).json["data"]
+    assert ([item["unitPrice"] for item in placed["items"]], placed["total"]) == ([12.5], 25)
+    fetched = api.get(f"/api/v1/orders/{placed['id']}", headers=tenant.headers).json["data"]
+    assert ([item["unitPrice"] for item in fetched["items"]], fetched["total"]) == ([12.5], 25)
+    created = store_events(app, "order.created")
+    assert [(event["id"], event["total"], [item["unitPrice"] for item in event["items"]])
+            for event in created] == [(placed["id"], 25, [12.5])]
+
+    page = browser.get("/dashboard/orders/new")
+    assert ("Each line takes the customer's own price where one is set (on the customer's "
+            "page), else the catalog price.") in page.html.get_text()
+    totals = {}
+    for buyer in (customer, plain):
+        form = main_form(browser.get("/dashboard/orders/new"))
+        form["customerId"], form["productId0"], form["quantity0"] = (
+            buyer["id"], product["id"], "2")
+        order_id = form.submit(status=303).location.rsplit("/", 1)[1]
+        totals[buyer["id"]] = tenant.db.conn.execute(
+            "SELECT o.total_cents, i.unit_price_cents FROM orders o JOIN order_items i ON "
+            "i.order_id = o.id WHERE o.id = ?", (order_id,)).fetchone()[:]
+    assert totals == {customer["id"]: (1900, 950), plain["id"]: (2500, 1250)}
+    with tenant.db.write() as conn:
+        stored = ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"],
+                                                 [{"productId": product["id"], "quantity": 2}])
+    assert ([item["unitPrice"] for item in stored["items"]], stored["total"]) == ([9.5], 19)
+    assert store_events(app, "order.created")[-1]["total"] == 19
+    priced(tenant, customer["id"], product["id"], 700)  # frozen at placement
+    assert api.get(f"/api/v1/orders/{stored['id']}",
+                   headers=tenant.headers).json["data"]["total"] == 19
+
+
+def test_the_customer_page_sets_lists_and_removes_the_customers_prices(app, tenant, browser):
+    rice = tenant.product(name="Rice 25kg", sku="GR-RICE-25", price_cents=1250)
+    tenant.product(name="Tea", price_cents=450)
+    customer = tenant.customer()
+    path = f"/dashboard/customers/{customer['id']}"
+    form = form_to(browser.get(path), "/prices")
+    assert [option[0] for option in form["productId"].options][0] == ""
+    form["productId"], form["price"] = rice["id"], "9.50"
+    page = form.submit(status=303).follow()
+    prices = page.html.find("h2", string="Prices").find_next("table")
+    assert [[cell.get_text(strip=True) for cell in row.find_all("td")][:4]
+            for row in prices.select("tbody tr")] == [["Rice 25kg", "GR-RICE-25", "12.50",
+                                                       "9.50"]]
+    before = snapshot(app.service.db)
+    for price, chosen, status, field, message in (
+            ("9.505", rice["id"], 400, "price", "must be an amount such as 12.50"),
+            ("10000000000.01", rice["id"], 400, "price",
+             "must be an amount from 0 to 10000000000"),
+            ("1.00", "", 400, "productId", "choose a product")):
+        form = form_to(browser.get(path), "/prices")
+        form["productId"], form["price"] = chosen, price
+        refused = form.submit(status=status)
+        assert field_error(refused, field) == message
+        assert form_to(refused, "/prices")["price"].value == price
+    assert snapshot(app.service.db) == before
+    form_to(page, f"/prices/{rice['id']}/clear").submit(status=303)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM customer_prices").fetchone()[0] == 0
+    assert "Nothing here yet." in browser.get(path).html.find(
+        "h2", string="Prices").find_next("table").get_text()
+
+
+def test_a_price_of_another_companys_customer_or_product_is_not_found(app, tenant, other,
+                                                                      browser):
+    mine, theirs = tenant.customer(), other.customer()
+    product, their_product = tenant.product(), other.product()
+    priced(other, theirs["id"], their_product["id"], 100)
+    before = snapshot(app.service.db)
+    csrf = csrf_of(browser.get("/dashboard/orders"))
+    for path, form, message in (
+            (f"/dashboard/customers/{theirs['id']}/prices",
+             {"productId": their_product["id"], "price": "1.00"}, "Customer not found."),
+            (f"/dashboard/customers/{mine['id']}/prices",
+             {"productId": their_product["id"], "price": "1.00"}, "Product not found."),
+            (f"/dashboard/customers/{theirs['id']}/prices/{their_product['id']}/clear", {},
+             "Customer not found."),
+            (f"/dashboard/customers/{mine['id']}/prices/{their_product['id']}/clear", {},
+             "Product not found.")):
+        response = browser.post(path, dict(form, csrf=csrf), status=404)
+        assert message in response.html.get_text(), path
+    assert snapshot(app.service.db) == before
+    with tenant.db.write() as conn:
+        for refused, message in (
+                (lambda: ordering.set_customer_price(conn, tenant.id, theirs["id"],
+                                                     product["id"], 100), "Customer not found."),
+                (lambda: ordering.price_list(conn, tenant.id, theirs["id"]),
+                 "Customer not found."),
+                (lambda: ordering.clear_customer_price(conn, tenant.id, mine["id"],
+                                                       their_product["id"]),
+                 "Product not found.")):
+            with pytest.raises(ordering.ApiError) as refusal:
+                refused()
+            assert (refusal.value.status, refusal.value.message) == (404, message)
+
+
+def test_history_comes_from_the_status_changes_without_any_webhook(app, api, tenant, browser,
+                                                                   database):
+    product = tenant.product(stock=50)
+    buyer = store_buyer(app, tenant)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    ship = form_to(browser.get(f"/dashboard/orders/{order['id']}"), "/status", status="SHIPPED")
+    ship["tracking.number"] = "PKG42"
+    page = ship.submit(status=303).follow()
+    rows = history_of(page)
+    assert [row[1:] for row in rows] == [["", "SUBMITTED", "api", ""],
+                                         ["SUBMITTED", "CONFIRMED", "api", ""],
+                                         ["CONFIRMED", "SHIPPED", "dashboard", "PKG42"]]
+    assert all(ISO_MS.match(row[0]) for row in rows)
+    assert event_count(database, "order.status_changed") == 0   # no webhook: no events kept
+    stored = checked_out(tenant, buyer["id"], product["id"])
+    made_here = dashboard_order(tenant)
+    assert [row[1:4] for row in history_of(browser.get(f"/dashboard/orders/{stored['id']}"))] \
+        == [["", "SUBMITTED", "storefront"]]
+    assert [row[1:4] for row in history_of(browser.get(f"/dashboard/orders/{made_here['id']}"))] \
+        == [["", "SUBMITTED", "dashboard"]]
+
+
+def test_a_migrated_orders_history_shows_its_placement_and_its_status_now(database, app, api,
+                                                                          tenant, staff):
+    product = tenant.product(stock=10)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "SHIPPED", "tracking": {
+        "carrier": "CARRIER_A", "number": "1Z999"}}, headers=tenant.headers, status=200)
+    with app.service.db.write() as conn:
+        back_to_schema_4(conn)
+    app.service.close(grace=0)
+    migrated = build_app(database)
+    try:
+        rows = history_of(signed_in(migrated).get(f"/dashboard/orders/{order['id']}"))
+        assert [row[1:] for row in rows] == [["", "SUBMITTED", "api", ""],
+                                             ["", "SHIPPED", "not recorded", "1Z999"]]
+    finally:
+        migrated.service.close(grace=0)
+
+
+def test_the_dashboard_shows_a_storefront_orders_address_and_the_api_never_does(
+        app, api, tenant, browser, database):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", list(ordering.EVENT_CATALOG))
+    product = tenant.product(stock=50, low_stock_threshold=49)
+    buyer = store_buyer(app, tenant)
+    order = checked_out(tenant, buyer["id"], product["id"], po_number="PO-SHIP")
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, order["id"], "CANCELLED")
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    shown = page.html.find("h2", string="Ships to").find_next("address")
+    assert list(shown.stripped_strings) == list(ADDRESS.values())
+    fetched = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers)
+    listed = api.get("/api/v1/orders", headers=tenant.headers)
+    assert set(fetched.json["data"]) == ORDER_FIELDS
+    assert len(listed.json["data"]) == 1 and set(listed.json["data"][0]) <= ORDER_FIELDS
+    events = [row[0] for row in tenant.db.conn.execute("SELECT body FROM events")]
+    assert {json.loads(body)["event"] for body in events} == {
+        "customer.created", "order.created", "product.low_stock", "order.status_changed",
+        "order.cancelled"}
+    for text in [fetched.text, listed.text] + events:
+        for value in ("Dock 4", "Quay Street", "Unit 7", "Leith", "Lothian", "EH6 6LX"):
+            assert value not in text
+    api_order = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    assert browser.get(f"/dashboard/orders/{api_order['id']}").html.find(
+        "h2", string="Ships to") is None
+
+
+def test_every_buyer_entered_value_is_escaped_on_the_staffs_pages(app, tenant, browser):
+    product = tenant.product(stock=50)
+    email = "o'hara&co@cafe.example"
+    buyer = store_buyer(app, tenant, email=email, name="Name " + PAYLOAD)
+    address = {name: f"{name} {PAYLOAD}" for name in ADDRESS}
+    address["postalCode"] = "<b>'\"&"
+    order = checked_out(tenant, buyer["id"], product["id"], address=address,
+                        po_number="PO " + PAYLOAD, notes="Notes " + PAYLOAD)
+    with tenant.db.write() as conn:
+        for status in ("CONFIRMED", "SHIPPED"):
+            ordering.update_order_status(conn, tenant.id, order["id"], status,
+                                         {"carrier": "CARRIER_A", "number": "1Z9", "url": None}
+                                         if status == "SHIPPED" else None)
+        ordering.open_return(conn, tenant.id, order["id"], "Reason " + PAYLOAD,
+                             customer_id=buyer["id"], lines={order["items"][0]["id"]: 1})
+    escaped = html_escape(PAYLOAD)
+    pages = {path: browser.get(path).text for path in (
+        f"/dashboard/orders/{order['id']}", "/dashboard/orders", "/dashboard/returns",
+        f"/dashboard/customers/{buyer['id']}", "/dashboard/customers")}
+    for path, text in pages.items():
+        assert "<script>" not in text and email not in text, path
+        assert (html_escape(email) in text) is (path != "/dashboard/returns"), path
+    order_page = pages[f"/dashboard/orders/{order['id']}"]
+    for value in ["Name ", "PO ", "Notes ", "Reason "] + [f"{name} " for name in ADDRESS
+                                                           if name != "postalCode"]:
+        assert value + escaped in order_page, value
+    assert html_escape("<b>'\"&") in order_page and "<b>'" not in order_page
+    assert "PO " + escaped in pages["/dashboard/orders"]
+    assert "Reason " + escaped in pages["/dashboard/returns"]
+    assert "Name " + escaped in pages[f"/dashboard/customers/{buyer['id']}"]
+    assert "Name " + escaped in pages["/dashboard/customers"]
+
+
+def html_escape(text):
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace(
+        '"', "&quot;").replace("'", "&#x27;")
+
+
+def two_line_order(tenant, status="DELIVERED"):
+    rice = tenant.product(name="Rice 25kg", sku="GR-RICE-25", stock=50)
+    tea = tenant.product(name="Tea", sku="TEA-1", stock=50)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": rice["id"], "quantity": 3}, {"productId": tea["id"], "quantity": 2}]},
+            source="dashboard")
+        for step in ("CONFIRMED", "SHIPPED", "DELIVERED")[:["SUBMITTED", "CONFIRMED", "SHIPPED",
+                                                           "DELIVERED"].index(status)]:
+            ordering.update_order_status(conn, tenant.id, order["id"], step)
+    return order
+
+
+def test_dashboard_returns_record_their_lines_and_show_them(app, api, tenant, browser,
+                                                            database):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["return.created"])
+    order = two_line_order(tenant)
+    rice, tea = (item["id"] for item in order["items"])
+    path = f"/dashboard/orders/{order['id']}"
+    form = form_to(browser.get(path), "/returns")
+    assert (form[f"units.{rice}"].value, form[f"units.{tea}"].value) == ("3", "2")
+    form["reason"], form[f"units.{rice}"], form[f"units.{tea}"] = "One bag torn", "1", "0"
+    form.submit(status=303)
+    opened = tenant.db.conn.execute("SELECT * FROM returns").fetchone()
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT order_item_id, quantity FROM return_lines")] == [(rice, 1)]
+    assert (opened["item_count"], opened["actor"]) == (1, "staff")
+    assert store_events(app, "return.created")[0]["itemCount"] == 1
+    listed = browser.get("/dashboard/returns").html.find("table")
+    assert "Rice 25kg (GR-RICE-25): 1" in listed.get_text(" ")
+
+    page = browser.get(path)
+    form = form_to(page, "/returns")
+    assert (form[f"units.{rice}"].value, form[f"units.{tea}"].value) == ("2", "2")
+    assert settle(database)
+    before = snapshot(app.service.db)
+    for units, field, message in (
+            (("3", "0"), "lines", "at most 2 units of Rice 25kg can go back"),
+            (("0", ""), "lines", "choose at least one line and how many of its units go back"),
+            (("x", "1"), f"units.{rice}", "must be a whole number")):
+        form = form_to(browser.get(path), "/returns")
+        form["reason"], form[f"units.{rice}"], form[f"units.{tea}"] = "Wrong goods", *units
+        refused = form.submit(status=400)
+        if field == "lines":
+            assert refused.html.find(class_="error").get_text() == message
+        else:
+            assert field_error(refused, field) == message
+        assert form_to(refused, "/returns")[f"units.{rice}"].value == units[0]
+    assert snapshot(app.service.db) == before
+    with tenant.db.write() as conn:  # opened before lines were recorded
+        ordering.open_return(conn, tenant.id, order["id"], "Older return", item_count=2)
+    returns = browser.get(path).html.find("h2", string="Returns").find_next("table")
+    assert [[cell.get_text(" ", strip=True) for cell in row.find_all("td")][2:]
+            for row in returns.select("tbody tr")] == [
+        ["REQUESTED", "One bag torn", "Rice 25kg (GR-RICE-25): 1", ""],
+        ["REQUESTED", "Older return", "2 line item(s), units not recorded", ""]]
+
+
+def test_return_open_records_the_lines_it_is_given(database, app, tenant):
+    order = two_line_order(tenant)
+    rice, tea = (item["id"] for item in order["items"])
+    printed = cli_json(database, "return-open", "--order", order["id"], "--reason", "Torn",
+                       "--line", f"{rice}:2", "--line", f"{tea}:1", "--staff")
+    assert (printed["itemCount"], printed["actor"], printed["status"]) == (2, "staff",
+                                                                           "REQUESTED")
+    with tenant.db.write() as conn:
+        assert ordering.return_lines_of(conn, [printed["id"]]) == {printed["id"]: [
+            ("Rice 25kg", "GR-RICE-25", 2), ("Tea", "TEA-1", 1)]}
+    for lines, message in (
+            ((f"{rice}:2",), "Validation failed.\n  lines: at most 1 units of Rice 25kg can go "
+                             "back"),
+            ((f"{tea}",), "Validation failed.\n  line: must be ORDER_ITEM_ID:UNITS"),
+            ((f"{tea}:1", f"{tea}:1"), "Validation failed.\n  line: must name each order item "
+                                       "once")):
+        cli_refuses(database, "return-open", "--order", order["id"], "--reason", "Torn",
+                    *[part for line in lines for part in ("--line", line)], message=message)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM returns").fetchone()[0] == 1
 
 
 # ---------------------------------------------------------------------------------------------
