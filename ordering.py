@@ -8127,7 +8127,7 @@ def order_returns(visit, order):
         action = f"{visit.surface.prefix}/orders/{order_id}/returns"
         form = visit.form_tag(action, join([
             render("<h3>Return goods</h3><p class=\"muted\">How many units of each line go "
-                   "back (0 keeps them all).</p>"),
+                   "back (0: none of that line).</p>"),
             *(visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
                           min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
             visit.error("lines"),

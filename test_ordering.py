@@ -10540,3 +10540,166 @@ def test_the_account_page_lists_saved_addresses_and_removes_one(app, tenant):
     assert ordering.customer_addresses(tenant.db.conn, customer["id"]) == []
     assert len(ordering.customer_addresses(tenant.db.conn, stranger["id"])) == 1
     assert "checkout saves each new address" in buyer.get(store_of(tenant) + "/account").text
+
+
+def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
+    """Eight buyers, each with two of the last five units in the cart, check out at once
+    through a served app of two worker processes: two orders, one unit left, the rest told the
+    spec's stock message."""
+    db = ordering.Database(str(store))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Race Foods")
+        product = ordering.create_product(conn, company["id"], name="Last Rice",
+                                          price_cents=1000, stock=5)
+        sessions = []
+        for number in range(8):
+            customer = ordering.create_customer(conn, company["id"], {
+                "email": f"buyer{number}@race.example"}, source="storefront",
+                password=BUYER_PASSWORD, status="ACTIVE")
+            ordering.add_to_cart(conn, company["id"], customer["id"], product["id"], 2)
+            sessions.append(ordering.start_session(
+                conn, ordering.CUSTOMERS, customer, (f"email:{number}", "address:-"),
+                int(time.time() * 1000), 3600))
+    db.close()
+    process, port = start_server(store, "--workers", "2")
+
+    def check_out_as(token):
+        csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
+        body = urllib.parse.urlencode(dict(ADDRESS, csrf=csrf, token=secrets_token())).encode()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request("POST", "/store/race-foods/checkout", body=body, headers={
+                "Content-Type": "application/x-www-form-urlencoded",
+                "Cookie": f"{ordering.STORE_SESSION_COOKIE}={token}"})
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(check_out_as, sessions))
+    finally:
+        stop_server(process)
+    assert sorted(status for status, _ in answers) == [303] * 2 + [400] * 6
+    # a refusal needs fewer than two units left, which only the second order leaves
+    refused = html_text(ordering.INSUFFICIENT_STOCK.format(name="Last Rice", N=1, M=2))
+    assert all(refused in text for status, text in answers if status == 400)
+    db = ordering.Database(str(store))
+    try:
+        assert db.conn.execute("SELECT stock FROM products").fetchone()[0] == 1
+        assert db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 2
+    finally:
+        db.close()
+
+
+def secrets_token():
+    """A checkout form's token, as the page makes one."""
+    return base64.urlsafe_b64encode(os.urandom(24)).decode()
+
+
+# Storefront ordering in a real browser, with a webhook receiver and the real mail server ------
+
+#: A phone's screen, 390 by 844 CSS pixels (a headless window is never narrower than 500).
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": False}
+
+
+def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chromium(
+        tmp_path, receiver):
+    require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    mail = MailServer()
+    path = tmp_path / "store.db"
+    db = ordering.Database(str(path))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Phone Foods")
+        ordering.update_company(conn, company["id"], {"staff_alerts": ["alerts@phone.example"]})
+        ordering.create_staff(conn, company["id"], "staff@phone.example", STAFF_PASSWORD)
+        ordering.create_webhook(conn, company["id"], {"url": receiver.url + "/hook", "events": [
+            "order.created", "order.shipped", "return.created"]})
+        for name, sku, price in (("Jasmine Rice 25kg", "GR-RICE-25", 4250),
+                                 ("Sea Salt 1kg", "PA-SALT-1", 320),
+                                 ("Black Tea 500g", "BV-TEA-500", 1150)):
+            ordering.create_product(conn, company["id"], name=name, sku=sku, price_cents=price,
+                                    stock=50)
+        buyer = ordering.create_customer(conn, company["id"], {
+            "email": "buyer@phone.example", "name": "Corner Cafe"}, source="storefront",
+            password=BUYER_PASSWORD, status="ACTIVE")
+    db.close()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process, _ = start_server(path, "--allow-private-webhooks", "--base-url", base, port=port,
+                              env={"ORDERING_SMTP_URL": mail.url,
+                                   "ORDERING_MAIL_FROM": MAIL_FROM})
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
+    driver.implicitly_wait(5)
+    browser = Served.__new__(Served)  # its page helpers, on this server and driver
+    browser.driver, browser.base, browser.receiver = driver, base, receiver
+    store = "/store/phone-foods"
+
+    def send(action_end, button=None, **values):
+        form = browser.form(action_end)
+        browser.fill(form, **values)
+        browser.submit(button or form.find_element("css selector", "button[type=submit]"))
+
+    try:
+        browser.open(store + "/sign-in")
+        send("/sign-in", email="buyer@phone.example", password=BUYER_PASSWORD)
+        assert driver.current_url == base + store + "/products"
+        page = "document.documentElement"  # nothing is wider than the phone's screen
+        assert driver.execute_script(f"return [innerWidth, {page}.scrollWidth <= "
+                                     f"{page}.clientWidth]") == [390, True]
+        browser.open(store + "/cart")
+        send("/cart/quick-order", lines="GR-RICE-25 2\nPA-SALT-1 5\nBV-TEA-500 1")
+        assert "Cart (3)" in driver.find_element("tag name", "header").text
+        browser.submit(driver.find_element("link text", "Check out"))
+        send("/checkout", poNumber="PO-7781", **ADDRESS)
+        assert "your order is placed" in driver.page_source
+        order_id = driver.current_url.split("/orders/")[1].split("?")[0]
+        created = browser.delivered("order.created", order_id)[0]["json"]["data"]
+        assert created == {"id": order_id, "status": "SUBMITTED", "total": 112.5,
+                           "customerId": buyer["id"], "poNumber": "PO-7781", "itemCount": 3}
+        arrived = mail.wait_for(2)
+        assert sorted(message["to"][0] for message in arrived) == [
+            "alerts@phone.example", "buyer@phone.example"]
+        assert all("PO-7781" in parts(message)[0] for message in arrived)
+
+        browser.open("/dashboard/sign-in")
+        send("/dashboard/sign-in", email="staff@phone.example", password=STAFF_PASSWORD)
+        browser.open(f"/dashboard/orders/{order_id}")
+        browser.submit(next(button for button in driver.find_elements("css selector", "button")
+                            if button.text == "Mark CONFIRMED"))
+        ship = [form for form in driver.find_elements("tag name", "form")
+                if form.get_attribute("action").endswith("/status")
+                and form.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
+        browser.fill(ship, tracking__carrier="CARRIER_B", tracking__number="TN-4242")
+        browser.submit(ship.find_element("css selector", "button[type=submit]"))
+        shipped = browser.delivered("order.shipped", order_id)[0]["json"]["data"]
+        assert shipped["tracking"]["number"] == "TN-4242"
+        shipping_email = mail.wait_for(3)[2]
+        assert shipping_email["to"] == ["buyer@phone.example"] and "TN-4242" in parts(
+            shipping_email)[0]
+
+        browser.open(f"{store}/orders/{order_id}")
+        card = driver.find_element("css selector", ".tracking")
+        assert "CARRIER_B" in card.text and "TN-4242" in card.text
+        assert card.find_element("tag name", "a").get_attribute("href") == \
+            "https://tracking.carrier-b.example/parcels/TN-4242"
+        returns = browser.form("/returns")
+        first_line = returns.find_elements("css selector", "input[type=number]")[0]
+        browser.fill(returns, reason="One bag arrived torn", **{
+            first_line.get_attribute("name"): "1"})
+        browser.submit(returns.find_element("css selector", "button[type=submit]"))
+        assert "Your return is requested" in driver.page_source
+        returned = [r["json"]["data"] for r in receiver.wait_for(1, event="return.created")]
+        assert [(r["orderId"], r["itemCount"], r["reason"], "actor" in r)
+                for r in returned] == [(order_id, 1, "One bag arrived torn", False)]
+    finally:
+        driver.quit()
+        stop_server(process)
+        mail.close()
