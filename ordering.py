@@ -1736,7 +1736,7 @@ nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-s
 .account span { color: #c9d1dc; font-size: 13px; }
 .account button { margin-top: 0; }
 main { max-width: 1180px; margin: 0 auto; padding: 16px; }
-h1 { font-size: 22px; margin: 8px 0 16px; }
+h1 { font-size: 22px; margin: 8px 0 16px; overflow-wrap: anywhere; }
 h2 { font-size: 17px; margin: 24px 0 8px; }
 .card { background: var(--paper); border: 1px solid var(--line); border-radius: 8px;
   padding: 16px; margin-bottom: 16px; }
@@ -1789,6 +1789,7 @@ dl.facts dd { margin: 0; }
 .add button { margin-top: 0; }
 input.qty { width: 6.5em; }
 .tracking { border-left: 4px solid var(--accent); }
+.tracking h2 { margin-top: 0; }
 ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
 ol.timeline li { margin: 2px 0; }
 fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
