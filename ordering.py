@@ -44,7 +44,8 @@ ones above it.
  11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
                    Surface: sign-in, sessions and security headers); dashboard (the staff's
                    pages at /dashboard); billing, emails and settings (the company's own);
-                   storefront (the buyers' pages at /store/{slug}: register, sign in, reset)
+                   storefront (the buyers' pages at /store/{slug}: register, sign in, reset;
+                   then ordering: catalog, cart and quick order, checkout, orders, returns)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
  14. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
@@ -1068,6 +1069,7 @@ class PostgresConnection:
     # psycopg's error class and idle transaction status, set when the engine first imports
     # psycopg (an optional dependency, imported only for a postgresql:// database)
     raw_errors = ()
+    integrity_errors = ()  # psycopg's broken constraints: sqlite3.IntegrityError, as on SQLite
     idle = None
 
     def __init__(self, raw):
@@ -1077,15 +1079,21 @@ class PostgresConnection:
         try:
             return self.raw.execute(_postgres_sql(sql), _postgres_params(params))
         except self.raw_errors as error:
-            raise sqlite3.DatabaseError(str(error).strip()) from error
+            raise self.error(error) from error
 
     def executemany(self, sql, rows):
         cursor = self.raw.cursor()
         try:
             cursor.executemany(_postgres_sql(sql), [_postgres_params(row) for row in rows])
         except self.raw_errors as error:
-            raise sqlite3.DatabaseError(str(error).strip()) from error
+            raise self.error(error) from error
         return cursor
+
+    def error(self, error):
+        """psycopg's error as sqlite3's, so that code above Storage catches either engine's."""
+        kind = sqlite3.IntegrityError if isinstance(error, self.integrity_errors) \
+            else sqlite3.DatabaseError
+        return kind(str(error).strip())
 
     @property
     def in_transaction(self):
@@ -1212,6 +1220,7 @@ class PostgresEngine:
             raise SystemExit("ordering: a postgresql:// database needs psycopg 3: "
                              "pip install 'ordering[postgres]'") from None
         PostgresConnection.raw_errors = psycopg.Error
+        PostgresConnection.integrity_errors = psycopg.errors.IntegrityError
         PostgresConnection.idle = psycopg.pq.TransactionStatus.IDLE
         return psycopg
 
@@ -1670,6 +1679,34 @@ STORE_MAIL_SENT = Template("email what", """\
 <div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
 way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
 
+#: What a buyer awaiting approval sees where prices and ordering would be.
+STORE_AWAITING = Template("store", """\
+<div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
+when it is approved; until then prices and ordering stay closed.</p></div>""")
+
+#: A product of the storefront's catalog, with the form that puts it in the cart.
+STORE_PRODUCT = Template("sku category unit price level description add", """\
+<div class="card"><dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
+<dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Availability</dt>\
+<dd>{level}</dd></dl>{description}</div>{add}""")
+
+#: A storefront order's facts, for its buyer.
+STORE_ORDER_FACTS = Template("status placed po notes total", """\
+<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Placed</dt>\
+<dd>{placed}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
+<dd>{total}</dd></dl></div>""")
+
+#: The tracking card of a shipped order, as its buyer sees it.
+STORE_TRACKING = Template("carrier number track", """\
+<section class="card tracking" aria-labelledby="tracking"><h2 id="tracking">Tracking</h2>\
+<dl class="facts"><dt>Carrier</dt><dd>{carrier}</dd><dt>Tracking number</dt><dd>{number}</dd></dl>\
+{track}</section>""")
+
+#: One return of an order, as its buyer sees it.
+STORE_RETURN = Template("opened status lines reason refund", """\
+<section class="card"><p>Opened {opened} &middot; {status}{refund}</p>{lines}\
+<p class="muted">Reason: {reason}</p></section>""")
+
 ORDER_FACTS = Template("status customer po notes created updated tracking", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
 <dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
@@ -1701,7 +1738,7 @@ nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-s
 .account span { color: #c9d1dc; font-size: 13px; }
 .account button { margin-top: 0; }
 main { max-width: 1180px; margin: 0 auto; padding: 16px; }
-h1 { font-size: 22px; margin: 8px 0 16px; }
+h1 { font-size: 22px; margin: 8px 0 16px; overflow-wrap: anywhere; }
 h2 { font-size: 17px; margin: 24px 0 8px; }
 .card { background: var(--paper); border: 1px solid var(--line); border-radius: 8px;
   padding: 16px; margin-bottom: 16px; }
@@ -1748,6 +1785,16 @@ code { font-size: 13px; word-break: break-all; }
 dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
 dl.facts dt { color: var(--muted); }
 dl.facts dd { margin: 0; }
+.level-in { background: #e3f6e8; } .level-low { background: #fff4d6; }
+.level-out { background: #fde7e5; }
+.add { display: inline-flex; gap: 6px; align-items: center; flex-wrap: wrap; }
+.add button { margin-top: 0; }
+input.qty { width: 6.5em; }
+.tracking { border-left: 4px solid var(--accent); }
+.tracking h2 { margin-top: 0; }
+ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
+ol.timeline li { margin: 2px 0; }
+fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
 @media (max-width: 640px) {
   main { padding: 10px; }
   th, td { padding: 6px; }
@@ -2022,6 +2069,8 @@ CART_EMPTY = "Your cart is empty."
 #: Characters a quick order's pasted or uploaded lines may hold at most.
 MAX_QUICK_ORDER = 20_000
 QUICK_ORDER_FORMAT = "line {n}: write a SKU and a quantity, such as GR-RICE-25 3"
+QUICK_ORDER_TOO_LONG = f"must be at most {MAX_QUICK_ORDER} characters"
+QUICK_ORDER_NOT_TEXT = "must be a text file (UTF-8), such as a spreadsheet saves as CSV"
 CART_FULL = f"must stay within {MAX_ORDER_LINES} products, what one order may hold"
 #: Saved shipping addresses a customer may keep.
 MAX_ADDRESSES = 20
@@ -4085,6 +4134,12 @@ def cart_of(conn, company_id, customer_id):
     return {"lines": lines, "total": sum(line["lineTotal"] for line in lines if line["sold"])}
 
 
+def cart_size(conn, customer_id):
+    """How many lines the customer's cart holds (the storefront's navigation shows it)."""
+    return conn.execute("SELECT COUNT(*) FROM cart_lines WHERE customer_id = ?",
+                        (customer_id,)).fetchone()[0]
+
+
 def cart_quantity(value):
     """A quantity as the order placement reads one, with its messages."""
     if not is_number(value):
@@ -4111,9 +4166,7 @@ def add_to_cart(conn, company_id, customer_id, product_id, quantity):
     line = conn.execute("SELECT quantity FROM cart_lines WHERE customer_id = ? AND "
                         "product_id = ?", (customer_id, product_id)).fetchone()
     if line is None:
-        lines = conn.execute("SELECT COUNT(*) FROM cart_lines WHERE customer_id = ?",
-                             (customer_id,)).fetchone()[0]
-        if lines >= MAX_ORDER_LINES:
+        if cart_size(conn, customer_id) >= MAX_ORDER_LINES:
             raise invalid("cart", CART_FULL)
         conn.execute("INSERT INTO cart_lines (customer_id, product_id, quantity, added_at) "
                      "VALUES (?, ?, ?, ?)", (customer_id, product_id, quantity, now_iso()))
@@ -4139,7 +4192,7 @@ def parse_quick_order(text):
     """[(SKU, quantity)] from lines of "SKU quantity" (or "SKU,quantity", as a spreadsheet
     saves them as CSV); blank lines and a first line "sku,quantity" are skipped."""
     if len(text) > MAX_QUICK_ORDER:
-        raise invalid("lines", f"must be at most {MAX_QUICK_ORDER} characters")
+        raise invalid("lines", QUICK_ORDER_TOO_LONG)
     entries = []
     for number, line in enumerate(text.splitlines(), 1):
         fields = [field.strip().strip('"') for field in re.split(r"[,;\t ]+", line.strip())]
@@ -4255,6 +4308,13 @@ def delete_address(conn, customer_id, address_id):
         raise not_found("Address")
 
 
+def checkout_order_id(conn, customer_id, token):
+    """The ID of the order the customer's checkout form placed, or None."""
+    placed = conn.execute("SELECT id FROM orders WHERE customer_id = ? AND checkout_token = ?",
+                          (customer_id, token)).fetchone()
+    return placed and placed["id"]
+
+
 def checkout(conn, store_slug, customer_id, token, address_id=None, address=None,
              po_number=None, notes=None):
     """The cart becomes an order (storefront_place_order: stock, events and emails as for any
@@ -4264,10 +4324,9 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
     company = company_by_slug(conn, store_slug)
     if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9_-]{16,64}", token):
         raise invalid("form", "is not a checkout form")
-    placed = conn.execute("SELECT id FROM orders WHERE customer_id = ? AND checkout_token = ?",
-                          (customer_id, token)).fetchone()
+    placed = checkout_order_id(conn, customer_id, token)
     if placed is not None:
-        return order_with_items(conn, company["id"], placed["id"])
+        return order_with_items(conn, company["id"], placed)
     require_buyer(conn, company["id"], customer_id)
     lines = cart_of(conn, company["id"], customer_id)["lines"]
     if not lines:
@@ -6488,6 +6547,7 @@ class Visit:
         self.query = {name: query.get(name) for name in query}
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
+        self.shown = set()  # the fields whose messages the page shows beside them
         self.notice = None
         self.id_suffix = ""
 
@@ -6554,13 +6614,16 @@ class Visit:
                           for value in values))
 
     def error(self, name):
+        self.shown.add(name)
         message = self.errors.get(name)
         return render('<p class="error" role="alert">{m}</p>', m=message) if message else ""
 
-    def form_tag(self, action, body, css="card"):
-        return render('<form class="{css}" method="post" action="{action}">'
+    def form_tag(self, action, body, css="card", files=False):
+        """A form that changes something (files: it may carry a file, as multipart)."""
+        return render('<form class="{css}" method="post" action="{action}"{enctype}>'
                       '<input type="hidden" name="csrf" value="{csrf}">{body}</form>',
-                      css=css, action=action, csrf=self.csrf, body=body)
+                      css=css, action=action, csrf=self.csrf, body=body,
+                      enctype=Markup(' enctype="multipart/form-data"') if files else "")
 
     def button(self, action, text, css="", **hidden):
         fields = join(render('<input type="hidden" name="{n}" value="{v}">', n=n, v=v)
@@ -6573,20 +6636,24 @@ class Visit:
         here = bottle.request.path
         links = join(render('<li><a href="{href}"{current}>{text}</a></li>', href=href, text=text,
                             current=Markup(' aria-current="page"') if here.startswith(href)
-                            else "") for text, href in self.surface.navigation)
+                            else "") for text, href in self.surface.navigation_of(self))
         header = render(HEADER, company=self.session["company_name"], links=links,
                         email=self.session["email"], prefix=self.surface.prefix,
                         csrf=render('<input type="hidden" name="csrf" value="{c}">', c=self.csrf))
         notice = render('<div class="notice" role="status">{n}</div>', n=self.notice) \
             if self.notice else ""
-        if self.errors:  # a message that belongs to no single field is shown here alone
+        if self.errors:  # a message that belongs to no field the page shows is shown here
+            elsewhere = [message for field, message in self.errors.items()
+                         if field not in self.shown and field != "form"]
+            message = self.errors.get("form") or " ".join(elsewhere) or "see the messages below."
             notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
-                                          m=self.errors.get("form", "see the messages below."))])
+                                          m=message)])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
                       site=self.surface.site(), header=header, notice=notice, body=body)
 
     def refusal(self, error):
+        self.errors = {}  # the page says why alone, whatever a form sent before
         title = "Not found" if error.status == 404 else "Refused"
         return self.page(title, render('<p class="alert" role="alert">{m}</p>',
                                        m=error.message), error.status)
@@ -6718,6 +6785,10 @@ class Surface:
 
     def now_ms(self):
         return int(self.clock() * 1000)
+
+    def navigation_of(self, visit):
+        """(text, path) of the header's links for this visit."""
+        return self.navigation
 
     def secure_request(self, environ):
         if self.service.settings.trust_proxy and environ.get("HTTP_X_FORWARDED_PROTO"):
@@ -7572,9 +7643,12 @@ class StoreSurface(Surface):
         self.clock = time.time
 
     prefix = property(lambda self: "/store/" + self.store()["slug"])
-    home = property(lambda self: self.prefix)
-    navigation = property(lambda self: (("Store", self.prefix),
-                                        ("Account", self.prefix + "/account")))
+    home = property(lambda self: self.prefix + "/products")  # where a sign-in leads
+
+    def navigation_of(self, visit):
+        prefix, lines = self.prefix, cart_size(visit.conn, visit.session["account_id"])
+        return (("Catalog", prefix + "/products"), (f"Cart ({lines})", prefix + "/cart"),
+                ("Orders", prefix + "/orders"), ("Account", prefix + "/account"))
 
     def store(self):
         return bottle.request.environ["ordering.store"]
@@ -7688,6 +7762,9 @@ class StoreSurface(Surface):
         return super().sign_in()
 
     def front_page(self):
+        """Signed out, a welcome without prices; signed in, the catalog (or, awaiting
+        approval, the page that says so)."""
+        self.headers()
         found, token = self.session()
         if found is None:
             return self.public_page("Welcome", render(
@@ -7696,16 +7773,9 @@ class StoreSurface(Surface):
                 'href="{p}/sign-in">Sign in</a> <a href="{p}/register">Register</a></p></div>',
                 store=self.site(), p=self.prefix))
         visit = Visit(self, found, token)
-        customer = load_customer(visit.conn, visit.company_id, found["account_id"])
-        if customer["status"] != "ACTIVE":
-            return visit.page("Awaiting approval", render(
-                '<div class="card" role="status"><p>Your account awaits approval by {store}. '
-                'We will email you when it is approved; until then prices and ordering stay '
-                'closed.</p></div>', store=self.site()))
-        products = find_products(visit.conn, visit.company_id, {"active": "true"})["data"]
-        return visit.page("Catalog", table(("Product", "Unit", "Price"), [
-            (product["name"], product["unit"] or "", amount_text(money(product["price_cents"])))
-            for product in products], numeric=("Price",)))
+        if load_customer(visit.conn, visit.company_id, found["account_id"])["status"] != "ACTIVE":
+            return awaiting_approval(visit)
+        return redirect(self.prefix + "/products")
 
     def address_allowed(self):
         """Registrations and reset requests of this client address within its share of the
@@ -7819,7 +7889,13 @@ def account_page(visit):
                             autocomplete="current-password"),
                 visit.field("password", f"New password (at least {PASSWORD_MIN} characters)",
                             kind="password", autocomplete="new-password"),
-                render('<button type="submit">Change password</button>')]))]))
+                render('<button type="submit">Change password</button>')])),
+        render("<h2>Shipping addresses</h2>"),
+        join(render('<div class="card"><p>{a}</p>{remove}</div>', a=address_text(address_of(row)),
+                    remove=visit.button(f"{prefix}/account/addresses/{row['id']}/delete",
+                                        "Remove", "secondary"))
+             for row in customer_addresses(visit.conn, customer["id"])) or render(
+            '<p class="muted">None yet: checkout saves each new address you ship to.</p>')]))
 
 
 @page("POST", "/store/<slug>/account", refused=account_page)
@@ -7837,6 +7913,372 @@ def change_password_action(visit):
                                  visit.form.get("currentPassword"), visit.form.get("password", ""))
     visit.surface.start_session(load_customer(visit.conn, visit.company_id,
                                               visit.session["account_id"]))
+    return redirect(visit.surface.prefix + "/account")
+
+
+# Ordering at the store: the catalog at the buyer's own prices, the cart (kept on the server),
+# quick order and reorder, checkout, the buyer's orders with their timeline, tracking and
+# returns. These pages are for ACTIVE buyers (buyer_page): one awaiting approval sees that it
+# does, and no prices. Buyers see how much stock there is as a level, never the count.
+
+def awaiting_approval(visit, status=200):
+    return visit.page("Awaiting approval", render(STORE_AWAITING, store=visit.surface.site()),
+                      status)
+
+
+def buyer_page(method, path, refused=None):
+    """A page of the store's prices or ordering, for ACTIVE buyers: a buyer awaiting approval
+    sees that it does (and a form it sends changes nothing), a blocked one is refused."""
+    def register(handler):
+        def for_buyers(visit, **url_args):
+            try:
+                require_buyer(visit.conn, visit.company_id, visit.session["account_id"])
+            except ApiError as error:
+                if error.message == CUSTOMER_PENDING:
+                    return awaiting_approval(visit, 403 if method == "POST" else 200)
+                return visit.refusal(error)
+            return handler(visit, **url_args)
+        page(method, path, refused)(for_buyers)
+        return handler
+    return register
+
+
+def cents_text(cents):
+    return amount_text(money(cents))
+
+
+def when_text(timestamp):
+    """An ISO 8601 timestamp as a buyer reads it: 2026-11-24 09:07 UTC."""
+    return timestamp[:16].replace("T", " ") + " UTC"
+
+
+#: Each stock level's style (see stock_level()).
+LEVEL_STYLES = dict(zip(STOCK_LEVELS, ("in", "low", "out")))
+
+
+def level_tag(product):
+    level = stock_level(product)
+    return render('<span class="status level-{k}">{t}</span>', k=LEVEL_STYLES[level], t=level)
+
+
+def add_form(visit, product_id):
+    """The form that puts a product in the cart (POST cart: productId, quantity)."""
+    return visit.form_tag(visit.surface.prefix + "/cart", render(
+        '<input type="hidden" name="productId" value="{id}"><input class="qty" name="quantity" '
+        'type="number" min="1" max="{most}" value="1" aria-label="Quantity"> '
+        '<button type="submit">Add to cart</button>', id=product_id, most=MAX_QUANTITY),
+        css="inline add")
+
+
+def added_notice(added, missing_title, missing):
+    """What a quick order or a reorder put in the cart, and what it could not."""
+    lines = join(render("<li>{q} x {n}</li>", q=quantity, n=product["name"])
+                 for product, quantity in added)
+    notice = render("<p>Added to your cart:</p><ul>{l}</ul>", l=lines) if added \
+        else render("<p>Nothing was added to your cart.</p>")
+    if missing:
+        notice = join([notice, render("<p>{t} {m}</p>", t=missing_title, m=", ".join(missing))])
+    return notice
+
+
+def address_text(address):
+    return ", ".join(address[name] for name, *_ in ADDRESS_FIELDS if address.get(name))
+
+
+def lines_table(lines, total):
+    """A cart's or an order's lines: [(product, quantity, unit price, line total)], cents."""
+    return table(("Product", "Quantity", "Unit price", "Line total"), [
+        *lines, (render("<strong>Total</strong>"), "", "",
+                 render("<strong>{t}</strong>", t=cents_text(total)))],
+        numeric=("Quantity", "Unit price", "Line total"))
+
+
+@buyer_page("GET", "/store/<slug>/products")
+def catalog_page(visit):
+    query, prefix = visit.filters(), visit.surface.prefix
+    result, prices = catalog(visit.conn, visit.company_id, visit.session["account_id"], query)
+    categories = store_categories(visit.conn, visit.company_id)
+    search = render(
+        '<form class="card filters" method="get" action="{p}/products">{f}<div><button '
+        'type="submit">Search</button> <a href="{p}/products">Clear</a></div></form>',
+        p=prefix, f=join([visit.field("search", "Search", query.get("search"), kind="search"),
+                          visit.select("category", "Category",
+                                       [("", "All categories")] + [(c, c) for c in categories],
+                                       query.get("category"))]))
+    rows = [(render('{name}<br><span class="muted">{sku} {unit}</span>', name=link(
+                f"{prefix}/products/{product['id']}", product["name"]), sku=product["sku"] or "",
+                unit=product["unit"] or ""),
+             cents_text(prices[product["id"]]), level_tag(product), add_form(visit, product["id"]))
+            for product in result["data"]]
+    return visit.page("Catalog", join([
+        search, table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
+        pager(visit, result, prefix + "/products")]))
+
+
+@buyer_page("GET", "/store/<slug>/products/<product_id>")
+def store_product_page(visit, product_id):
+    product, price = store_product(visit.conn, visit.company_id, visit.session["account_id"],
+                                   product_id)
+    return visit.page(product["name"], render(
+        STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
+        unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
+        description=render("<p>{d}</p>", d=product["description"])
+        if product["description"] else "", add=add_form(visit, product_id)))
+
+
+@buyer_page("GET", "/store/<slug>/cart")
+def cart_page(visit):
+    prefix = visit.surface.prefix
+    cart = cart_of(visit.conn, visit.company_id, visit.session["account_id"])
+    rows = []
+    for line in cart["lines"]:
+        product = line["product"]
+        action = f"{prefix}/cart/lines/{product['id']}"
+        view = visit.for_form(action, product["id"])
+        name = link(f"{prefix}/products/{product['id']}", product["name"]) if line["sold"] \
+            else render('{n} <span class="status level-out">No longer sold</span>',
+                        n=product["name"])
+        quantity = view.form_tag(action, render(
+            '<input class="qty" name="quantity" type="number" min="0" max="{most}" value="{q}" '
+            'aria-label="Quantity of {n}"> <button type="submit" class="secondary">Update'
+            '</button>{e}', most=MAX_QUANTITY, q=view.value("quantity", line["quantity"]),
+            n=product["name"], e=view.error("quantity")), css="inline")
+        remove = visit.button(action + "/remove", "Remove", "secondary")
+        rows.append((join([name, render("<br>"), remove]), quantity,
+                     cents_text(line["unitPrice"]), cents_text(line["lineTotal"])))
+    listed = join([lines_table(rows, cart["total"]), render(
+        '<p><a class="button" href="{p}/checkout">Check out</a></p>', p=prefix)]) \
+        if rows else render('<div class="card"><p>{m}</p><p><a href="{p}/products">Browse the '
+                            'catalog</a></p></div>', m=CART_EMPTY, p=prefix)
+    quick = visit.form_tag(prefix + "/cart/quick-order", join([
+        render("<h2>Quick order</h2><p class=\"muted\">One SKU and quantity a line, such as "
+               "<code>GR-RICE-25 3</code>, or a CSV file of the same.</p>"),
+        visit.field("lines", "SKUs and quantities", kind="textarea", rows="5"),
+        visit.field("file", "Or a CSV file", kind="file", accept=".csv,text/csv,text/plain"),
+        render('<button type="submit">Add to cart</button>')]), files=True)
+    return visit.page("Your cart", join([visit.error("cart"), listed, quick]))
+
+
+@buyer_page("POST", "/store/<slug>/cart", refused=cart_page)
+def add_to_cart_action(visit):
+    quantity = form_number(visit.form, "quantity")
+    with visit.write() as conn:
+        product = add_to_cart(conn, visit.company_id, visit.session["account_id"],
+                              visit.form.get("productId", ""), quantity)
+    visit.notice = render("Added {q} x {n} to your cart.", q=quantity, n=product["name"])
+    return cart_page(visit)
+
+
+@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page)
+def cart_quantity_action(visit, product_id):
+    with visit.write() as conn:
+        set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id,
+                          form_number(visit.form, "quantity"))
+    return redirect(visit.surface.prefix + "/cart")
+
+
+@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>/remove", refused=cart_page)
+def remove_from_cart_action(visit, product_id):
+    with visit.write() as conn:
+        set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id, 0)
+    return redirect(visit.surface.prefix + "/cart")
+
+
+def uploaded_text(name):
+    """The text of the file uploaded as name (UTF-8), or None without one. What cannot be
+    MAX_QUICK_ORDER characters is refused unread."""
+    upload = bottle.request.files.get(name)
+    if upload is None:
+        return None
+    data = upload.file.read(MAX_QUICK_ORDER * 4 + 1)
+    if len(data) > MAX_QUICK_ORDER * 4:
+        raise invalid(name, QUICK_ORDER_TOO_LONG)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise invalid(name, QUICK_ORDER_NOT_TEXT) from None
+    if len(text) > MAX_QUICK_ORDER:
+        raise invalid(name, QUICK_ORDER_TOO_LONG)
+    return text
+
+
+@buyer_page("POST", "/store/<slug>/cart/quick-order", refused=cart_page)
+def quick_order_action(visit):
+    text = uploaded_text("file")
+    with visit.write() as conn:
+        result = quick_order(conn, visit.company_id, visit.session["account_id"],
+                             visit.form.get("lines", "") if text is None else text)
+    visit.notice = added_notice(result["added"], "Not found or no longer sold (SKU):",
+                                result["unknown"])
+    return cart_page(visit)
+
+
+@buyer_page("POST", "/store/<slug>/cart/reorder", refused=cart_page)
+def reorder_action(visit):
+    with visit.write() as conn:
+        result = reorder(conn, visit.company_id, visit.session["account_id"],
+                         visit.form.get("orderId", ""))
+    visit.notice = added_notice(result["added"], "No longer sold, so not added:",
+                                result["skipped"])
+    return cart_page(visit)
+
+
+@buyer_page("GET", "/store/<slug>/checkout")
+def checkout_page(visit):
+    prefix, me = visit.surface.prefix, visit.session["account_id"]
+    cart = cart_of(visit.conn, visit.company_id, me)
+    if not cart["lines"]:
+        return visit.page("Checkout", render(
+            '<div class="card"><p>{m}</p><p><a href="{p}/products">Browse the catalog</a></p>'
+            '</div>', m=CART_EMPTY, p=prefix))
+    summary = lines_table([(line["product"]["name"], line["quantity"],
+                            cents_text(line["unitPrice"]), cents_text(line["lineTotal"]))
+                           for line in cart["lines"]], cart["total"])
+    saved = customer_addresses(visit.conn, me)
+    ship_to = visit.select("addressId", "Ship to", [
+        (row["id"], address_text(address_of(row))) for row in saved] + [
+        ("", "A new address (below)")], saved[0]["id"] if saved else "")
+    new_address = render('<fieldset class="address"><legend>New address (saved for next '
+                         'time)</legend>{f}</fieldset>', f=join(
+                             visit.field(name, label if required else label + " (optional)",
+                                         maxlength=longest)
+                             for name, label, longest, required in ADDRESS_FIELDS))
+    form = visit.form_tag(prefix + "/checkout", join([
+        render('<input type="hidden" name="token" value="{t}">',
+               t=visit.value("token", secrets.token_urlsafe(24))),
+        ship_to, new_address,
+        visit.field("poNumber", "PO number (optional)", maxlength=MAX_PO_NUMBER),
+        visit.field("notes", "Notes (optional)", kind="textarea", maxlength=MAX_ORDER_NOTES),
+        render('<button type="submit">Place order</button>')]))
+    return visit.page("Checkout", join([summary, form]))
+
+
+@buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page)
+def checkout_action(visit):
+    form, me = visit.form, visit.session["account_id"]
+    address_id = form.get("addressId") or None
+    address = None if address_id else {name: form.get(name) for name, *_ in ADDRESS_FIELDS}
+    try:
+        with visit.write() as conn:
+            order_id = checkout(conn, visit.surface.store()["slug"], me, form.get("token"),
+                                address_id, address, form_text(form, "poNumber"),
+                                form_text(form, "notes"))["id"]
+    except sqlite3.IntegrityError:  # the same form, sent twice at once: the other placed it
+        order_id = checkout_order_id(visit.conn, me, form.get("token"))
+        if order_id is None:
+            raise
+    return redirect(f"{visit.surface.prefix}/orders/{order_id}?placed=1")
+
+
+@buyer_page("GET", "/store/<slug>/orders")
+def store_orders_page(visit):
+    query, prefix = visit.filters(), visit.surface.prefix
+    result = buyer_orders(visit.conn, visit.company_id, visit.session["account_id"], query)
+    rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
+             status_tag(row["status"]), row["po_number"] or "", cents_text(row["total_cents"]))
+            for row in result["data"]]
+    filters = render(
+        '<form class="card filters" method="get" action="{p}/orders">{f}<div><button '
+        'type="submit">Filter</button> <a href="{p}/orders">Clear</a></div></form>', p=prefix,
+        f=visit.select("status", "Status", [("", "Any")] + [(s, s) for s in ORDER_STATUSES],
+                       query.get("status")))
+    return visit.page("Your orders", join([
+        filters, table(("Order", "Placed", "Status", "PO number", "Total"), rows,
+                       numeric=("Total",)), pager(visit, result, prefix + "/orders")]))
+
+
+ORDER_PLACED = ("Thank you: your order is placed. A confirmation is on its way to your email "
+                "address.")
+RETURN_REQUESTED = "Your return is requested. This page shows its progress."
+
+
+@buyer_page("GET", "/store/<slug>/orders/<order_id>")
+def store_order_page(visit, order_id):
+    conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["account_id"]
+    row = buyer_order(conn, visit.company_id, me, order_id)
+    order = order_with_items(conn, visit.company_id, order_id)
+    if "placed" in visit.query:
+        visit.notice = ORDER_PLACED
+    elif "returned" in visit.query:
+        visit.notice = RETURN_REQUESTED
+    facts = render(STORE_ORDER_FACTS, status=status_tag(order["status"]),
+                   placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
+                   notes=order["notes"] or "none", total=amount_text(order["total"]))
+    tracking = order["tracking"]
+    card = render(STORE_TRACKING, carrier=tracking["carrier"], number=tracking["number"],
+                  track=render('<p><a class="button" href="{u}" rel="noreferrer">Track the '
+                               'parcel</a></p>', u=tracking["url"]) if tracking["url"] else "") \
+        if tracking else ""
+    address = shipping_address_of(row)
+    ship_to = render('<h2>Ship to</h2><p class="card">{a}</p>', a=Markup("<br>".join(
+        escape(address[name]) for name, *_ in ADDRESS_FIELDS if address[name]))) \
+        if address else ""
+    lines = lines_table([(join([item["productName"], render(' <span class="muted">{s}</span>',
+                                                           s=item["productSku"] or "")]),
+                          item["quantity"], amount_text(item["unitPrice"]),
+                          cents_text(cents_from_number(item["unitPrice"]) * item["quantity"]))
+                         for item in order["items"]], row["total_cents"])
+    timeline = render('<h2>Status</h2><ol class="card timeline">{s}</ol>', s=join(
+        render("<li>{tag} <span class=\"muted\">{at}</span></li>", tag=status_tag(
+            change["to_status"]), at=when_text(change["created_at"]))
+        for change in status_changes(conn, visit.company_id, order_id)))
+    again = visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
+                         orderId=order_id)
+    return visit.page(f"Order {order_id}", join([
+        facts, card, ship_to, render("<h2>Lines</h2>"), lines, render("<p>{a}</p>", a=again),
+        timeline, buyer_order_returns(visit, row)]))
+
+
+def buyer_order_returns(visit, order):
+    """The order's returns as their buyer sees them, and the form that opens one (for a
+    shipped or delivered order with units not yet in a return)."""
+    conn, order_id = visit.conn, order["id"]
+    returns = returns_of_order(conn, visit.company_id, order_id)
+    lines = return_lines_of(conn, [r["id"] for r in returns])
+    shown = [render(STORE_RETURN, opened=when_text(r["created_at"]), status=status_tag(r["status"]),
+                    refund=render(" &middot; refunded {a}", a=cents_text(r["amount_cents"]))
+                    if r["amount_cents"] is not None else "",
+                    lines=render("<ul>{l}</ul>", l=join(
+                        render("<li>{q} x {n}</li>", q=units, n=name)
+                        for name, _, units in lines[r["id"]])), reason=r["reason"])
+             for r in returns]
+    if order["status"] not in ("SHIPPED", "DELIVERED"):
+        form = ""
+    else:
+        returnable = {item_id: found for item_id, found in
+                      returnable_units(conn, order_id).items() if found[1] > 0}
+        action = f"{visit.surface.prefix}/orders/{order_id}/returns"
+        form = visit.form_tag(action, join([
+            render("<h3>Return goods</h3><p class=\"muted\">How many units of each line go "
+                   "back (0: none of that line).</p>"),
+            *(visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
+                          min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
+            visit.error("lines"),
+            visit.field("reason", "Reason", kind="textarea", maxlength=RETURN_REASON_LENGTH[1]),
+            render('<button type="submit">Request a return</button>')])) if returnable else ""
+    if not shown and not form:
+        return ""
+    return join([render("<h2>Returns</h2>"), *shown, form])
+
+
+@buyer_page("POST", "/store/<slug>/orders/<order_id>/returns", refused=store_order_page)
+def request_return_action(visit, order_id):
+    lines = {}
+    for name in visit.form:
+        if name.startswith("units-"):
+            units = form_int(visit.form, name, required=False)
+            if units:
+                lines[name.removeprefix("units-")] = units
+    with visit.write() as conn:
+        open_return(conn, visit.company_id, order_id, visit.form.get("reason"), lines=lines,
+                    customer_id=visit.session["account_id"])
+    return redirect(f"{visit.surface.prefix}/orders/{order_id}?returned=1")
+
+
+@page("POST", "/store/<slug>/account/addresses/<address_id>/delete", refused=account_page)
+def delete_address_action(visit, address_id):
+    with visit.write() as conn:
+        delete_address(conn, visit.session["account_id"], address_id)
     return redirect(visit.surface.prefix + "/account")
 
 

@@ -711,7 +711,7 @@ def test_tables_lead_with_the_columns_the_serializers_read(app):
         assert names[:len(columns)] == columns, table
 
 
-LIST_QUERIES = [
+CURSOR_QUERIES = [
     "/api/v1/products?limit=2", "/api/v1/products?limit=2&category=Grains",
     "/api/v1/products?limit=2&active=true", "/api/v1/products?limit=2&search=rice",
     "/api/v1/orders?limit=2", "/api/v1/orders?limit=2&status=SUBMITTED",
@@ -723,7 +723,7 @@ LIST_QUERIES = [
 
 
 @pytest.mark.sqlite_only
-@pytest.mark.parametrize("query", LIST_QUERIES)
+@pytest.mark.parametrize("query", CURSOR_QUERIES)
 def test_lists_are_served_by_an_index(api, tenant, query):
     product = tenant.product(category="Grains", stock=1000)
     customer = tenant.customer()
@@ -10305,7 +10305,7 @@ def test_a_pending_buyer_signs_in_to_see_it_awaits_approval_and_no_prices(app, a
         "id": customer["id"], "email": "new@cafe.example", "name": "Corner Cafe",
         "status": "ACTIVE", "previousStatus": "PENDING"}]
     assert account_emails(app)[-1][:2] == ("account_approved", "new@cafe.example")
-    front = buyer.get(store_of(tenant))
+    front = buyer.get(store_of(tenant)).follow()
     assert "42.50" in front.text and "awaits approval" not in front.text
 
 
@@ -10550,7 +10550,7 @@ def test_demo_prints_the_storefront_and_a_demo_buyers_sign_in_that_works(db_path
             page = browser.get(path + "/sign-in")
             main_form(page)["email"], main_form(page)["password"] = email, password
             assert main_form(page).submit(status=303).follow().status_int == 200
-            assert "Jasmine Rice 25kg" in browser.get(path).text
+            assert "Jasmine Rice 25kg" in browser.get(path).follow().text
         finally:
             app.service.close(grace=0)
 
@@ -10572,3 +10572,826 @@ def test_store_pages_are_titled_with_the_store_and_dashboard_pages_as_before(app
     assert "<title>Your account - Acme Wholesale</title>" in buyer.get(
         store_of(tenant) + "/account").text
     assert "<title>Orders - ordering</title>" in browser.get("/dashboard/orders").text
+
+
+# ---------------------------------------------------------------------------------------------
+# Storefront ordering: catalog, prices, cart, quick order, checkout, orders, returns
+# ---------------------------------------------------------------------------------------------
+
+BUYER_ADDRESS = {"name": "Corner Cafe", "line1": "1 Harbour Road", "city": "Portsmouth",
+           "postalCode": "PO1 2AB", "country": "United Kingdom"}
+
+
+def shopper(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
+    """(the customer, a browser signed in to the store as that customer)."""
+    customer = store_buyer(app, tenant, email, status, **fields)
+    return customer, store_sign_in(app, tenant, email)[0]
+
+
+def alert_of(page):
+    return page.html.find(class_="alert").get_text()
+
+
+def notice_of(page):
+    return page.html.find(class_="notice").get_text(" ", strip=True)
+
+
+def errors_of(page):
+    """Every message the page shows beside a field."""
+    return [message.get_text() for message in page.html.select("p.error")]
+
+
+def put_in_cart(buyer, tenant, product_id, quantity=1, status=200):
+    """The answer to the add form of the product's page."""
+    page = buyer.get(f"{store_of(tenant)}/products/{product_id}")
+    form = form_to(page, "/cart")
+    form["quantity"] = str(quantity)
+    return form.submit(status=status)
+
+
+def cart_rows(app, customer_id):
+    return [tuple(row) for row in app.service.db.conn.execute(
+        "SELECT product_id, quantity FROM cart_lines WHERE customer_id = ? ORDER BY added_at, "
+        "product_id", (customer_id,))]
+
+
+def checkout_form(buyer, tenant, **fields):
+    """The checkout form of a new visit to the page, filled in."""
+    form = form_to(buyer.get(store_of(tenant) + "/checkout"), "/checkout")
+    for name, value in fields.items():
+        form[name] = value
+    return form
+
+
+def check_out(buyer, tenant, status=303, **fields):
+    return checkout_form(buyer, tenant, **fields).submit(status=status)
+
+
+def table_rows(page):
+    """The text of each row of the page's first table's body, cell by cell."""
+    return [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+            for row in page.html.find("tbody").find_all("tr")]
+
+
+def store_order_row(app, order_id):
+    return app.service.db.conn.execute("SELECT * FROM orders WHERE id = ?",
+                                       (order_id,)).fetchone()
+
+
+def test_signed_out_visitors_see_no_prices_and_an_active_buyers_front_page_is_the_catalog(
+        app, tenant):
+    tenant.product("Rice 25kg", price_cents=4250)
+    visitor = store_visitor(app)
+    front = visitor.get(store_of(tenant), status=200)
+    assert "42.50" not in front.text and "Sign in to see prices" in front.text
+    for path in ("/products", "/cart", "/checkout", "/orders"):
+        assert visitor.get(store_of(tenant) + path, status=303).location.endswith("/sign-in")
+    _, buyer = shopper(app, tenant)
+    assert buyer.get(store_of(tenant), status=303).location.endswith(
+        store_of(tenant) + "/products")
+    catalog = buyer.get(store_of(tenant) + "/products", status=200)
+    assert [link.get_text() for link in catalog.html.select("header nav a")] == [
+        "Catalog", "Cart (0)", "Orders", "Account"]
+
+
+def test_the_catalog_shows_active_products_at_the_buyers_own_price_and_a_stock_level(
+        app, tenant):
+    rice = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250, stock=7919)
+    tenant.product("Old Flour", price_cents=999, is_active=False)
+    tenant.product("Salt 1kg", price_cents=320, stock=4, low_stock_threshold=5)
+    tenant.product("Tea 500g", price_cents=1150, stock=0)
+    customer, buyer = shopper(app, tenant)
+    with tenant.db.write() as conn:
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3990)
+    page = buyer.get(store_of(tenant) + "/products", status=200)
+    assert table_rows(page) == [
+        ["Tea 500g each", "11.50", "Out of stock", "Add to cart"],
+        ["Salt 1kg each", "3.20", "Low stock", "Add to cart"],
+        ["Rice 25kg GR-RICE-25 each", "39.90", "In stock", "Add to cart"]]
+    assert "7919" not in page.text and "Old Flour" not in page.text
+    other_buyer = shopper(app, tenant, "other@cafe.example")[1]
+    assert ["Rice 25kg GR-RICE-25 each", "42.50", "In stock", "Add to cart"] in table_rows(
+        other_buyer.get(store_of(tenant) + "/products"))
+    product = buyer.get(f"{store_of(tenant)}/products/{rice['id']}", status=200)
+    facts = dict(zip([dt.get_text() for dt in product.html.select("dl.facts dt")],
+                     [dd.get_text() for dd in product.html.select("dl.facts dd")]))
+    assert facts == {"SKU": "GR-RICE-25", "Category": "", "Unit": "each", "Your price": "39.90",
+                     "Availability": "In stock"}
+    assert "7919" not in product.text
+
+
+def test_the_catalog_searches_filters_by_category_and_pages(app, tenant):
+    for name, category in (("Jasmine Rice", "Grains"), ("Bread Flour", "Grains"),
+                           ("Sea Salt", "Pantry"), ("Basmati Rice", "Grains")):
+        tenant.product(name, category=category)
+    _, buyer = shopper(app, tenant)
+    names = lambda page: [row[0].split(" each")[0] for row in table_rows(page)]  # noqa: E731
+    catalog = store_of(tenant) + "/products"
+    assert names(buyer.get(catalog + "?search=RICE")) == ["Basmati Rice", "Jasmine Rice"]
+    assert names(buyer.get(catalog + "?category=Pantry")) == ["Sea Salt"]
+    page = buyer.get(catalog + "?category=Grains&limit=2")
+    assert names(page) == ["Basmati Rice", "Bread Flour"]
+    [categories] = [select for select in page.html.find_all("select")]
+    assert [option["value"] for option in categories.find_all("option")] == [
+        "", "Grains", "Pantry"]
+    following = page.click("Next page")
+    assert names(following) == ["Jasmine Rice"] and "Next page" not in following.text
+
+
+@pytest.mark.sqlite_only
+def test_the_catalog_is_served_by_indexes_at_10000_products(app, tenant):
+    with tenant.db.write() as conn:
+        for number in range(10_000):
+            ordering.create_product(conn, tenant.id, name=f"Product {number}",
+                                    category=f"Category {number % 7}", price_cents=100,
+                                    stock=10)
+    _, buyer = shopper(app, tenant)
+    catalog = store_of(tenant) + "/products"
+    conn, statements = tenant.db.conn, []
+    conn.set_trace_callback(statements.append)
+    try:
+        first = buyer.get(catalog + "?category=Category+3")
+        assert len(table_rows(first)) == 50
+        following = first.click("Next page")
+        assert len(table_rows(following)) == 50
+        assert len(table_rows(buyer.get(catalog))) == 50
+    finally:
+        conn.set_trace_callback(None)
+    products = [sql for sql in statements if sql.lstrip().upper().startswith("SELECT")
+                and "FROM products" in sql]
+    assert len(products) >= 4
+    for sql in products:
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+        assert not any("TEMP B-TREE" in step for step in plan), (sql, plan)
+        assert not any(re.fullmatch(r"SCAN \w+", step) for step in plan), (sql, plan)
+
+
+def test_a_product_of_another_store_or_no_longer_sold_is_not_found_and_cannot_be_added(
+        app, tenant, other):
+    mine = tenant.product("Rice 25kg")
+    theirs = other.product("Their Rice")
+    retired = tenant.product("Old Flour", is_active=False)
+    customer, buyer = shopper(app, tenant)
+    for product in (theirs, retired):
+        page = buyer.get(f"{store_of(tenant)}/products/{product['id']}", status=404)
+        assert page.html.find(class_="alert").get_text() == "Product not found."
+    page = put_in_cart(buyer, tenant, mine["id"])
+    form = form_to(page.click("Catalog"), "/cart", productId=mine["id"])
+    for product in (theirs, retired):
+        form["productId"].force_value(product["id"])
+        refused = form.submit(status=400)
+        assert alert_of(refused) == "Not saved: " + ordering.PRODUCT_UNAVAILABLE.format(
+            id=product["id"])
+    assert cart_rows(app, customer["id"]) == [(mine["id"], 1)]
+
+
+def test_a_buyer_awaiting_approval_sees_no_prices_and_orders_nothing(app, tenant):
+    product = tenant.product("Rice 25kg", price_cents=4250)
+    customer, buyer = shopper(app, tenant, status="PENDING")
+    store = store_of(tenant)
+    for path in ("", "/products", f"/products/{product['id']}", "/cart", "/checkout",
+                 "/orders"):
+        page = buyer.get(store + path, status=200)
+        assert "awaits approval" in page.text and "42.50" not in page.text, path
+    account = buyer.get(store + "/account")
+    for action, fields in (("/cart", {"productId": product["id"], "quantity": "1"}),
+                           ("/cart/quick-order", {"lines": "X 1"}),
+                           ("/checkout", dict(BUYER_ADDRESS, token="t" * 32))):
+        page = buyer.post(store + action, dict(fields, csrf=csrf_of(account)), status=403)
+        assert "awaits approval" in page.text
+    assert cart_rows(app, customer["id"]) == []
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+
+
+def test_the_cart_is_kept_on_the_server_and_follows_the_buyer_to_another_device(app, tenant):
+    product = tenant.product("Rice 25kg", price_cents=4250)
+    customer, buyer = shopper(app, tenant)
+    added = put_in_cart(buyer, tenant, product["id"], 3)
+    assert notice_of(added) == "Added 3 x Rice 25kg to your cart."
+    assert table_rows(added)[0][1:] == ["Update", "42.50", "127.50"]
+    form_to(buyer.get(store_of(tenant) + "/account"), "/sign-out").submit(status=303)
+    elsewhere = store_sign_in(app, tenant, "buyer@cafe.example")[0]
+    cart = elsewhere.get(store_of(tenant) + "/cart")
+    assert "Cart (1)" in cart.html.find("header").get_text()
+    assert table_rows(cart) == [["Rice 25kg Remove", "Update", "42.50", "127.50"],
+                                ["Total", "", "", "127.50"]]
+    assert cart_rows(app, customer["id"]) == [(product["id"], 3)]
+
+
+def test_cart_quantities_are_edited_and_lines_removed(app, tenant):
+    rice = tenant.product("Rice 25kg", price_cents=4250)
+    salt = tenant.product("Salt 1kg", price_cents=320)
+    customer, buyer = shopper(app, tenant)
+    put_in_cart(buyer, tenant, rice["id"], 1)
+    cart = put_in_cart(buyer, tenant, salt["id"], 2)
+    form = form_to(cart, f"/cart/lines/{rice['id']}")
+    form["quantity"] = "5"
+    cart = form.submit(status=303).follow()
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 5), (salt["id"], 2)]
+    assert table_rows(cart)[-1] == ["Total", "", "", "218.90"]
+    for text, message in (("abc", ordering.QUANTITY_NOT_A_NUMBER),
+                          ("1.5", ordering.QUANTITY_NOT_WHOLE), ("-1", ordering.QUANTITY_TOO_SMALL)):
+        form = form_to(cart, f"/cart/lines/{rice['id']}")
+        form["quantity"].force_value(text)
+        refused = form.submit(status=400)
+        assert alert_of(refused) == "Not saved: " + message
+        assert form_to(refused, f"/cart/lines/{rice['id']}")["quantity"].value == text
+    form = form_to(cart, f"/cart/lines/{rice['id']}")
+    form["quantity"] = "0"
+    form.submit(status=303)
+    assert cart_rows(app, customer["id"]) == [(salt["id"], 2)]
+    cart = buyer.get(store_of(tenant) + "/cart")
+    form_to(cart, f"/cart/lines/{salt['id']}/remove").submit(status=303)
+    assert cart_rows(app, customer["id"]) == []
+    assert ordering.CART_EMPTY in buyer.get(store_of(tenant) + "/cart").text
+
+
+def test_a_cart_never_shows_or_changes_another_customers_lines(app, tenant):
+    rice = tenant.product("Rice 25kg")
+    salt = tenant.product("Salt 1kg")
+    first, buyer = shopper(app, tenant)
+    second, other_buyer = shopper(app, tenant, "other@cafe.example")
+    put_in_cart(buyer, tenant, rice["id"], 4)
+    put_in_cart(other_buyer, tenant, salt["id"], 1)
+    cart = other_buyer.get(store_of(tenant) + "/cart")
+    assert "Rice 25kg" not in cart.text
+    other_buyer.post(f"{store_of(tenant)}/cart/lines/{rice['id']}",
+                     {"csrf": csrf_of(cart), "quantity": "9"}, status=404)
+    other_buyer.post(f"{store_of(tenant)}/cart/lines/{rice['id']}/remove",
+                     {"csrf": csrf_of(cart)}, status=303)
+    assert cart_rows(app, first["id"]) == [(rice["id"], 4)]
+    assert cart_rows(app, second["id"]) == [(salt["id"], 1)]
+
+
+def quick(buyer, tenant, lines="", upload=None, status=200):
+    form = form_to(buyer.get(store_of(tenant) + "/cart"), "/cart/quick-order")
+    form["lines"] = lines
+    if upload is not None:
+        form["file"] = webtest.Upload("order.csv", upload, "text/csv")
+    return form.submit(status=status)
+
+
+def test_quick_order_adds_known_skus_and_names_each_unknown_or_inactive_one(app, tenant, other):
+    rice = tenant.product("Rice 25kg", sku="GR-RICE-25")
+    salt = tenant.product("Salt 1kg", sku="PA-SALT-1")
+    tenant.product("Old Flour", sku="GR-OLD-1", is_active=False)
+    other.product("Their Tea", sku="BV-TEA-500")
+    customer, buyer = shopper(app, tenant)
+    page = quick(buyer, tenant, "GR-RICE-25 3\n\nPA-SALT-1\t2\nGR-OLD-1 1\nNOPE-1 4\n"
+                                "BV-TEA-500 1\nGR-RICE-25 1\n")
+    assert notice_of(page) == ("Added to your cart: 3 x Rice 25kg 2 x Salt 1kg 1 x Rice 25kg "
+                               "Not found or no longer sold (SKU): GR-OLD-1, NOPE-1, BV-TEA-500")
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 4), (salt["id"], 2)]
+    page = quick(buyer, tenant, upload=b"\xef\xbb\xbfsku,quantity\r\nPA-SALT-1,5\r\n")
+    assert notice_of(page) == "Added to your cart: 5 x Salt 1kg"
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 4), (salt["id"], 7)]
+
+
+def test_quick_order_refuses_a_bad_line_a_long_text_and_a_file_that_is_not_text(app, tenant):
+    tenant.product("Rice 25kg", sku="GR-RICE-25")
+    customer, buyer = shopper(app, tenant)
+    refused = quick(buyer, tenant, "GR-RICE-25 3\nGR-RICE-25 three\n", status=400)
+    assert field_error(refused, "lines") == ordering.QUICK_ORDER_FORMAT.format(n=2)
+    assert form_to(refused, "/cart/quick-order")["lines"].value.startswith("GR-RICE-25 3")
+    long_text = "GR-RICE-25 1\n" * (ordering.MAX_QUICK_ORDER // 13 + 1)
+    refused = quick(buyer, tenant, long_text, status=400)
+    assert field_error(refused, "lines") == ordering.QUICK_ORDER_TOO_LONG
+    refused = quick(buyer, tenant, upload=long_text.encode(), status=400)
+    assert field_error(refused, "file") == ordering.QUICK_ORDER_TOO_LONG
+    refused = quick(buyer, tenant, upload=b"\xff\xfeG\x00R\x00", status=400)
+    assert field_error(refused, "file") == ordering.QUICK_ORDER_NOT_TEXT
+    assert cart_rows(app, customer["id"]) == []
+
+
+def test_reorder_puts_a_past_orders_lines_in_the_cart_minus_what_is_no_longer_sold(app, tenant):
+    rice = tenant.product("Rice 25kg")
+    flour = tenant.product("Bread Flour")
+    customer, buyer = shopper(app, tenant)
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": rice["id"], "quantity": 2},
+            {"productId": flour["id"], "quantity": 1}]})
+    tenant.update_product(flour["id"], is_active=False)
+    page = buyer.get(f"{store_of(tenant)}/orders/{order['id']}")
+    cart = form_to(page, "/cart/reorder").submit(status=200)
+    assert notice_of(cart) == ("Added to your cart: 2 x Rice 25kg No longer sold, so not "
+                               "added: Bread Flour")
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 2)]
+
+
+def test_checkout_places_one_storefront_order_with_its_event_emails_and_saved_address(
+        app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["order.created", "product.low_stock"])
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
+    rice = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250, stock=10,
+                          low_stock_threshold=8)
+    salt = tenant.product("Salt 1kg", price_cents=320, stock=50)
+    customer, buyer = shopper(app, tenant, name="Corner Cafe")
+    with tenant.db.write() as conn:
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3990)
+    put_in_cart(buyer, tenant, rice["id"], 3)
+    put_in_cart(buyer, tenant, salt["id"], 2)
+    placed = check_out(buyer, tenant, poNumber="PO-7781", notes="Back door", **BUYER_ADDRESS)
+    order_id = re.fullmatch(rf".*{store_of(tenant)}/orders/(ord_\w+)\?placed=1",
+                            placed.location).group(1)
+    assert store_events(app, "order.created") == [{
+        "id": order_id, "status": "SUBMITTED", "total": 126.1, "customerId": customer["id"],
+        "poNumber": "PO-7781", "itemCount": 2}]
+    assert store_events(app, "product.low_stock") == [{
+        "id": rice["id"], "sku": "GR-RICE-25", "name": "Rice 25kg", "currentStock": 7,
+        "threshold": 8, "triggeringOrderId": order_id}]
+    assert [(kind, to) for kind, to, _ in account_emails(app)] == [
+        ("order_confirmation", "buyer@cafe.example"), ("order_alert", "staff@acme.example")]
+    assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (7, 48)
+    assert cart_rows(app, customer["id"]) == []
+    row = store_order_row(app, order_id)
+    assert (row["source"], row["po_number"], row["notes"], row["total_cents"]) == (
+        "storefront", "PO-7781", "Back door", 12610)
+    assert json.loads(row["shipping_address"]) == dict(BUYER_ADDRESS, line2=None, region=None)
+    page = placed.follow()
+    assert notice_of(page) == ("Thank you: your order is placed. A confirmation is on its way "
+                               "to your email address.")
+    assert "1 Harbour Road" in page.html.find("h2", string="Ship to").find_next("p").get_text()
+    assert "Cart (0)" in page.html.find("header").get_text()
+    fetched = api.get(f"/api/v1/orders/{order_id}", headers=tenant.headers).json["data"]
+    assert set(fetched) == ORDER_FIELDS and "Harbour" not in json.dumps(fetched)
+    # the address is saved: the next checkout offers it first
+    put_in_cart(buyer, tenant, salt["id"], 1)
+    form = form_to(buyer.get(store_of(tenant) + "/checkout"), "/checkout")
+    saved = ordering.customer_addresses(app.service.db.conn, customer["id"])
+    assert [row["line1"] for row in saved] == ["1 Harbour Road"]
+    assert form["addressId"].value == saved[0]["id"]
+    second = form.submit(status=303).follow()
+    assert "1 Harbour Road" in second.text
+    assert len(ordering.customer_addresses(app.service.db.conn, customer["id"])) == 1
+
+
+def test_checkout_refusals_show_the_specs_messages_and_place_nothing(app, tenant):
+    rice = tenant.product("Rice 25kg", stock=5)
+    salt = tenant.product("Salt 1kg", stock=5)
+    customer, buyer = shopper(app, tenant)
+    empty = buyer.get(store_of(tenant) + "/checkout")
+    assert ordering.CART_EMPTY in empty.text and "/checkout" not in [
+        form.action for form in empty.forms.values()]
+    put_in_cart(buyer, tenant, rice["id"], 3)
+    put_in_cart(buyer, tenant, salt["id"], 1)
+    refused = check_out(buyer, tenant, status=400, name="", line1="x" * 201, city="Portsmouth",
+                        postalCode="PO1", country="UK")
+    assert (field_error(refused, "name"), field_error(refused, "line1")) == (
+        "is required", "must be at most 200 characters on one line")
+    assert alert_of(refused) == "Not saved: see the messages below."
+    tenant.update_product(rice["id"], stock=2)
+    refused = check_out(buyer, tenant, status=400, **BUYER_ADDRESS)
+    assert alert_of(refused) == "Not saved: " + ordering.INSUFFICIENT_STOCK.format(
+        name="Rice 25kg", N=2, M=3)
+    assert form_to(refused, "/checkout")["line1"].value == "1 Harbour Road"
+    tenant.update_product(salt["id"], is_active=False)
+    refused = check_out(buyer, tenant, status=400, **BUYER_ADDRESS)
+    assert alert_of(refused) == "Not saved: " + ordering.PRODUCT_UNAVAILABLE.format(id=salt["id"])
+    assert "No longer sold" in buyer.get(store_of(tenant) + "/cart").text
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+    assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (2, 5)
+    assert len(cart_rows(app, customer["id"])) == 2
+
+
+def test_a_checkout_form_sent_twice_places_one_order(app, tenant):
+    product = tenant.product("Rice 25kg", stock=100)
+    customer, buyer = shopper(app, tenant)
+    put_in_cart(buyer, tenant, product["id"], 2)
+    form = checkout_form(buyer, tenant, **BUYER_ADDRESS)
+    first = form.submit(status=303)
+    again = form.submit(status=303)  # a reload, or the back button and the same click
+    assert again.location == first.location
+    # at once, from two threads, as a double click sends it
+    put_in_cart(buyer, tenant, product["id"], 1)
+    form = form_to(buyer.get(store_of(tenant) + "/checkout"), "/checkout")
+    fields = dict(form.submit_fields())
+    cookie = buyer.cookies[ordering.STORE_SESSION_COOKIE]
+    start = threading.Barrier(2)
+
+    def send(_):
+        client = webtest.TestApp(app)
+        client.set_cookie(ordering.STORE_SESSION_COOKIE, cookie)
+        start.wait(5)
+        return client.post(store_of(tenant) + "/checkout", fields, status=303).location
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        locations = list(pool.map(send, range(2)))
+    assert locations[0] == locations[1]
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 2
+    assert tenant.stock(product["id"]) == 97
+
+
+def test_a_checkout_that_loses_the_race_to_its_own_twin_finds_the_order(app, tenant,
+                                                                      monkeypatch):
+    """Should a twin of the form place its order between this one's look and its write, the
+    unique index orders_by_checkout refuses a second order (an IntegrityError on either
+    engine): the page shows the first."""
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant)
+    put_in_cart(buyer, tenant, product["id"], 1)
+    form = checkout_form(buyer, tenant, **BUYER_ADDRESS)
+    first = form.submit(status=303)
+    put_in_cart(buyer, tenant, product["id"], 2)
+    looks = []
+    found = ordering.checkout_order_id
+
+    def late(conn, customer_id, token):  # the first look misses the twin's order
+        looks.append(token)
+        return None if len(looks) == 1 else found(conn, customer_id, token)
+    monkeypatch.setattr(ordering, "checkout_order_id", late)
+    assert form.submit(status=303).location == first.location and len(looks) == 2
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
+    assert cart_rows(app, customer["id"]) == [(product["id"], 2)]
+    assert tenant.stock(product["id"]) == 99
+
+
+def test_blocked_and_pending_buyers_cannot_check_out(app, api, tenant):
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant)
+    put_in_cart(buyer, tenant, product["id"], 1)
+    form = checkout_form(buyer, tenant, **BUYER_ADDRESS)
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "BLOCKED"},
+                   headers=tenant.headers, status=200)
+    assert "Your session has ended" in form.submit(status=403).text
+    for status, message in (("BLOCKED", ordering.CUSTOMER_BLOCKED),
+                            ("PENDING", ordering.CUSTOMER_PENDING)):
+        with tenant.db.write() as conn:
+            conn.execute("UPDATE customers SET status = ? WHERE id = ?", (status, customer["id"]))
+        with pytest.raises(ordering.ApiError, match=re.escape(message)):
+            with tenant.db.write() as conn:
+                ordering.checkout(conn, tenant.company["slug"], customer["id"], "t" * 32,
+                                  address=BUYER_ADDRESS)
+    pending, waiting = shopper(app, tenant, "pending@cafe.example", status="PENDING")
+    page = waiting.post(store_of(tenant) + "/checkout", dict(
+        BUYER_ADDRESS, token="t" * 32, csrf=csrf_of(waiting.get(store_of(tenant) + "/account"))),
+        status=403)
+    assert "awaits approval" in page.text
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+
+
+def buyer_order(tenant, customer, product, source="storefront", quantity=1, **fields):
+    """An order of the customer's placed through the operation of its source."""
+    items = [{"productId": product["id"], "quantity": quantity}]
+    with tenant.db.write() as conn:
+        if source == "storefront":
+            return ordering.storefront_place_order(
+                conn, tenant.company["slug"], customer["id"], items,
+                shipping_address=dict(BUYER_ADDRESS, line2=None, region=None), **fields)
+        return ordering.place_order(conn, tenant.id, dict(
+            fields, customerId=customer["id"], items=items), source=source)
+
+
+def test_a_buyers_orders_of_every_source_newest_first_with_a_status_filter_and_pages(
+        app, api, tenant):
+    product = tenant.product("Rice 25kg", price_cents=1000)
+    customer, buyer = shopper(app, tenant)
+    stranger = store_buyer(app, tenant, "other@cafe.example")
+    made = [buyer_order(tenant, customer, product, source, quantity=n + 1)
+            for n, source in enumerate(("api", "dashboard", "storefront"))]
+    buyer_order(tenant, stranger, product)
+    api.patch_json(f"/api/v1/orders/{made[0]['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    orders = store_of(tenant) + "/orders"
+    page = buyer.get(orders)
+    assert [(row[0], row[2], row[4]) for row in table_rows(page)] == [
+        (made[2]["id"], "SUBMITTED", "30.00"), (made[1]["id"], "SUBMITTED", "20.00"),
+        (made[0]["id"], "CONFIRMED", "10.00")]
+    assert [row[0] for row in table_rows(buyer.get(orders + "?status=CONFIRMED"))] == [
+        made[0]["id"]]
+    first = buyer.get(orders + "?limit=2")
+    assert [row[0] for row in table_rows(first.click("Next page"))] == [made[0]["id"]]
+    refused = buyer.get(orders + "?status=LOST", status=400)
+    assert refused.html.find(class_="alert").get_text() == ordering.INVALID_ORDER_STATUS
+
+
+def test_an_order_of_another_customer_or_another_store_is_not_found(app, tenant, other):
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant)
+    stranger = store_buyer(app, tenant, "other@cafe.example")
+    theirs = buyer_order(tenant, stranger, product)
+    elsewhere_customer = store_buyer(app, other, "buyer@cafe.example")
+    elsewhere = buyer_order(other, elsewhere_customer, other.product("Their Rice"))
+    csrf = csrf_of(buyer.get(store_of(tenant) + "/account"))
+    for order in (theirs, elsewhere):
+        page = buyer.get(f"{store_of(tenant)}/orders/{order['id']}", status=404)
+        assert page.html.find(class_="alert").get_text() == "Order not found."
+        refused = buyer.post(f"{store_of(tenant)}/cart/reorder",
+                             {"csrf": csrf, "orderId": order["id"]}, status=404)
+        assert alert_of(refused) == "Not saved: Order not found."
+        refused = buyer.post(f"{store_of(tenant)}/orders/{order['id']}/returns",
+                             {"csrf": csrf, "reason": "Broken bags",
+                              f"units-{order['items'][0]['id']}": "1"}, status=404)
+        assert refused.html.find(class_="alert").get_text() == "Order not found."
+    assert cart_rows(app, customer["id"]) == []
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM returns").fetchone()[0] == 0
+
+
+def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_card(
+        app, api, browser, tenant):
+    product = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250)
+    customer, buyer = shopper(app, tenant)
+    order = buyer_order(tenant, customer, product, quantity=2, po_number="PO-7781",
+                        notes="Back door")
+    path = f"{store_of(tenant)}/orders/{order['id']}"
+    page = buyer.get(path)
+    facts = [dd.get_text() for dd in page.html.select("dl.facts dd")]
+    assert facts[:1] + facts[2:] == ["SUBMITTED", "PO-7781", "Back door", "85.00"]
+    assert table_rows(page) == [["Rice 25kg GR-RICE-25", "2", "42.50", "85.00"],
+                                ["Total", "", "", "85.00"]]
+    assert page.html.find("h2", string="Ship to").find_next("p").get_text("|") == \
+        "Corner Cafe|1 Harbour Road|Portsmouth|PO1 2AB|United Kingdom"
+    assert page.html.find(class_="tracking") is None and "Return goods" not in page.text
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    shipping = browser.get(f"/dashboard/orders/{order['id']}")
+    form = form_to(shipping, "/status", status="SHIPPED")
+    form["tracking.carrier"], form["tracking.number"] = "CARRIER_B", "TN-42"
+    form.submit(status=303)
+    page = buyer.get(path)
+    assert [item.find(class_="status").get_text()
+            for item in page.html.select("ol.timeline li")] == [
+        "SUBMITTED", "CONFIRMED", "SHIPPED"]
+    card = page.html.find(class_="tracking")
+    assert [dd.get_text() for dd in card.select("dd")] == ["CARRIER_B", "TN-42"]
+    assert card.find("a")["href"] == "https://tracking.carrier-b.example/parcels/TN-42"
+    assert "Return goods" in page.text
+
+
+def test_a_buyer_returns_chosen_units_and_follows_the_return_to_its_refund(app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["return.created"])
+    rice = tenant.product("Rice 25kg", price_cents=4250)
+    salt = tenant.product("Salt 1kg", price_cents=320)
+    customer, buyer = shopper(app, tenant)
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": rice["id"], "quantity": 3}, {"productId": salt["id"], "quantity": 2}]},
+            source="storefront")
+    path = f"{store_of(tenant)}/orders/{order['id']}"
+    csrf = csrf_of(buyer.get(path))
+    refused = buyer.post(path + "/returns", {"csrf": csrf, "reason": "Torn",
+                                             f"units-{order['items'][0]['id']}": "1"},
+                         status=422)
+    assert alert_of(refused) == "Not saved: " + ordering.RETURN_NOT_SHIPPED
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "DELIVERED"},
+                   headers=tenant.headers, status=200)
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    form = form_to(buyer.get(path), "/returns")
+    assert (form[f"units-{rice_line}"].value, form[f"units-{salt_line}"].value) == ("0", "0")
+    form[f"units-{rice_line}"] = "1"
+    form["reason"] = "  x "
+    refused = form.submit(status=400)
+    assert field_error(refused, "reason") == "must be 3 to 2000 characters"
+    form = form_to(refused, "/returns")
+    form[f"units-{rice_line}"] = "0"
+    form["reason"] = "Two bags arrived torn"
+    refused = form.submit(status=400)
+    assert errors_of(refused) == ["choose at least one line and how many of its units go back"]
+    form = form_to(refused, "/returns")
+    form[f"units-{rice_line}"] = "4"
+    refused = form.submit(status=400)
+    assert errors_of(refused) == ["at most 3 units of Rice 25kg can go back"]
+    form = form_to(refused, "/returns")
+    form[f"units-{rice_line}"] = "2"
+    page = form.submit(status=303).follow()
+    assert notice_of(page) == "Your return is requested. This page shows its progress."
+    [created] = store_events(app, "return.created")
+    assert created == {"id": created["id"], "orderId": order["id"],
+                       "customerId": customer["id"], "itemCount": 1,
+                       "reason": "Two bags arrived torn", "status": "REQUESTED"}
+    form = form_to(page, "/returns")  # one unit of rice and both of salt are left
+    assert [label.get_text() for label in form.html.find_all("label")][:2] == [
+        "Rice 25kg (up to 1)", "Salt 1kg (up to 2)"]
+    with tenant.db.write() as conn:
+        ordering.approve_return(conn, tenant.id, created["id"])
+    assert "APPROVED" in buyer.get(path).html.find("h2", string="Returns").find_next(
+        "section").get_text()
+    with tenant.db.write() as conn:
+        ordering.receive_return(conn, tenant.id, created["id"])
+        ordering.refund_return(conn, tenant.id, created["id"], "CREDIT", 2, 0, 8500, 8000)
+    returned = buyer.get(path).html.find("h2", string="Returns").find_next("section")
+    assert " ".join(returned.get_text(" ").split()).endswith(
+        "REFUNDED · refunded 80.00 2 x Rice 25kg Reason: Two bags arrived torn")
+
+
+def test_every_value_a_buyer_enters_is_escaped_on_the_store_and_dashboard_pages(
+        app, api, browser, tenant):
+    script = "<script>alert(1)</script>"
+    escaped = "&lt;script&gt;alert(1)&lt;/script&gt;"
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant, name=script)
+    put_in_cart(buyer, tenant, product["id"], 2)
+    placed = check_out(buyer, tenant, poNumber=script, notes=script,
+                       **dict({name: script for name in BUYER_ADDRESS}, postalCode="<i>PO1</i>"))
+    order_id = placed.location.split("/")[-1].split("?")[0]
+    api.patch_json(f"/api/v1/orders/{order_id}", {"status": "DELIVERED"},
+                   headers=tenant.headers, status=200)
+    form = form_to(buyer.get(placed.location), "/returns")
+    [line] = ordering.returnable_units(app.service.db.conn, order_id)
+    form[f"units-{line}"] = "1"
+    form["reason"] = script
+    form.submit(status=303)
+    refused = quick(buyer, tenant, script + " 1", status=200)
+    put_in_cart(buyer, tenant, product["id"], 1)  # for the checkout, which offers the address
+    pages = [buyer.get(placed.location), buyer.get(store_of(tenant) + "/orders"),
+             buyer.get(store_of(tenant) + "/account"), buyer.get(store_of(tenant) + "/checkout"),
+             refused, browser.get(f"/dashboard/orders/{order_id}")]
+    for page in pages:
+        assert script not in page.text and escaped in page.text, page.request.url
+
+
+def test_store_forms_need_the_csrf_token(app, tenant):
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant)
+    put_in_cart(buyer, tenant, product["id"], 1)
+    store = store_of(tenant)
+    for action, fields in (("/cart", {"productId": product["id"], "quantity": "1"}),
+                           (f"/cart/lines/{product['id']}", {"quantity": "5"}),
+                           (f"/cart/lines/{product['id']}/remove", {}),
+                           ("/cart/quick-order", {"lines": "X 1"}),
+                           ("/checkout", dict(BUYER_ADDRESS, token="t" * 32))):
+        page = buyer.post(store + action, dict(fields, csrf="0" * 64), status=403)
+        assert ordering.CSRF_REFUSED in page.text
+    assert cart_rows(app, customer["id"]) == [(product["id"], 1)]
+    for path in ("/products", f"/products/{product['id']}", "/cart", "/checkout"):
+        page = buyer.get(store + path)
+        for form in page.forms.values():
+            if form.method.upper() == "POST":
+                assert form["csrf"].value == csrf_of(page), (path, form.action)
+
+
+def test_the_account_page_lists_saved_addresses_and_removes_one(app, tenant):
+    customer, buyer = shopper(app, tenant)
+    stranger = store_buyer(app, tenant, "other@cafe.example")
+    with tenant.db.write() as conn:
+        ordering.save_address(conn, customer["id"], ordering.parse_address(BUYER_ADDRESS))
+        ordering.save_address(conn, stranger["id"], ordering.parse_address(BUYER_ADDRESS))
+    [mine] = ordering.customer_addresses(tenant.db.conn, customer["id"])
+    [theirs] = ordering.customer_addresses(tenant.db.conn, stranger["id"])
+    account = buyer.get(store_of(tenant) + "/account")
+    assert "Corner Cafe, 1 Harbour Road, Portsmouth, PO1 2AB, United Kingdom" in account.text
+    refused = buyer.post(f"{store_of(tenant)}/account/addresses/{theirs['id']}/delete",
+                         {"csrf": csrf_of(account)}, status=404)
+    assert alert_of(refused) == "Not saved: Address not found."
+    form_to(account, f"/addresses/{mine['id']}/delete").submit(status=303)
+    assert ordering.customer_addresses(tenant.db.conn, customer["id"]) == []
+    assert len(ordering.customer_addresses(tenant.db.conn, stranger["id"])) == 1
+    assert "checkout saves each new address" in buyer.get(store_of(tenant) + "/account").text
+
+
+def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
+    """Eight buyers, each with two of the last five units in the cart, check out at once
+    through a served app of two worker processes: two orders, one unit left, the rest told the
+    spec's stock message."""
+    db = ordering.Database(str(store))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Race Foods")
+        product = ordering.create_product(conn, company["id"], name="Last Rice",
+                                          price_cents=1000, stock=5)
+        sessions = []
+        for number in range(8):
+            customer = ordering.create_customer(conn, company["id"], {
+                "email": f"buyer{number}@race.example"}, source="storefront",
+                password=BUYER_PASSWORD, status="ACTIVE")
+            ordering.add_to_cart(conn, company["id"], customer["id"], product["id"], 2)
+            sessions.append(ordering.start_session(
+                conn, ordering.CUSTOMERS, customer, (f"email:{number}", "address:-"),
+                int(time.time() * 1000), 3600))
+    db.close()
+    process, port = start_server(store, "--workers", "2")
+
+    def check_out_as(token):
+        csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
+        body = urllib.parse.urlencode(dict(BUYER_ADDRESS, csrf=csrf, token=secrets_token())).encode()
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request("POST", "/store/race-foods/checkout", body=body, headers={
+                "Content-Type": "application/x-www-form-urlencoded",
+                "Cookie": f"{ordering.STORE_SESSION_COOKIE}={token}"})
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(check_out_as, sessions))
+    finally:
+        stop_server(process)
+    assert sorted(status for status, _ in answers) == [303] * 2 + [400] * 6
+    # a refusal needs fewer than two units left, which only the second order leaves
+    refused = html_text(ordering.INSUFFICIENT_STOCK.format(name="Last Rice", N=1, M=2))
+    assert all(refused in text for status, text in answers if status == 400)
+    db = ordering.Database(str(store))
+    try:
+        assert db.conn.execute("SELECT stock FROM products").fetchone()[0] == 1
+        assert db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 2
+    finally:
+        db.close()
+
+
+# Storefront ordering in a real browser, with a webhook receiver and the real mail server ------
+
+#: A phone's screen, 390 by 844 CSS pixels (a headless window is never narrower than 500).
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": False}
+
+
+def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chromium(
+        tmp_path, receiver):
+    require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    mail = MailServer()
+    path = tmp_path / "store.db"
+    db = ordering.Database(str(path))
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Phone Foods")
+        ordering.update_company(conn, company["id"], {"staff_alerts": ["alerts@phone.example"]})
+        ordering.create_staff(conn, company["id"], "staff@phone.example", STAFF_PASSWORD)
+        ordering.create_webhook(conn, company["id"], {"url": receiver.url + "/hook", "events": [
+            "order.created", "order.shipped", "return.created"]})
+        for name, sku, price in (("Jasmine Rice 25kg", "GR-RICE-25", 4250),
+                                 ("Sea Salt 1kg", "PA-SALT-1", 320),
+                                 ("Black Tea 500g", "BV-TEA-500", 1150)):
+            ordering.create_product(conn, company["id"], name=name, sku=sku, price_cents=price,
+                                    stock=50)
+        buyer = ordering.create_customer(conn, company["id"], {
+            "email": "buyer@phone.example", "name": "Corner Cafe"}, source="storefront",
+            password=BUYER_PASSWORD, status="ACTIVE")
+    db.close()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    process, _ = start_server(path, "--allow-private-webhooks", "--base-url", base, port=port,
+                              env={"ORDERING_SMTP_URL": mail.url,
+                                   "ORDERING_MAIL_FROM": MAIL_FROM})
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
+    driver.implicitly_wait(5)
+    browser = Served.__new__(Served)  # its page helpers, on this server and driver
+    browser.driver, browser.base, browser.receiver = driver, base, receiver
+    store = "/store/phone-foods"
+
+    def send(action_end, button=None, **values):
+        form = browser.form(action_end)
+        browser.fill(form, **values)
+        browser.submit(button or form.find_element("css selector", "button[type=submit]"))
+
+    try:
+        browser.open(store + "/sign-in")
+        send("/sign-in", email="buyer@phone.example", password=BUYER_PASSWORD)
+        assert driver.current_url == base + store + "/products"
+        page = "document.documentElement"  # nothing is wider than the phone's screen
+        assert driver.execute_script(f"return [innerWidth, {page}.scrollWidth <= "
+                                     f"{page}.clientWidth]") == [390, True]
+        browser.open(store + "/cart")
+        send("/cart/quick-order", lines="GR-RICE-25 2\nPA-SALT-1 5\nBV-TEA-500 1")
+        assert "Cart (3)" in driver.find_element("tag name", "header").text
+        browser.submit(driver.find_element("link text", "Check out"))
+        send("/checkout", poNumber="PO-7781", **BUYER_ADDRESS)
+        assert "your order is placed" in driver.page_source
+        order_id = driver.current_url.split("/orders/")[1].split("?")[0]
+        created = browser.delivered("order.created", order_id)[0]["json"]["data"]
+        assert created == {"id": order_id, "status": "SUBMITTED", "total": 112.5,
+                           "customerId": buyer["id"], "poNumber": "PO-7781", "itemCount": 3}
+        arrived = mail.wait_for(2)
+        assert sorted(message["to"][0] for message in arrived) == [
+            "alerts@phone.example", "buyer@phone.example"]
+        assert all("PO-7781" in parts(message)[0] for message in arrived)
+
+        browser.open("/dashboard/sign-in")
+        send("/dashboard/sign-in", email="staff@phone.example", password=STAFF_PASSWORD)
+        browser.open(f"/dashboard/orders/{order_id}")
+        browser.submit(next(button for button in driver.find_elements("css selector", "button")
+                            if button.text == "Mark CONFIRMED"))
+        ship = [form for form in driver.find_elements("tag name", "form")
+                if form.get_attribute("action").endswith("/status")
+                and form.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
+        browser.fill(ship, tracking__carrier="CARRIER_B", tracking__number="TN-4242")
+        browser.submit(ship.find_element("css selector", "button[type=submit]"))
+        shipped = browser.delivered("order.shipped", order_id)[0]["json"]["data"]
+        assert shipped["tracking"]["number"] == "TN-4242"
+        shipping_email = mail.wait_for(3)[2]
+        assert shipping_email["to"] == ["buyer@phone.example"] and "TN-4242" in parts(
+            shipping_email)[0]
+
+        browser.open(f"{store}/orders/{order_id}")
+        card = driver.find_element("css selector", ".tracking")
+        assert "CARRIER_B" in card.text and "TN-4242" in card.text
+        assert card.find_element("tag name", "a").get_attribute("href") == \
+            "https://tracking.carrier-b.example/parcels/TN-4242"
+        returns = browser.form("/returns")
+        first_line = returns.find_elements("css selector", "input[type=number]")[0]
+        browser.fill(returns, reason="One bag arrived torn", **{
+            first_line.get_attribute("name"): "1"})
+        browser.submit(returns.find_element("css selector", "button[type=submit]"))
+        assert "Your return is requested" in driver.page_source
+        returned = [r["json"]["data"] for r in receiver.wait_for(1, event="return.created")]
+        assert [(r["orderId"], r["itemCount"], r["reason"], "actor" in r)
+                for r in returned] == [(order_id, 1, "One bag arrived torn", False)]
+    finally:
+        driver.quit()
+        stop_server(process)
+        mail.close()
