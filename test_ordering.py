@@ -602,6 +602,8 @@ def build_awkward_data(api, tenant, other):
                            poNumber='PO-1 "quoted"', notes="Leave at \\ door\n"),
             "many": order("bob", [(p, i + 1) for i, p in enumerate(fillers[:40])]),
             "huge": order("ann", [(made["ship"], 1_000_001)]),
+            "large": order("bob", [(made["ship"], 1001)]),
+            "larger": order("cy", [(made["ship"], 123_457)]),
             "max": order("ann", [(made["ship"], 1), (made["generator"], 1)]),
             "shipped": order("bob", [(made["control"], 2)], poNumber="ÜBER-7"),
             "cancelled": order("ann", [(made["rice"], 1)]),
