@@ -410,7 +410,7 @@ def test_unexpected_failure_is_plain_text_500_with_traceback_logged(api, tenant,
                                                                      caplog):
     def broken(conn, company_id, product_id):
         raise RuntimeError("boom")
-    monkeypatch.setattr(ordering, "load_product", broken)
+    monkeypatch.setattr(ordering, "api_product", broken)
     response = api.get("/api/v1/products/x", headers=tenant.headers, status=500)
     assert response.body == b"Internal Server Error"
     assert response.content_type == "text/plain"
