@@ -1474,6 +1474,7 @@ def js_parse_date(text):
     return min(max(ms, _FIRST_MS), _LAST_MS)
 
 
+@functools.lru_cache(maxsize=4096)  # parsed for every request, from few distinct addresses
 def client_ip(text):
     """A client's address as an IP address in text, or "-" when it is not one: a forwarded
     header that a proxy let through unchecked must not become a log line or a rate-limit
@@ -5297,7 +5298,7 @@ class Service:
             self.key_cache[digest] = (self.clock() + self.settings.key_cache_seconds, key)
         else:
             key = cached[1]
-        if key.revoked or key_expired(key.expires_at, now_iso()):
+        if key.revoked or (key.expires_at and key_expired(key.expires_at, now_iso())):
             raise ApiError(401, INVALID_KEY)
         return key
 
@@ -7577,11 +7578,14 @@ class AccessLog:
         self.flush()
 
     def flush(self):
-        batch = []
+        batch, second, second_text = [], None, ""
         while self.lines:
             at, address, method, path, status, ms = self.lines.popleft()
-            batch.append(f'{iso(int(at * 1000))} {address} "{method} {path}" {status} '
-                         f'{ms:.1f}ms\n')
+            at = int(at * 1000)
+            if at // 1000 != second:  # a line's time is iso(at): its second's text is shared
+                second, second_text = at // 1000, iso(at)[:-5]
+            batch.append(f'{second_text}.{at % 1000:03d}Z {address} "{method} {path}" '
+                         f'{status} {ms:.1f}ms\n')
         if batch:
             self.stream.write("".join(batch))
             self.stream.flush()
