@@ -829,6 +829,11 @@ class WindowCounter:
         """Nothing to release: the counts live and die with this process."""
 
 
+@functools.lru_cache(maxsize=4096)  # for every request, of a few clients (keys, addresses)
+def _client_digest(client):
+    return hashlib.blake2b(client.encode(), digest_size=16).digest()
+
+
 class SharedWindowCounter:
     """Requests per fixed one-minute window, counted in a file that every process mapping it
     shares: a fixed table of slots (16-byte hash of the client, window, count), found by
@@ -856,7 +861,7 @@ class SharedWindowCounter:
     def hit(self, client, limit, now=None):
         now = self.clock() if now is None else now
         window = int(now // 60)
-        digest = hashlib.blake2b(client.encode(), digest_size=16).digest()
+        digest = _client_digest(client)
         with self.lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX)
             try:
@@ -1006,9 +1011,13 @@ class SqliteEngine:
 
     def json_object(self, fields):
         """SQL for the JSON text of an object, written by SQLite's JSON functions (in C).
-        fields: (key, SQL, kind); see JSON_KINDS. Money needs no text of its own: a REAL
-        below 10^13 prints exactly as Python prints it (see EXACT_MONEY_CENTS)."""
-        values = {"value": "{}", "money": "CASE WHEN {0} % 100 = 0 THEN {0} / 100 ELSE {0} / 100.0 END",
+        fields: (key, SQL, kind), kind one of "value" (text, an integer or NULL), "money"
+        (whole cents, written as money() writes them), "flag" (0 or 1: false or true) and
+        "json" (a json_object() or json_array(), or NULL)."""
+        values = {"value": "{}",
+                  # SQLite writes a REAL to 15 digits: Python's text for money below 10^13
+                  # (see EXACT_MONEY_CENTS)
+                  "money": "CASE WHEN {0} % 100 = 0 THEN {0} / 100 ELSE {0} / 100.0 END",
                   # json() marks the text as JSON; of a constant, SQLite makes it once.
                   "flag": "CASE WHEN {} THEN json('true') ELSE json('false') END",
                   # a json_object() or json_array() is kept as JSON by the one around it
@@ -1271,6 +1280,7 @@ class PostgresEngine:
         spaces around its colons and commas, which the API's JSON has not; to_json() escapes
         text as Python's encoder does."""
         values = {"value": "coalesce(to_json({})::text, 'null')",
+                  # the exact decimal without trailing zeros: Python's text below 10^13
                   "money": "CASE WHEN {0} % 100 = 0 THEN CAST({0} / 100 AS TEXT) ELSE "
                            "CAST({0} / 100 AS TEXT) || '.' || "
                            "rtrim(substr(CAST(100 + {0} % 100 AS TEXT), 2), '0') END",
@@ -7469,7 +7479,8 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
                 log.exception("%s %s failed", found.method, found.path)
                 status, body, headers = 500, b"Internal Server Error", {}
                 bottle.response.content_type = "text/plain; charset=utf-8"
-            bottle.response.status = status
+            if status != 200:  # each request's response starts at 200
+                bottle.response.status = status
             for name, value in headers.items():
                 bottle.response.set_header(name, value)
             return body
@@ -7541,6 +7552,11 @@ class OverloadLog:
 _LINK_TOKEN = re.compile(r"^(/store/[^/]+/(?:reset|verify)/)[^/]+")
 
 
+def _hidden_token(match):
+    # A function, not r"\1-": a template costs its parsing on every request, matched or not.
+    return match.group(1) + "-"
+
+
 class AccessLog:
     """One line per request on stderr. Lines are queued and written in batches by a thread of
     their own, so a request never waits on the terminal or a full pipe, and pays no logging
@@ -7568,7 +7584,7 @@ class AccessLog:
         finally:
             self.lines.append((started, client_ip(environ.get("REMOTE_ADDR")),
                                environ.get("REQUEST_METHOD"),
-                               _LINK_TOKEN.sub(r"\1-", environ.get("PATH_INFO") or ""),
+                               _LINK_TOKEN.sub(_hidden_token, environ.get("PATH_INFO") or ""),
                                status[0], (time.time() - started) * 1000))
 
     def _write(self):
