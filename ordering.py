@@ -2204,6 +2204,9 @@ def valid_http_url(url):
 # ---------------------------------------------------------------------------------------------
 # 6. Records
 # ---------------------------------------------------------------------------------------------
+# product_json and order_json have twins that the database runs for the API's reads (see
+# "Records as the database writes them" under Operations): change a field in both, and the
+# byte-for-byte test of the reads tells whether they still agree.
 
 def product_json(row):
     (product_id, name, sku, description, category, unit, price_cents, stock, image_url,
