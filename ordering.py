@@ -1026,8 +1026,8 @@ class SqliteEngine:
                                           for key, sql, kind in fields) + ")"
 
     def json_array(self, element, rows, order):
-        """SQL for the JSON text of an array of element (a json_object() of the columns of
-        rows, a SELECT) over rows in the order of the column order."""
+        """SQL for the JSON text of an array: element (a json_object() of the columns of rows,
+        a SELECT) for each of rows, in the order of its column named order."""
         # An aggregate reads an ordered subquery in its order (it is never flattened into it).
         return f"(SELECT json_group_array({element}) FROM ({rows} ORDER BY {order}))"
 
@@ -1290,6 +1290,7 @@ class PostgresEngine:
                                                for key, sql, kind in fields) + " || '}'"
 
     def json_array(self, element, rows, order):
+        """As SqliteEngine.json_array."""
         return (f"(SELECT '[' || coalesce(string_agg({element}, ',' ORDER BY {order}), '') "
                 f"|| ']' FROM ({rows}) AS elements)")
 
@@ -3998,7 +3999,7 @@ def api_order(conn, company_id, order_id):
 
 def api_products(conn, company_id, query):
     """A page of find_products, its records as JSON texts."""
-    page = find_products(conn, company_id, query, record_columns(conn, "products"))
+    page = find_products(conn, company_id, query, columns=record_columns(conn, "products"))
     return dict(page, data=records_json(conn, company_id, "products", page["data"]))
 
 
