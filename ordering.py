@@ -31,7 +31,8 @@ ones above it.
                    of account); storefront accounts (registration, emailed links, password
                    reset); queries (the paginator, list filters, lookups); storefront
                    ordering (catalog, cart, quick order, reorder, addresses, checkout, a
-                   buyer's orders); the demo;
+                   buyer's orders); records as the database writes them (the API's reads of
+                   products and orders); the demo;
                    copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; webhooks (signing, address checks, the POST); email (SMTP,
@@ -845,6 +846,11 @@ class WindowCounter:
         """Nothing to release: the counts live and die with this process."""
 
 
+@functools.lru_cache(maxsize=4096)  # for every request, of a few clients (keys, addresses)
+def _client_digest(client):
+    return hashlib.blake2b(client.encode(), digest_size=16).digest()
+
+
 class SharedWindowCounter:
     """Requests per fixed one-minute window, counted in a file that every process mapping it
     shares: a fixed table of slots (16-byte hash of the client, window, count), found by
@@ -872,7 +878,7 @@ class SharedWindowCounter:
     def hit(self, client, limit, now=None):
         now = self.clock() if now is None else now
         window = int(now // 60)
-        digest = hashlib.blake2b(client.encode(), digest_size=16).digest()
+        digest = _client_digest(client)
         with self.lock:
             fcntl.lockf(self.fd, fcntl.LOCK_EX)
             try:
@@ -955,7 +961,8 @@ class TableWindowCounter:
 # ? and :name parameters. The few places where they differ are the methods of these two
 # classes and nothing else: connecting, the write lock, the schema version, the schema's
 # types, two expressions (a JSON field and a prefix range that ignores ASCII case), the
-# rate counter, housekeeping, and for the commands whether a database exists, whether two
+# JSON text of a record and of a list of records (see "Records as the database writes them"),
+# the rate counter, housekeeping, and for the commands whether a database exists, whether two
 # names are one database, and an online backup. A connection names its engine (conn.engine), so code
 # that builds one of those expressions asks the connection it holds.
 #
@@ -1018,6 +1025,28 @@ class SqliteEngine:
 
     def prefix_ignoring_ascii_case(self, column):
         return f"{column} >= ? COLLATE NOCASE AND {column} < ? COLLATE NOCASE"
+
+    def json_object(self, fields):
+        """SQL for the JSON text of an object, written by SQLite's JSON functions (in C).
+        fields: (key, SQL, kind), kind one of "value" (text, an integer or NULL), "money"
+        (whole cents, written as money() writes them), "flag" (0 or 1: false or true) and
+        "json" (a json_object() or json_array(), or NULL)."""
+        values = {"value": "{}",
+                  # SQLite writes a REAL to 15 digits: Python's text for money below 10^13
+                  # (see EXACT_MONEY_CENTS)
+                  "money": "CASE WHEN {0} % 100 = 0 THEN {0} / 100 ELSE {0} / 100.0 END",
+                  # json() marks the text as JSON; of a constant, SQLite makes it once.
+                  "flag": "CASE WHEN {} THEN json('true') ELSE json('false') END",
+                  # a json_object() or json_array() is kept as JSON by the one around it
+                  "json": "{}"}
+        return "json_object(" + ", ".join(f"'{key}', " + values[kind].format(sql)
+                                          for key, sql, kind in fields) + ")"
+
+    def json_array(self, element, rows, order):
+        """SQL for the JSON text of an array: element (a json_object() of the columns of rows,
+        a SELECT) for each of rows, in the order of its column named order."""
+        # An aggregate reads an ordered subquery in its order (it is never flattened into it).
+        return f"(SELECT json_group_array({element}) FROM ({rows} ORDER BY {order}))"
 
     def rate_counter(self, db, settings, clock):
         if settings.shared_rate_limits and settings.db_path not in ("", ":memory:"):
@@ -1271,6 +1300,25 @@ class PostgresEngine:
         # lower() of a "C" collated column folds ASCII only, as SQLite's NOCASE does.
         return f"lower({column}) >= lower(?) AND lower({column}) < lower(?)"
 
+    def json_object(self, fields):
+        """As SqliteEngine.json_object, written as text: PostgreSQL's json_build_object puts
+        spaces around its colons and commas, which the API's JSON has not; to_json() escapes
+        text as Python's encoder does."""
+        values = {"value": "coalesce(to_json({})::text, 'null')",
+                  # the exact decimal without trailing zeros: Python's text below 10^13
+                  "money": "CASE WHEN {0} % 100 = 0 THEN CAST({0} / 100 AS TEXT) ELSE "
+                           "CAST({0} / 100 AS TEXT) || '.' || "
+                           "rtrim(substr(CAST(100 + {0} % 100 AS TEXT), 2), '0') END",
+                  "flag": "CASE WHEN {} <> 0 THEN 'true' ELSE 'false' END",
+                  "json": "coalesce({}, 'null')"}
+        return "'{' || " + " || ',' || ".join(f"'\"{key}\":' || " + values[kind].format(sql)
+                                               for key, sql, kind in fields) + " || '}'"
+
+    def json_array(self, element, rows, order):
+        """As SqliteEngine.json_array."""
+        return (f"(SELECT '[' || coalesce(string_agg({element}, ',' ORDER BY {order}), '') "
+                f"|| ']' FROM ({rows}) AS elements)")
+
     def rate_counter(self, db, settings, clock):
         if settings.shared_rate_limits:
             return TableWindowCounter(db, clock)
@@ -1462,6 +1510,7 @@ def js_parse_date(text):
     return min(max(ms, _FIRST_MS), _LAST_MS)
 
 
+@functools.lru_cache(maxsize=4096)  # parsed for every request, from few distinct addresses
 def client_ip(text):
     """A client's address as an IP address in text, or "-" when it is not one: a forwarded
     header that a proxy let through unchecked must not become a log line or a rate-limit
@@ -1521,8 +1570,26 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=Fa
                          check_circular=False)
 
 
+class JsonText(str):
+    """JSON already written (by the database: see "Records as the database writes them"),
+    which json_text() passes on as it is."""
+
+    __slots__ = ()
+
+
 def json_text(value):
+    if value.__class__ is JsonText:
+        return value
     return _JSON.encode(value)
+
+
+def json_envelope(data, pagination=None):
+    """The API's {"data": ...} (and "pagination") around JSON text already written: one
+    record's, or a list of records'."""
+    data = data if isinstance(data, str) else "[" + ",".join(data) + "]"
+    if pagination is None:
+        return JsonText('{"data":' + data + "}")
+    return JsonText('{"data":' + data + ',"pagination":' + _JSON.encode(pagination) + "}")
 
 
 # Currencies ----------------------------------------------------------------------------------
@@ -2221,6 +2288,9 @@ def valid_http_url(url):
 # ---------------------------------------------------------------------------------------------
 # 6. Records
 # ---------------------------------------------------------------------------------------------
+# product_json and order_json have twins that the database runs for the API's reads (see
+# "Records as the database writes them" under Operations): change a field in both, and the
+# byte-for-byte test of the reads tells whether they still agree.
 
 def product_json(row):
     (product_id, name, sku, description, category, unit, price_cents, stock, image_url,
@@ -3897,10 +3967,11 @@ def page_limit(text):
     return DEFAULT_PAGE_SIZE if number is None else min(MAX_PAGE_SIZE, max(1, number))
 
 
-def paginate(conn, table, company_id, query, filters=(), params=()):
+def paginate(conn, table, company_id, query, filters=(), params=(), columns="*"):
     """One page of rows of a list, newest first, (createdAt, id) descending so that equal
     timestamps never skip or repeat a record. The cursor is the last ID of the previous page;
-    one that is not the company's gives an empty last page."""
+    one that is not the company's gives an empty last page. columns: what to read of each row
+    (its id among them)."""
     limit = page_limit(query.get("limit"))
     where, args = ["company_id = ?", *filters], [company_id, *params]
     cursor = query.get("cursor")
@@ -3912,7 +3983,7 @@ def paginate(conn, table, company_id, query, filters=(), params=()):
         where.append("(created_at, id) < (?, ?)")
         args += [anchor["created_at"], anchor["id"]]
     rows = conn.execute(
-        f"SELECT * FROM {table} WHERE {' AND '.join(where)} "
+        f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
         f"ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit + 1]).fetchall()
     has_more = len(rows) > limit
     rows = rows[:limit]
@@ -3936,7 +4007,7 @@ def date_filter(query, name):
     return iso(ms)
 
 
-def find_products(conn, company_id, query):
+def find_products(conn, company_id, query, columns="*"):
     """A page of the company's products: category, search (name, SKU, category) and active."""
     filters, params = [], []
     if query.get("category"):
@@ -3950,7 +4021,7 @@ def find_products(conn, company_id, query):
     if active in ("true", "false"):
         filters.append("is_active = ?")
         params.append(int(active == "true"))
-    return paginate(conn, "products", company_id, query, filters, params)
+    return paginate(conn, "products", company_id, query, filters, params, columns)
 
 
 def find_customers(conn, company_id, query):
@@ -3969,7 +4040,7 @@ def find_customers(conn, company_id, query):
     return paginate(conn, "customers", company_id, query, filters, params)
 
 
-def find_orders(conn, company_id, query, search=None):
+def find_orders(conn, company_id, query, search=None, columns="*"):
     """A page of the company's orders (rows): status, customerId, since and until, and the
     dashboard's search."""
     filters, params = order_filters(query)
@@ -3977,7 +4048,7 @@ def find_orders(conn, company_id, query, search=None):
         clause, values = order_search(conn, company_id, search)
         filters.append(clause)
         params += values
-    return paginate(conn, "orders", company_id, query, filters, params)
+    return paginate(conn, "orders", company_id, query, filters, params, columns)
 
 
 def find_emails(conn, company_id, query):
@@ -4346,6 +4417,105 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
         po_number, notes, shipping_address=address, checkout_token=token)
     conn.execute("DELETE FROM cart_lines WHERE customer_id = ?", (customer_id,))
     return order
+
+
+# Records as the database writes them ---------------------------------------------------------
+# The API's reads of products and orders have the database write each record's JSON text (in
+# C, on either engine: see the engines' json_object), rather than reading every column into
+# Python, building dicts and encoding them: the same bytes as the Records section's
+# product_json and order_json, which everything else uses (a test compares the two for every
+# read). Product names and SKUs of an order's items are read with the order, as there.
+
+#: Money of this many cents or more, unless whole, is written by the Records' functions:
+#: Python writes it as the nearest double (1.000000999999e+16), which neither engine's SQL
+#: writes alike; below it that text is the exact decimal. Only an order's total gets there:
+#: prices, and so unit prices, stop at MAX_AMOUNT_CENTS.
+EXACT_MONEY_CENTS = 10 ** 15
+
+_PRODUCT_FIELDS_JSON = (
+    ("id", "id", "value"), ("name", "name", "value"), ("sku", "sku", "value"),
+    ("description", "description", "value"), ("category", "category", "value"),
+    ("unit", "unit", "value"), ("price", "price_cents", "money"), ("stock", "stock", "value"),
+    ("imageUrl", "image_url", "value"), ("isActive", "is_active", "flag"),
+    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"))
+_ORDER_ITEM_FIELDS_JSON = (
+    ("id", "id", "value"), ("quantity", "quantity", "value"),
+    ("unitPrice", "unit_price_cents", "money"), ("productId", "product_id", "value"),
+    ("productName", "product_name", "value"), ("productSku", "product_sku", "value"))
+_TRACKING_FIELDS_JSON = (("carrier", "tracking_carrier", "value"),
+                         ("number", "tracking_number", "value"), ("url", "tracking_url", "value"))
+_ITEM_ROWS_OF_ORDER = (
+    "SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name AS product_name, "
+    "p.sku AS product_sku, i.position FROM order_items i JOIN products p ON p.id = i.product_id "
+    "WHERE i.order_id = orders.id")
+
+
+@functools.lru_cache(maxsize=None)
+def record_json_sql(engine, table):
+    """SQL for the JSON text of a row of products or orders as the API shows it; NULL where
+    its money is not the database's to write (see EXACT_MONEY_CENTS)."""
+    if table == "products":
+        fields = _PRODUCT_FIELDS_JSON
+    else:
+        tracking = engine.json_object(_TRACKING_FIELDS_JSON)
+        items = engine.json_array(engine.json_object(_ORDER_ITEM_FIELDS_JSON),
+                                  _ITEM_ROWS_OF_ORDER, "position")
+        fields = (("id", "id", "value"), ("status", "status", "value"),
+                  ("poNumber", "po_number", "value"), ("notes", "notes", "value"),
+                  ("total", "total_cents", "money"), ("createdAt", "created_at", "value"),
+                  ("updatedAt", "updated_at", "value"), ("customerId", "customer_id", "value"),
+                  ("tracking", f"CASE WHEN tracking_carrier IS NULL THEN NULL ELSE {tracking} END",
+                   "json"),
+                  ("items", items, "json"))
+    exact = " AND ".join(f"({column} % 100 = 0 OR {column} < {EXACT_MONEY_CENTS})"
+                         for _, column, kind in fields if kind == "money")
+    return f"CASE WHEN {exact} THEN {engine.json_object(fields)} END"
+
+
+def record_columns(conn, table):
+    """The columns to read rows of products or orders with for records_json: id, JSON text."""
+    return f"id, {record_json_sql(conn.engine, table)}"
+
+
+def records_json(conn, company_id, table, rows):
+    """The JSON texts of rows read with record_columns; where the database wrote none, the
+    Records' function writes it."""
+    if table == "products":
+        def written(row_id):
+            return product_json(load_product(conn, company_id, row_id))
+    else:
+        def written(row_id):
+            return order_with_items(conn, company_id, row_id)
+    return [row[1] if row[1] is not None else json_text(written(row[0])) for row in rows]
+
+
+def api_record(conn, company_id, table, resource, record_id):
+    """One record of products or orders as the JSON text the API shows, or its 404."""
+    row = conn.execute(f"SELECT {record_columns(conn, table)} FROM {table} "
+                       "WHERE id = ? AND company_id = ?", (record_id, company_id)).fetchone()
+    if row is None:
+        raise not_found(resource)
+    return records_json(conn, company_id, table, [row])[0]
+
+
+def api_product(conn, company_id, product_id):
+    return api_record(conn, company_id, "products", "Product", product_id)
+
+
+def api_order(conn, company_id, order_id):
+    return api_record(conn, company_id, "orders", "Order", order_id)
+
+
+def api_products(conn, company_id, query):
+    """A page of find_products, its records as JSON texts."""
+    page = find_products(conn, company_id, query, columns=record_columns(conn, "products"))
+    return dict(page, data=records_json(conn, company_id, "products", page["data"]))
+
+
+def api_orders(conn, company_id, query):
+    """A page of find_orders, its records (with their items) as JSON texts."""
+    page = find_orders(conn, company_id, query, columns=record_columns(conn, "orders"))
+    return dict(page, data=records_json(conn, company_id, "orders", page["data"]))
 
 
 # The demo ------------------------------------------------------------------------------------
@@ -5436,27 +5606,27 @@ class Api:
     @route("GET", "/api/v1/products", "products:read")
     def list_products(call):
         """List products"""
-        page = find_products(call.conn, call.company_id, call.query)
-        return dict(page, data=[product_json(row) for row in page["data"]])
+        page = api_products(call.conn, call.company_id, call.query)
+        return json_envelope(page["data"], page["pagination"])
 
 
     @route("GET", "/api/v1/products/<product_id>", "products:read")
     def get_product(call, product_id):
         """Fetch one product"""
-        return {"data": product_json(load_product(call.conn, call.company_id, product_id))}
+        return json_envelope(api_product(call.conn, call.company_id, product_id))
 
 
     @route("GET", "/api/v1/orders", "orders:read")
     def list_orders(call):
         """List orders"""
-        page = find_orders(call.conn, call.company_id, call.query)
-        return dict(page, data=orders_with_items(call.conn, page["data"]))
+        page = api_orders(call.conn, call.company_id, call.query)
+        return json_envelope(page["data"], page["pagination"])
 
 
     @route("GET", "/api/v1/orders/<order_id>", "orders:read")
     def get_order(call, order_id):
         """Fetch one order"""
-        return {"data": order_with_items(call.conn, call.company_id, order_id)}
+        return json_envelope(api_order(call.conn, call.company_id, order_id))
 
 
     @route("POST", "/api/v1/orders", "orders:write", status=201)
@@ -5682,7 +5852,7 @@ class Service:
             self.key_cache[digest] = (self.clock() + self.settings.key_cache_seconds, key)
         else:
             key = cached[1]
-        if key.revoked or key_expired(key.expires_at, now_iso()):
+        if key.revoked or (key.expires_at and key_expired(key.expires_at, now_iso())):
             raise ApiError(401, INVALID_KEY)
         return key
 
@@ -8314,7 +8484,8 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
                 log.exception("%s %s failed", found.method, found.path)
                 status, body, headers = 500, b"Internal Server Error", {}
                 bottle.response.content_type = "text/plain; charset=utf-8"
-            bottle.response.status = status
+            if status != 200:  # each request's response starts at 200
+                bottle.response.status = status
             for name, value in headers.items():
                 bottle.response.set_header(name, value)
             return body
@@ -8386,6 +8557,11 @@ class OverloadLog:
 _LINK_TOKEN = re.compile(r"^(/store/[^/]+/(?:reset|verify)/)[^/]+")
 
 
+def _hidden_token(match):
+    # A function, not r"\1-": a template costs its parsing on every request, matched or not.
+    return match.group(1) + "-"
+
+
 class AccessLog:
     """One line per request on stderr. Lines are queued and written in batches by a thread of
     their own, so a request never waits on the terminal or a full pipe, and pays no logging
@@ -8413,7 +8589,7 @@ class AccessLog:
         finally:
             self.lines.append((started, client_ip(environ.get("REMOTE_ADDR")),
                                environ.get("REQUEST_METHOD"),
-                               _LINK_TOKEN.sub(r"\1-", environ.get("PATH_INFO") or ""),
+                               _LINK_TOKEN.sub(_hidden_token, environ.get("PATH_INFO") or ""),
                                status[0], (time.time() - started) * 1000))
 
     def _write(self):
@@ -8423,11 +8599,14 @@ class AccessLog:
         self.flush()
 
     def flush(self):
-        batch = []
+        batch, second, second_text = [], None, ""
         while self.lines:
             at, address, method, path, status, ms = self.lines.popleft()
-            batch.append(f'{iso(int(at * 1000))} {address} "{method} {path}" {status} '
-                         f'{ms:.1f}ms\n')
+            at = int(at * 1000)
+            if at // 1000 != second:  # a line's time is iso(at): its second's text is shared
+                second, second_text = at // 1000, iso(at)[:-5]
+            batch.append(f'{second_text}.{at % 1000:03d}Z {address} "{method} {path}" '
+                         f'{status} {ms:.1f}ms\n')
         if batch:
             self.stream.write("".join(batch))
             self.stream.flush()

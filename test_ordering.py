@@ -411,7 +411,7 @@ def test_unexpected_failure_is_plain_text_500_with_traceback_logged(api, tenant,
                                                                      caplog):
     def broken(conn, company_id, product_id):
         raise RuntimeError("boom")
-    monkeypatch.setattr(ordering, "load_product", broken)
+    monkeypatch.setattr(ordering, "api_product", broken)
     response = api.get("/api/v1/products/x", headers=tenant.headers, status=500)
     assert response.body == b"Internal Server Error"
     assert response.content_type == "text/plain"
@@ -433,6 +433,312 @@ def test_money_is_a_json_number_from_integer_cents(api, tenant):
     whole = tenant.product(price_cents=4500)
     response = api.get(f"/api/v1/products/{whole['id']}", headers=tenant.headers)
     assert b'"price":45,' in response.body
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses byte for byte: every read of the API against a reference rendering
+# ---------------------------------------------------------------------------------------------
+# The reference is the serialization the API's reads had before they were made faster, kept
+# here as it was: every row read by column name, each record built as a dict, one encoder for
+# the whole body. However the module builds its answers, they must be these bytes, on both
+# engines, for awkward text (quotes, control characters, U+0000, non-ASCII), money at every
+# magnitude, null fields, tracking set and unset, and orders of many lines.
+
+REFERENCE_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                  check_circular=False)
+
+
+def reference_money(cents):
+    if cents is None:
+        return None
+    return cents // 100 if cents % 100 == 0 else cents / 100
+
+
+def reference_product(row):
+    return {"id": row["id"], "name": row["name"], "sku": row["sku"],
+            "description": row["description"], "category": row["category"], "unit": row["unit"],
+            "price": reference_money(row["price_cents"]), "stock": row["stock"],
+            "imageUrl": row["image_url"], "isActive": bool(row["is_active"]),
+            "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
+
+
+def reference_customer(row):
+    return {"id": row["id"], "email": row["email"], "name": row["name"], "status": row["status"],
+            "notes": row["notes"], "creditLimit": reference_money(row["credit_limit_cents"]),
+            "taxRateOverride": row["tax_rate_override"],
+            "emailVerified": bool(row["email_verified"]), "createdAt": row["created_at"],
+            "updatedAt": row["updated_at"]}
+
+
+def reference_order(conn, row):
+    items = conn.execute(
+        "SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku "
+        "FROM order_items i JOIN products p ON p.id = i.product_id WHERE i.order_id = ? "
+        "ORDER BY i.position", (row["id"],)).fetchall()
+    return {"id": row["id"], "status": row["status"], "poNumber": row["po_number"],
+            "notes": row["notes"], "total": reference_money(row["total_cents"]),
+            "createdAt": row["created_at"], "updatedAt": row["updated_at"],
+            "customerId": row["customer_id"],
+            "tracking": None if row["tracking_carrier"] is None else {
+                "carrier": row["tracking_carrier"], "number": row["tracking_number"],
+                "url": row["tracking_url"]},
+            "items": [{"id": item["id"], "quantity": item["quantity"],
+                       "unitPrice": reference_money(item["unit_price_cents"]),
+                       "productId": item["product_id"], "productName": item["name"],
+                       "productSku": item["sku"]} for item in items]}
+
+
+def reference_webhook(row):
+    grace = row["grace_expires_at"]
+    return {"id": row["id"], "url": row["url"], "events": json.loads(row["events"]),
+            "isActive": bool(row["is_active"]),
+            "secretRotationGraceExpiresAt": grace if grace and grace > ordering.now_iso() else None,
+            "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
+
+
+def reference_limit(text):
+    digits = re.match(r"-?\d+", text or "")
+    return 50 if digits is None else min(100, max(1, int(digits.group(0))))
+
+
+def reference_page(conn, table, company_id, query, keep):
+    """A list's rows as the spec pages them: the company's, newest first, filtered in Python."""
+    rows = sorted(conn.execute(f"SELECT * FROM {table} WHERE company_id = ?", (company_id,)),
+                  key=lambda row: (row["created_at"], row["id"]), reverse=True)
+    if query.get("cursor"):
+        anchor = [(r["created_at"], r["id"]) for r in rows if r["id"] == query["cursor"]]
+        if not anchor:
+            return [], {"hasMore": False, "nextCursor": None}
+        rows = [r for r in rows if (r["created_at"], r["id"]) < anchor[0]]
+    rows = [row for row in rows if keep(row)]
+    limit = reference_limit(query.get("limit"))
+    more = len(rows) > limit
+    return rows[:limit], {"hasMore": more, "nextCursor": rows[limit - 1]["id"] if more else None}
+
+
+def folded_in(needle, *values):
+    return any(needle.casefold() in (value or "").casefold() for value in values)
+
+
+def reference_list(conn, company_id, path, query):
+    """The body of GET path (a list) with the query, as the reference renders it."""
+    if path == "/api/v1/products":
+        def keep(row):
+            return ((not query.get("category") or row["category"] == query["category"])
+                    and (not query.get("search")
+                         or folded_in(query["search"], row["name"], row["sku"], row["category"]))
+                    and (query.get("active") not in ("true", "false")
+                         or row["is_active"] == (query["active"] == "true")))
+        rows, pagination = reference_page(conn, "products", company_id, query, keep)
+        data = [reference_product(row) for row in rows]
+    elif path == "/api/v1/customers":
+        def keep(row):
+            return ((not query.get("status") or row["status"] == query["status"])
+                    and (not query.get("search")
+                         or folded_in(query["search"], row["email_key"], row["name"])))
+        rows, pagination = reference_page(conn, "customers", company_id, query, keep)
+        data = [reference_customer(row) for row in rows]
+    else:
+        def keep(row):
+            return ((not query.get("status") or row["status"] == query["status"])
+                    and (not query.get("customerId") or row["customer_id"] == query["customerId"])
+                    and (not query.get("since") or row["created_at"] >= query["since"])
+                    and (not query.get("until") or row["created_at"] <= query["until"]))
+        rows, pagination = reference_page(conn, "orders", company_id, query, keep)
+        data = [reference_order(conn, row) for row in rows]
+    return REFERENCE_JSON.encode({"data": data, "pagination": pagination}).encode()
+
+
+def reference_one(conn, company_id, table, record_id):
+    row = conn.execute(f"SELECT * FROM {table} WHERE id = ? AND company_id = ?",
+                       (record_id, company_id)).fetchone()
+    render = {"products": reference_product, "customers": reference_customer,
+              "orders": lambda row: reference_order(conn, row), "webhooks": reference_webhook}
+    return REFERENCE_JSON.encode({"data": render[table](row)}).encode()
+
+
+def build_awkward_data(api, tenant, other):
+    """Products, customers, orders and webhooks of every shape the reads must render."""
+    db = tenant.db
+    with db.write() as conn:
+        def product(name, price_cents, **fields):
+            return ordering.create_product(conn, tenant.id, name=name, price_cents=price_cents,
+                                           stock=fields.pop("stock", 10 ** 9), **fields)["id"]
+        made = {
+            "rice": product("Rice 25kg", 1250, sku="RICE-25", category="Grains"),
+            "oil": product('Olive oil "Extra" \\ virgin', 4500, sku="OIL/1", category="Oils",
+                           unit="bottle", description="Cold-pressed\nfirst harvest\tonly",
+                           image_url="https://img.example.com/oil.png?a=1&b=2"),
+            "dime": product("Café Ñandú 🍚 \u2028\u2029 \x7f end", 10, category="Ünïcode"),
+            "generator": product("Generator", 123456789, sku="GEN", category="Power"),
+            "sample": product("Sample", 0, is_active=False, category="Grains"),
+            "ship": product("Ship", 999_999_999_999, sku="SHIP"),
+            "control": product("Ctl\x01\x1f\b\f\r\x00 end", 1, description="\x00"),
+            "odd": product("Odd cents", 1001, sku="ODD", stock=0),
+        }
+        fillers = [product(f"Item {i}", 37 * i + i % 3, sku=f"ITEM-{i}", category="Bulk")
+                   for i in range(60)]
+        customers = {
+            "ann": ordering.create_customer(conn, tenant.id, {
+                "email": "Ann@Example.com", "name": 'Ann "A" Ångström\x00', "notes": "VIP\nline",
+                "creditLimit": 1234567.89, "taxRateOverride": 0.075})["id"],
+            "bob": ordering.create_customer(conn, tenant.id, {
+                "email": "bob@example.com", "creditLimit": 0, "taxRateOverride": 0})["id"],
+            "cy": ordering.create_customer(conn, tenant.id, {
+                "email": "cy@example.com", "name": "Cy", "creditLimit": 100000000,
+                "taxRateOverride": 0.3, "status": "BLOCKED"})["id"],
+            "dee": ordering.create_customer(conn, tenant.id, {"email": "dee@example.com"},
+                                            source="dashboard", status="PENDING")["id"],
+        }
+        ordering._mark_email_verified(conn, ordering.load_customer(conn, tenant.id,
+                                                                   customers["bob"]))
+        for i in range(3):
+            ordering.create_customer(conn, tenant.id, {"email": f"more{i}@example.com"})
+
+        def order(customer, lines, **fields):
+            return ordering.place_order(conn, tenant.id, dict(fields, customerId=customers[
+                customer], items=[{"productId": p, "quantity": q} for p, q in lines]))["id"]
+        orders = {
+            "mixed": order("ann", [(made["rice"], 2), (made["oil"], 1), (made["dime"], 3)],
+                           poNumber='PO-1 "quoted"', notes="Leave at \\ door\n"),
+            "many": order("bob", [(p, i + 1) for i, p in enumerate(fillers[:40])]),
+            "huge": order("ann", [(made["ship"], 1_000_001)]),
+            "large": order("bob", [(made["ship"], 1001)]),
+            "larger": order("cy", [(made["ship"], 123_457)]),
+            "max": order("ann", [(made["ship"], 1), (made["generator"], 1)]),
+            "shipped": order("bob", [(made["control"], 2)], poNumber="ÜBER-7"),
+            "cancelled": order("ann", [(made["rice"], 1)]),
+            "delivered": order("cy", [(made["oil"], 4), (made["rice"], 1)]),
+        }
+        for i in range(55):
+            order(("ann", "bob")[i % 2], [(fillers[i], 1), (fillers[-1 - i], 2),
+                                          (made["rice"], 1)])
+        hook = ordering.create_webhook(conn, tenant.id, {
+            "url": "https://hooks.example.com/in?x=1&y=%C3%A9&q=\"a\"",
+            "events": ["order.created"]})["id"]
+        quiet = ordering.create_webhook(conn, tenant.id, {
+            "url": "https://hooks.example.com/quiet", "isActive": False,
+            "events": ["order.shipped", "customer.created", "order.shipped"]})["id"]
+        ordering.rotate_webhook_secret(conn, tenant.id, quiet, grace_hours=1)
+        theirs = {
+            "product": ordering.create_product(conn, other.id, name="Theirs",
+                                               price_cents=5, stock=5)["id"],
+            "customer": ordering.create_customer(conn, other.id, {"email": "t@example.com"})["id"],
+        }
+        theirs["order"] = ordering.place_order(conn, other.id, {
+            "customerId": theirs["customer"],
+            "items": [{"productId": theirs["product"], "quantity": 1}]})["id"]
+        theirs["webhook"] = ordering.create_webhook(conn, other.id, {
+            "url": "https://hooks.example.com/theirs", "events": ["order.created"]})["id"]
+    for name, body in (
+            ("shipped", {"status": "SHIPPED",
+                         "tracking": {"carrier": "CARRIER_A", "number": " 1Z \"999\" "}}),
+            ("cancelled", {"status": "CANCELLED"}),
+            ("delivered", {"status": "SHIPPED",
+                           "tracking": {"carrier": "OTHER", "number": "ABC-123",
+                                        "url": "https://track.example.com/?n=ABC-123"}}),
+            ("delivered", {"status": "DELIVERED"})):
+        api.patch_json(f"/api/v1/orders/{orders[name]}", body, headers=tenant.headers,
+                       status=200)
+    return made, fillers, customers, orders, {"hook": hook, "quiet": quiet}, theirs
+
+
+def test_every_read_answers_the_bytes_of_the_reference_rendering(api, tenant, other, database):
+    made, fillers, customers, orders, hooks, theirs = build_awkward_data(api, tenant, other)
+    conn = read_db(database)
+    reads = auth(tenant.new_key(ALL_SCOPES, rate_limit=100_000))
+    reader = tenant.new_key(["products:read"])
+    order_rows = conn.execute("SELECT id, created_at FROM orders WHERE company_id = ? "
+                              "ORDER BY created_at, id", (tenant.id,)).fetchall()
+    middle, later = order_rows[20]["created_at"], order_rows[40]["created_at"]
+    lists = [
+        ("/api/v1/products", {}), ("/api/v1/products", {"limit": "1"}),
+        ("/api/v1/products", {"limit": "7"}), ("/api/v1/products", {"limit": "100"}),
+        ("/api/v1/products", {"limit": "abc"}), ("/api/v1/products", {"category": "Grains"}),
+        ("/api/v1/products", {"category": "Bulk", "limit": "5"}),
+        ("/api/v1/products", {"search": "OIL"}), ("/api/v1/products", {"search": "item 1"}),
+        ("/api/v1/products", {"active": "false"}),
+        ("/api/v1/products", {"active": "true", "limit": "3"}),
+        ("/api/v1/products", {"cursor": fillers[30], "limit": "10"}),
+        ("/api/v1/products", {"cursor": made["rice"]}),
+        ("/api/v1/products", {"cursor": theirs["product"]}),
+        ("/api/v1/products", {"cursor": "prod_unknown"}),
+        ("/api/v1/orders", {}), ("/api/v1/orders", {"limit": "3"}),
+        ("/api/v1/orders", {"limit": "100"}), ("/api/v1/orders", {"status": "SHIPPED"}),
+        ("/api/v1/orders", {"status": "CANCELLED"}), ("/api/v1/orders", {"status": "DELIVERED"}),
+        ("/api/v1/orders", {"customerId": customers["ann"]}),
+        ("/api/v1/orders", {"customerId": customers["bob"], "limit": "1"}),
+        ("/api/v1/orders", {"customerId": theirs["customer"]}),
+        ("/api/v1/orders", {"since": middle}), ("/api/v1/orders", {"until": middle}),
+        ("/api/v1/orders", {"since": middle, "until": later, "limit": "4"}),
+        ("/api/v1/orders", {"cursor": order_rows[10]["id"], "limit": "20"}),
+        ("/api/v1/orders", {"cursor": orders["mixed"]}),
+        ("/api/v1/orders", {"cursor": theirs["order"]}),
+        ("/api/v1/customers", {}), ("/api/v1/customers", {"limit": "2"}),
+        ("/api/v1/customers", {"status": "BLOCKED"}), ("/api/v1/customers", {"status": "PENDING"}),
+        ("/api/v1/customers", {"search": "ANN"}),
+        ("/api/v1/customers", {"cursor": customers["bob"], "limit": "2"}),
+    ]
+    ones = ([("products", i) for i in [*made.values(), fillers[0]]]
+            + [("orders", i) for i in orders.values()]
+            + [("customers", i) for i in customers.values()]
+            + [("webhooks", i) for i in hooks.values()])
+    missing = {"products": "Product", "orders": "Order", "customers": "Customer",
+               "webhooks": "Webhook"}
+
+    def check(path, params, status, body, headers=None, rated=True):
+        response = api.get(path, params, headers=headers or reads, status=status)
+        assert response.body == body, (path, params)
+        assert response.headers["Content-Type"] == "application/json"
+        assert response.headers["Content-Length"] == str(len(body))
+        assert [name for name, _ in response.headerlist] == [
+            "Content-Type", *(["X-Ratelimit-Limit", "X-Ratelimit-Remaining",
+                               "X-Ratelimit-Reset"] if rated else []), "Content-Length"]
+        if rated and headers is None:
+            assert response.headers["X-Ratelimit-Limit"] == "100000"
+
+    def every_read():
+        for path, params in lists:
+            check(path, params, 200, reference_list(conn, tenant.id, path, params))
+        for table, record_id in ones:
+            check(f"/api/v1/{table}/{record_id}", {}, 200,
+                  reference_one(conn, tenant.id, table, record_id))
+        webhooks = conn.execute("SELECT * FROM webhooks WHERE company_id = ? "
+                                "ORDER BY created_at DESC, id DESC", (tenant.id,)).fetchall()
+        check("/api/v1/webhooks", {}, 200, REFERENCE_JSON.encode(
+            {"data": [reference_webhook(row) for row in webhooks]}).encode())
+        for table, resource in missing.items():
+            for record_id in ("unknown", theirs[table[:-1]]):
+                check(f"/api/v1/{table}/{record_id}", {}, 404,
+                      b'{"error":"%s not found."}' % resource.encode())
+        check("/api/v1/orders", {"status": "BOGUS"}, 400, b'{"error":"Invalid order status."}')
+        check("/api/v1/customers", {"status": "BOGUS"}, 400, b'{"error":"Invalid status."}')
+        check("/api/v1/orders", {"since": "soon"}, 400,
+              b'{"error":"Validation failed.","details":[{"field":"since","rule":'
+              b'"must be a date (2026-11-22) or an ISO 8601 datetime"}]}')
+        check("/api/v1/orders", {}, 401, b'{"error":"Missing or invalid Authorization header. '
+              b'Use: Bearer <api_key>"}', headers={"X-Other": "1"}, rated=False)
+        check(f"/api/v1/orders/{orders['mixed']}", {}, 401,
+              b'{"error":"Invalid, expired, or revoked API key."}',
+              headers={"Authorization": "Bearer nope"}, rated=False)
+        check("/api/v1/orders", {}, 403, b'{"error":"Insufficient permissions. This key lacks '
+              b'the \\"orders:read\\" scope."}', headers=auth(reader))
+        check("/api/v1/nothing", {}, 404, b'{"error":"Not found."}', rated=False)
+
+    every_read()
+    # Names are read when the order is: a renamed product shows under its new name in orders
+    # placed before, and records changed since the first reads show their change.
+    tenant.update_product(made["rice"], name="Rice 25 kg \"renamed\"", price_cents=1300)
+    with tenant.db.write() as write:
+        ordering.update_customer(write, tenant.id, customers["ann"], {"notes": None})
+    api.patch_json(f"/api/v1/orders/{orders['mixed']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    api.patch_json(f"/api/v1/webhooks/{hooks['hook']}", {"isActive": False},
+                   headers=tenant.headers, status=200)
+    assert b"renamed" in api.get(f"/api/v1/orders/{orders['mixed']}",
+                                 headers=tenant.headers).body
+    every_read()
+    conn.close()
 
 
 # ---------------------------------------------------------------------------------------------
