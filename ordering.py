@@ -1638,10 +1638,20 @@ class Markup(str):
     """Text that is HTML already; anything else is escaped on its way into a template."""
 
 
-def escape(value):
+_NEEDS_ESCAPING = re.compile(r"[&<>\"']")
+
+
+def escaped_text(value):
+    """value as text HTML may hold: Markup as it is, anything else escaped (most text needs
+    nothing, which one search finds faster than html.escape's five replacements)."""
     if isinstance(value, Markup):
         return value
-    return Markup(html.escape("" if value is None else str(value), quote=True))
+    text = "" if value is None else str(value)
+    return html.escape(text, quote=True) if _NEEDS_ESCAPING.search(text) else text
+
+
+def escape(value):
+    return value if isinstance(value, Markup) else Markup(escaped_text(value))
 
 
 class Template:
@@ -1656,6 +1666,16 @@ class Template:
             raise ValueError(f"template declares {sorted(self.names)} but holds {sorted(found)}")
         self.text = text
 
+    def partial(self, **values):
+        """This template with some placeholders filled, the rest still to fill: for markup
+        repeated on every row of a long page where one value changes (the rest are escaped,
+        and their braces kept literal, once)."""
+        rest = self.names - set(values)
+        filled = {name: str(escape(value)).replace("{", "{{").replace("}", "}}")
+                  for name, value in values.items()}
+        return Template(" ".join(sorted(rest)),
+                        self.text.format(**filled, **{name: "{" + name + "}" for name in rest}))
+
 
 def render(template, **values):
     """template (a Template, or a short piece of markup written where it is used) with every
@@ -1664,7 +1684,8 @@ def render(template, **values):
         if set(values) != template.names:
             raise TypeError(f"template takes {sorted(template.names)}, not {sorted(values)}")
         template = template.text
-    return Markup(template.format(**{name: escape(value) for name, value in values.items()}))
+    return Markup(template.format(**{name: escaped_text(value)
+                                     for name, value in values.items()}))
 
 
 def join(pieces):
@@ -1750,6 +1771,18 @@ way to it {what}. It may take a few minutes; look in your spam folder too.</p></
 STORE_AWAITING = Template("store", """\
 <div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
 when it is approved; until then prices and ordering stay closed.</p></div>""")
+
+#: The form that puts a product in the cart (POST cart: productId, quantity).
+STORE_ADD_FORM = Template("cart csrf id most", """\
+<form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
+value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
+name="quantity" type="number" min="1" max="{most}" value="1" aria-label="Quantity"> \
+<button type="submit">Add to cart</button></form>""")
+
+#: A product's row in the storefront's catalog: one template a row, for a page of many.
+STORE_CATALOG_ROW = Template("href name sku unit price level add", """\
+<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span></td>\
+<td class="num">{price}</td><td>{level}</td><td>{add}</td></tr>""")
 
 #: A product of the storefront's catalog, with the form that puts it in the cart.
 STORE_PRODUCT = Template("sku category unit price level description add", """\
@@ -4174,9 +4207,14 @@ def catalog(conn, company_id, customer_id, query):
 
 
 def store_categories(conn, company_id):
+    """The categories of the store's active products, in order: one index seek a category
+    (each the least greater than the last), whatever the number of products."""
     return [row[0] for row in conn.execute(
-        "SELECT DISTINCT category FROM products WHERE company_id = ? AND is_active = 1 AND "
-        "category IS NOT NULL ORDER BY category LIMIT ?", (company_id, CHOICES_SHOWN))]
+        "WITH RECURSIVE c(category) AS (SELECT MIN(category) FROM products WHERE company_id = ? "
+        "AND is_active = 1 UNION ALL SELECT (SELECT MIN(category) FROM products WHERE "
+        "company_id = ? AND is_active = 1 AND category > c.category) FROM c WHERE c.category "
+        "IS NOT NULL) SELECT category FROM c WHERE category IS NOT NULL LIMIT ?",
+        (company_id, company_id, CHOICES_SHOWN))]
 
 
 def store_product(conn, company_id, customer_id, product_id):
@@ -4538,22 +4576,27 @@ DEMO_CATALOG = (
     ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
     ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
 )
+#: The demo buyer's own prices (SKU, cents): its catalog shows them, the other buyer's does not.
+DEMO_BUYER_PRICES = (("GR-RICE-25", 3990), ("BV-ESP-1", 2290))
 
 
 def prepare_demo(conn):
-    """A demo company with a small catalog, two customers and a staff account (made once),
-    and on every call a new key with all seven scopes and new passwords for the staff account
-    and the first customer (the storefront's demo buyer)."""
+    """A demo company with a small catalog, two customers (the first with prices of its own)
+    and a staff account (made once), and on every call a new key with all seven scopes and new
+    passwords for the staff account and the first customer (the storefront's demo buyer)."""
     company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
     if company is None:
         company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
-        for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG:
-            create_product(conn, company_id, name=name, sku=sku, category=category, unit=unit,
-                           price_cents=price, stock=stock, low_stock_threshold=threshold,
-                           is_active=active)
+        products = {sku: create_product(
+            conn, company_id, name=name, sku=sku, category=category, unit=unit,
+            price_cents=price, stock=stock, low_stock_threshold=threshold, is_active=active)["id"]
+            for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG}
         for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
                               ("buyer@harbour-bistro.example", "Harbour Bistro")):
             create_customer(conn, company_id, {"email": address, "name": name})
+        buyer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"]
+        for sku, price in DEMO_BUYER_PRICES:
+            set_customer_price(conn, company_id, buyer, products[sku], price)
     else:
         company_id = company["id"]
     key = create_api_key(conn, company_id, list(SCOPES))
@@ -6867,9 +6910,11 @@ def listing(visit, title, noun, filter_fields, listed, result):
 
 
 def table(headings, rows, numeric=()):
+    """A table of rows, each its cells or (a long list's, rendered from one template per row)
+    its <tr> as Markup already."""
     head = join(render('<th{c}>{h}</th>', h=h, c=Markup(' class="num"') if h in numeric else "")
                 for h in headings)
-    body = join(render("<tr>{cells}</tr>", cells=join(
+    body = join(row if isinstance(row, Markup) else render("<tr>{cells}</tr>", cells=join(
         render("<td{c}>{v}</td>", v=v, c=Markup(' class="num"') if h in numeric else "")
         for h, v in zip(headings, row))) for row in rows)
     if not rows:
@@ -8126,18 +8171,18 @@ def when_text(timestamp):
 LEVEL_STYLES = dict(zip(STOCK_LEVELS, ("in", "low", "out")))
 
 
+_LEVEL_TAGS = {level: render('<span class="status level-{k}">{t}</span>', k=style, t=level)
+               for level, style in LEVEL_STYLES.items()}
+
+
 def level_tag(product):
-    level = stock_level(product)
-    return render('<span class="status level-{k}">{t}</span>', k=LEVEL_STYLES[level], t=level)
+    return _LEVEL_TAGS[stock_level(product)]
 
 
-def add_form(visit, product_id):
-    """The form that puts a product in the cart (POST cart: productId, quantity)."""
-    return visit.form_tag(visit.surface.prefix + "/cart", render(
-        '<input type="hidden" name="productId" value="{id}"><input class="qty" name="quantity" '
-        'type="number" min="1" max="{most}" value="1" aria-label="Quantity"> '
-        '<button type="submit">Add to cart</button>', id=product_id, most=MAX_QUANTITY),
-        css="inline add")
+def add_forms(visit):
+    """The form that puts a product in the cart, to be filled with its id."""
+    return STORE_ADD_FORM.partial(cart=visit.surface.prefix + "/cart", csrf=visit.csrf,
+                                  most=MAX_QUANTITY)
 
 
 def added_notice(added, missing_title, missing):
@@ -8175,10 +8220,11 @@ def catalog_page(visit):
                           visit.select("category", "Category",
                                        [("", "All categories")] + [(c, c) for c in categories],
                                        query.get("category"))]))
-    rows = [(render('{name}<br><span class="muted">{sku} {unit}</span>', name=link(
-                f"{prefix}/products/{product['id']}", product["name"]), sku=product["sku"] or "",
-                unit=product["unit"] or ""),
-             cents_text(prices[product["id"]]), level_tag(product), add_form(visit, product["id"]))
+    add = add_forms(visit)
+    rows = [render(STORE_CATALOG_ROW, href=f"{prefix}/products/{product['id']}",
+                   name=product["name"], sku=product["sku"] or "", unit=product["unit"] or "",
+                   price=cents_text(prices[product["id"]]), level=level_tag(product),
+                   add=render(add, id=product["id"]))
             for product in result["data"]]
     return visit.page("Catalog", join([
         search, table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
@@ -8193,7 +8239,7 @@ def store_product_page(visit, product_id):
         STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
         unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
         description=render("<p>{d}</p>", d=product["description"])
-        if product["description"] else "", add=add_form(visit, product_id)))
+        if product["description"] else "", add=render(add_forms(visit), id=product_id)))
 
 
 @buyer_page("GET", "/store/<slug>/cart")

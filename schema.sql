@@ -57,6 +57,8 @@ CREATE INDEX IF NOT EXISTS products_by_company_category_newest
 CREATE INDEX IF NOT EXISTS products_by_company_active_newest
     ON products (company_id, is_active, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS products_by_company_sku ON products (company_id, sku);   -- quick order
+CREATE INDEX IF NOT EXISTS products_by_company_active_category   -- the store's categories
+    ON products (company_id, is_active, category);
 
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,

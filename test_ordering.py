@@ -9164,6 +9164,13 @@ def test_every_template_renders_and_declares_its_placeholders():
         ordering.render(ordering.SIGNED_OUT, perfix="/dashboard")
 
 
+def test_a_partly_filled_template_escapes_once_and_keeps_braces_literal():
+    rows = ordering.Template("who id", '<p title="{who}">{id}</p>').partial(who='{id} & "x"')
+    assert rows.names == {"id"}
+    assert ordering.render(rows, id="<7>") == '<p title="{id} &amp; &quot;x&quot;">&lt;7&gt;</p>'
+    with pytest.raises(TypeError, match=r"takes \['id'\], not \['who'\]"):
+        ordering.render(rows, who="again")
+
 def test_the_declared_public_surface_and_the_readme_agree():
     assert all(hasattr(ordering, name) for name in ordering.__all__)
     readme = pathlib.Path(HERE, "README.md").read_text(encoding="utf-8")
@@ -10856,7 +10863,10 @@ def test_demo_prints_the_storefront_and_a_demo_buyers_sign_in_that_works(db_path
             page = browser.get(path + "/sign-in")
             main_form(page)["email"], main_form(page)["password"] = email, password
             assert main_form(page).submit(status=303).follow().status_int == 200
-            assert "Jasmine Rice 25kg" in browser.get(path).follow().text
+            catalog = browser.get(path).follow()
+            rows = {row[0].split(" GR-")[0]: row[1] for row in table_rows(catalog)}
+            # The demo buyer's own price, and the catalog's where it has none.
+            assert (rows["Jasmine Rice 25kg"], rows["Basmati Rice 10kg"]) == ("39.90", "23.90")
         finally:
             app.service.close(grace=0)
 
@@ -10990,6 +11000,8 @@ def test_the_catalog_searches_filters_by_category_and_pages(app, tenant):
     for name, category in (("Jasmine Rice", "Grains"), ("Bread Flour", "Grains"),
                            ("Sea Salt", "Pantry"), ("Basmati Rice", "Grains")):
         tenant.product(name, category=category)
+    tenant.product("Old Thyme", category="Spices", is_active=False)  # no active product
+    tenant.product("Loose Twine")  # no category
     _, buyer = shopper(app, tenant)
     names = lambda page: [row[0].split(" each")[0] for row in table_rows(page)]  # noqa: E731
     catalog = store_of(tenant) + "/products"
