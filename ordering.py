@@ -1772,17 +1772,20 @@ STORE_AWAITING = Template("store", """\
 <div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
 when it is approved; until then prices and ordering stay closed.</p></div>""")
 
-#: The form that puts a product in the cart (POST cart: productId, quantity).
-STORE_ADD_FORM = Template("cart csrf id most", """\
+_ADD_FORM = """\
 <form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
 value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
 name="quantity" type="number" min="1" max="{most}" value="1" aria-label="Quantity"> \
-<button type="submit">Add to cart</button></form>""")
+<button type="submit">Add to cart</button></form>"""
 
-#: A product's row in the storefront's catalog: one template a row, for a page of many.
-STORE_CATALOG_ROW = Template("href name sku unit price level add", """\
+#: The form that puts a product in the cart (POST cart: productId, quantity).
+STORE_ADD_FORM = Template("cart csrf id most", _ADD_FORM)
+
+#: A product's row in the storefront's catalog, with its form: one template a row, for a page
+#: of many (see Template.partial).
+STORE_CATALOG_ROW = Template("href name sku unit price level cart csrf id most", """\
 <tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span></td>\
-<td class="num">{price}</td><td>{level}</td><td>{add}</td></tr>""")
+<td class="num">{price}</td><td>{level}</td><td>""" + _ADD_FORM + "</td></tr>")
 
 #: A product of the storefront's catalog, with the form that puts it in the cart.
 STORE_PRODUCT = Template("sku category unit price level description add", """\
@@ -8179,10 +8182,11 @@ def level_tag(product):
     return _LEVEL_TAGS[stock_level(product)]
 
 
-def add_forms(visit):
-    """The form that puts a product in the cart, to be filled with its id."""
-    return STORE_ADD_FORM.partial(cart=visit.surface.prefix + "/cart", csrf=visit.csrf,
-                                  most=MAX_QUANTITY)
+def with_add_form(visit, template):
+    """template (holding the form that puts a product in the cart) with all but the product
+    filled in."""
+    return template.partial(cart=visit.surface.prefix + "/cart", csrf=visit.csrf,
+                            most=MAX_QUANTITY)
 
 
 def added_notice(added, missing_title, missing):
@@ -8220,12 +8224,11 @@ def catalog_page(visit):
                           visit.select("category", "Category",
                                        [("", "All categories")] + [(c, c) for c in categories],
                                        query.get("category"))]))
-    add = add_forms(visit)
-    rows = [render(STORE_CATALOG_ROW, href=f"{prefix}/products/{product['id']}",
-                   name=product["name"], sku=product["sku"] or "", unit=product["unit"] or "",
+    row = with_add_form(visit, STORE_CATALOG_ROW)
+    rows = [render(row, href=f"{prefix}/products/{product['id']}", name=product["name"],
+                   sku=product["sku"] or "", unit=product["unit"] or "",
                    price=cents_text(prices[product["id"]]), level=level_tag(product),
-                   add=render(add, id=product["id"]))
-            for product in result["data"]]
+                   id=product["id"]) for product in result["data"]]
     return visit.page("Catalog", join([
         search, table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
         pager(visit, result, prefix + "/products")]))
@@ -8239,7 +8242,8 @@ def store_product_page(visit, product_id):
         STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
         unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
         description=render("<p>{d}</p>", d=product["description"])
-        if product["description"] else "", add=render(add_forms(visit), id=product_id)))
+        if product["description"] else "",
+        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id)))
 
 
 @buyer_page("GET", "/store/<slug>/cart")
