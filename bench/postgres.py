@@ -145,8 +145,7 @@ def round_trips(url, data):
             counts[name] = counted[0]
     finally:
         cls.execute, cls.executemany = original
-        app.service.db.close_all()
-        app.service.windows.close()
+        app.service.close(grace=0)
     return counts
 
 
