@@ -7090,12 +7090,18 @@ class Surface:
             SIGN_IN_FORM, prefix=self.prefix, email=email,
             error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
 
+    def throttle_subjects(self, email):
+        """The sign-in throttle's subjects of this email from this browser's address (see
+        sign_in_subjects), which every check of an account's password counts against."""
+        address = self.service.client_address(bottle.request.environ)
+        company_id = self.account_company()
+        return sign_in_subjects(email, address, f"{company_id} " if company_id else "")
+
     def sign_in(self):
         form = bottle.request.forms.decode()
         email, password = form.get("email", ""), form.get("password", "")
-        address = self.service.client_address(bottle.request.environ)
         company_id = self.account_company()
-        subjects = sign_in_subjects(email, address, f"{company_id} " if company_id else "")
+        subjects = self.throttle_subjects(email)
         db, now_ms = self.service.db, self.now_ms()
         wait = sign_in_wait(db.conn, subjects, now_ms)
         if wait > 0:
@@ -8126,9 +8132,23 @@ def update_account_action(visit):
 
 @page("POST", "/store/<slug>/account/password", refused=account_page)
 def change_password_action(visit):
-    with visit.write() as conn:
-        change_customer_password(conn, visit.company_id, visit.session["account_id"],
-                                 visit.form.get("currentPassword"), visit.form.get("password", ""))
+    """A wrong current password counts as a failed sign-in, and waits as one does: a browser
+    whose session was taken could otherwise guess the password here at the page's speed."""
+    email = load_customer(visit.conn, visit.company_id, visit.session["account_id"])["email"]
+    subjects, now_ms = visit.surface.throttle_subjects(email), visit.surface.now_ms()
+    wait = sign_in_wait(visit.conn, subjects, now_ms)
+    if wait > 0:
+        raise ApiError(429, SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
+    try:
+        with visit.write() as conn:
+            change_customer_password(conn, visit.company_id, visit.session["account_id"],
+                                     visit.form.get("currentPassword"),
+                                     visit.form.get("password", ""))
+    except ApiError as error:
+        if form_errors(error).get("currentPassword") == CURRENT_PASSWORD_WRONG:
+            with visit.write() as conn:
+                record_sign_in_failure(conn, subjects, now_ms)
+        raise
     visit.surface.start_session(load_customer(visit.conn, visit.company_id,
                                               visit.session["account_id"]))
     return redirect(visit.surface.prefix + "/account")

@@ -10569,6 +10569,26 @@ def test_a_password_change_ends_every_other_session_and_keeps_this_browser_signe
     assert account_emails(app)[-1][:2] == ("password_changed", "buyer@cafe.example")
 
 
+def test_wrong_current_passwords_on_the_account_page_wait_as_failed_sign_ins_do(app, tenant):
+    store_buyer(app, tenant)
+    now = time.time()
+    app.storefront.clock = lambda: now
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    stored = tenant.db.conn.execute("SELECT password_hash FROM customers").fetchone()[0]
+
+    def change(current, status):
+        form = form_to(browser.get(store_of(tenant) + "/account"), "/account/password")
+        form["currentPassword"], form["password"] = current, "a new password 1"
+        return form.submit(status=status)
+    for _ in range(ordering.SIGN_IN_FREE_FAILURES):
+        change("wrong password 1", 400)
+    refused = change(BUYER_PASSWORD, 429)  # even the right one, until the wait is over
+    assert "Too many failed sign-ins. Try again in 2 seconds." in refused.text
+    store_sign_in(app, tenant, "buyer@cafe.example", status=429)  # the same secret
+    assert tenant.db.conn.execute("SELECT password_hash FROM customers").fetchone()[0] == stored
+    now += 2
+    change(BUYER_PASSWORD, 303)
+
 def test_a_session_of_one_store_is_worth_nothing_in_another_and_emails_are_per_store(
         app, tenant, other):
     store_buyer(app, tenant, "same@cafe.example")
