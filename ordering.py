@@ -2754,6 +2754,16 @@ def load_customer(conn, company_id, customer_id):
     return load_row(conn, "customers", "Customer", company_id, customer_id)
 
 
+def require_buyer(conn, company_id, customer_id):
+    """The customer, who may order at the store: neither blocked nor awaiting approval."""
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["status"] == "BLOCKED":
+        raise ApiError(403, CUSTOMER_BLOCKED)
+    if customer["status"] == "PENDING":
+        raise ApiError(403, CUSTOMER_PENDING)
+    return customer
+
+
 def _customer_changes(body):
     """The validated fields of a create or update body that it actually sends."""
     changes = {}
@@ -2928,6 +2938,22 @@ def order_with_items(conn, company_id, order_id):
     return orders_with_items(conn, [load_order(conn, company_id, order_id)])[0]
 
 
+def order_quantity(value, field="quantity"):
+    """A line's quantity, read as order placement reads it, with the spec's messages (a cart's
+    lines are read alike)."""
+    if not is_number(value):
+        raise ApiError(400, QUANTITY_NOT_A_NUMBER)
+    if isinstance(value, float) and not math.isinf(value):
+        if not value.is_integer():
+            raise ApiError(400, QUANTITY_NOT_WHOLE)
+        value = int(value)
+    if value < 1:
+        raise ApiError(400, QUANTITY_TOO_SMALL)
+    if value > MAX_QUANTITY:
+        raise invalid(field, f"must be at most {MAX_QUANTITY}")
+    return value
+
+
 def parse_order_request(body):
     """Step 1 of order placement: the body's shape, with the spec's messages."""
     require_object(body)
@@ -2951,18 +2977,8 @@ def parse_order_request(body):
             raise ApiError(400, PRODUCT_ID_REQUIRED)
         if not isinstance(product_id, str):
             raise invalid(f"items[{index}].productId", "must be a string")
-        quantity = item.get("quantity")
-        if not is_number(quantity):
-            raise ApiError(400, QUANTITY_NOT_A_NUMBER)
-        if isinstance(quantity, float) and not math.isinf(quantity):
-            if not quantity.is_integer():
-                raise ApiError(400, QUANTITY_NOT_WHOLE)
-            quantity = int(quantity)
-        if quantity < 1:
-            raise ApiError(400, QUANTITY_TOO_SMALL)
-        if quantity > MAX_QUANTITY:
-            raise invalid(f"items[{index}].quantity", f"must be at most {MAX_QUANTITY}")
-        lines.append((product_id, quantity))
+        lines.append((product_id, order_quantity(item.get("quantity"),
+                                                 f"items[{index}].quantity")))
     po_number = optional_text(body, "poNumber", MAX_PO_NUMBER)
     notes = optional_text(body, "notes", MAX_ORDER_NOTES)
     return customer_id, lines, po_number, notes
@@ -3041,15 +3057,11 @@ def storefront_place_order(conn, store_slug, customer_id, items, po_number=None,
     shape, with itemCount and no items), at the customer's own prices. A blocked customer
     cannot order there, nor one awaiting approval."""
     company = company_by_slug(conn, store_slug)
-    status = load_customer(conn, company["id"], customer_id)["status"]
-    if status == "BLOCKED":
-        raise ApiError(403, CUSTOMER_BLOCKED)
-    if status == "PENDING":
-        raise ApiError(403, CUSTOMER_PENDING)
+    customer = require_buyer(conn, company["id"], customer_id)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
     order = place_order(conn, company["id"], body, "storefront", shipping_address,
                         checkout_token)
-    queue_order_emails(conn, company, load_customer(conn, company["id"], customer_id), order)
+    queue_order_emails(conn, company, customer, order)
     return order
 
 
@@ -4175,16 +4187,6 @@ def order_search(conn, company_id, text):
 # ACTIVE customer orders; a buyer's order of another customer is "not found", as another
 # company's is.
 
-def require_buyer(conn, company_id, customer_id):
-    """The customer, who may order: neither blocked nor awaiting approval."""
-    customer = load_customer(conn, company_id, customer_id)
-    if customer["status"] == "BLOCKED":
-        raise ApiError(403, CUSTOMER_BLOCKED)
-    if customer["status"] == "PENDING":
-        raise ApiError(403, CUSTOMER_PENDING)
-    return customer
-
-
 #: How a buyer sees stock: never the count, which is the company's business.
 STOCK_LEVELS = ("In stock", "Low stock", "Out of stock")
 
@@ -4252,25 +4254,10 @@ def cart_size(conn, customer_id):
                         (customer_id,)).fetchone()[0]
 
 
-def cart_quantity(value):
-    """A quantity as the order placement reads one, with its messages."""
-    if not is_number(value):
-        raise ApiError(400, QUANTITY_NOT_A_NUMBER)
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise ApiError(400, QUANTITY_NOT_WHOLE)
-        value = int(value)
-    if value < 1:
-        raise ApiError(400, QUANTITY_TOO_SMALL)
-    if value > MAX_QUANTITY:
-        raise invalid("quantity", f"must be at most {MAX_QUANTITY}")
-    return value
-
-
 def add_to_cart(conn, company_id, customer_id, product_id, quantity):
     """Put quantity more of an active product in the cart."""
     require_buyer(conn, company_id, customer_id)
-    quantity = cart_quantity(quantity)
+    quantity = order_quantity(quantity)
     product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
                            "is_active = 1", (product_id, company_id)).fetchone()
     if product is None:
@@ -4294,7 +4281,7 @@ def set_cart_quantity(conn, company_id, customer_id, product_id, quantity):
         conn.execute("DELETE FROM cart_lines WHERE customer_id = ? AND product_id = ?",
                      (customer_id, product_id))
         return
-    quantity = cart_quantity(quantity)
+    quantity = order_quantity(quantity)
     if not conn.execute("UPDATE cart_lines SET quantity = ? WHERE customer_id = ? AND "
                         "product_id = ?", (quantity, customer_id, product_id)).rowcount:
         raise not_found("Cart line")
