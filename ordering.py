@@ -2185,6 +2185,8 @@ ADDRESS_FIELDS = (("name", "Recipient", 200, True), ("line1", "Address", 200, Tr
                   ("region", "Region or state", 100, False),
                   ("postalCode", "Postal code", 20, True), ("country", "Country", 100, True))
 RETURN_NOT_SHIPPED = "Only a shipped or delivered order can be returned."
+#: The statuses of an order its buyer may return goods of.
+RETURNABLE_ORDER_STATUSES = ("SHIPPED", "DELIVERED")
 RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
 PASSWORD_SET = "Your password is set. Sign in with it."
 EMAIL_VERIFIED = "Thank you: your email address is confirmed."
@@ -2375,6 +2377,11 @@ def order_item_json(row):
         "productName": product_name,
         "productSku": product_sku,
     }
+
+
+def line_total_cents(item):
+    """An order item's (as order_item_json shows it) unitPrice times its quantity, in cents."""
+    return cents_from_number(item["unitPrice"]) * item["quantity"]
 
 
 def order_json(row, items):
@@ -3091,7 +3098,7 @@ def queue_order_emails(conn, company, customer, order):
     the company's staff addresses (orders from the API or the dashboard send neither)."""
     lines = [{"name": item["productName"], "sku": item["productSku"],
               "quantity": item["quantity"], "unitPrice": item["unitPrice"],
-              "lineTotal": money(cents_from_number(item["unitPrice"]) * item["quantity"])}
+              "lineTotal": money(line_total_cents(item))}
              for item in order["items"]]
     common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
               "lines": lines, "total": order["total"]}
@@ -3214,7 +3221,7 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
     if customer_id is not None:
         if order["customer_id"] != customer_id:
             raise not_found("Order")
-        if order["status"] not in ("SHIPPED", "DELIVERED"):
+        if order["status"] not in RETURNABLE_ORDER_STATUSES:
             raise ApiError(422, RETURN_NOT_SHIPPED)
     reason = (reason or "").strip()
     shortest, longest = RETURN_REASON_LENGTH
@@ -6914,6 +6921,19 @@ def table(headings, rows, numeric=()):
                   '<tbody>{body}</tbody></table></div>', head=head, body=body)
 
 
+def address_lines(address):
+    """A shipping address's fields that are filled, a line each."""
+    return Markup("<br>".join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
+                              if address[name]))
+
+
+def form_units(form, prefix):
+    """{order item ID: units} of a return form's fields prefix + item ID (none: 0 or empty)."""
+    units = {name[len(prefix):]: form_int(form, name, required=False)
+             for name in form if name.startswith(prefix)}
+    return {item_id: count for item_id, count in units.items() if count}
+
+
 def link(href, text):
     return render('<a href="{h}">{t}</a>', h=href, t=text)
 
@@ -7223,8 +7243,7 @@ def order_page(visit, order_id):
             **order["tracking"]) if order["tracking"] else "none")
     lines = table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
                   [(item["productName"], item["productSku"] or "", item["quantity"],
-                    amount_text(item["unitPrice"]), amount_text(item["unitPrice"] *
-                                                                 item["quantity"]))
+                    amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
                    for item in order["items"]] +
                   [("", "", "", render("<strong>Total</strong>"),
                     render("<strong>{t}</strong>", t=amount_text(order["total"])))],
@@ -7263,9 +7282,8 @@ def order_page(visit, order_id):
         visit.error("lines"),
         render('<button type="submit" class="secondary">Open return</button>')]))
     address = shipping_address_of(row)
-    ships_to = render('<h2>Ships to</h2><address class="card">{a}</address>', a=join(
-        render("{v}<br>", v=address[name]) for name, *_ in ADDRESS_FIELDS if address[name])) \
-        if address else ""
+    ships_to = render('<h2>Ships to</h2><address class="card">{a}</address>',
+                      a=address_lines(address)) if address else ""
     body = join([facts, ships_to, render("<h2>Status</h2>"),
                  render('<div class="card">{a}</div>', a=join(actions)),
                  render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
@@ -7570,11 +7588,9 @@ def returns_page(visit):
 
 @page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
 def open_return_action(visit, order_id):
-    units = {name[len("units."):]: form_int(visit.form, name, required=False)
-             for name in visit.form if name.startswith("units.")}
     with visit.write() as conn:
         open_return(conn, visit.company_id, order_id, visit.form.get("reason"), actor="staff",
-                    lines={item_id: count for item_id, count in units.items() if count})
+                    lines=form_units(visit.form, "units."))
     return redirect("/dashboard/returns")
 
 
@@ -8423,7 +8439,7 @@ RETURN_REQUESTED = "Your return is requested. This page shows its progress."
 def store_order_page(visit, order_id):
     conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["account_id"]
     row = buyer_order(conn, visit.company_id, me, order_id)
-    order = order_with_items(conn, visit.company_id, order_id)
+    order = orders_with_items(conn, [row])[0]
     if "placed" in visit.query:
         visit.notice = ORDER_PLACED
     elif "returned" in visit.query:
@@ -8437,13 +8453,12 @@ def store_order_page(visit, order_id):
                                'parcel</a></p>', u=tracking["url"]) if tracking["url"] else "") \
         if tracking else ""
     address = shipping_address_of(row)
-    ship_to = render('<h2>Ship to</h2><p class="card">{a}</p>', a=Markup("<br>".join(
-        escape(address[name]) for name, *_ in ADDRESS_FIELDS if address[name]))) \
+    ship_to = render('<h2>Ship to</h2><p class="card">{a}</p>', a=address_lines(address)) \
         if address else ""
     lines = lines_table([(join([item["productName"], render(' <span class="muted">{s}</span>',
                                                            s=item["productSku"] or "")]),
                           item["quantity"], amount_text(item["unitPrice"]),
-                          cents_text(cents_from_number(item["unitPrice"]) * item["quantity"]))
+                          cents_text(line_total_cents(item)))
                          for item in order["items"]], row["total_cents"])
     timeline = render('<h2>Status</h2><ol class="card timeline">{s}</ol>', s=join(
         render("<li>{tag} <span class=\"muted\">{at}</span></li>", tag=status_tag(
@@ -8469,7 +8484,7 @@ def buyer_order_returns(visit, order):
                         render("<li>{q} x {n}</li>", q=units, n=name)
                         for name, _, units in lines[r["id"]])), reason=r["reason"])
              for r in returns]
-    if order["status"] not in ("SHIPPED", "DELIVERED"):
+    if order["status"] not in RETURNABLE_ORDER_STATUSES:
         form = ""
     else:
         returnable = {item_id: found for item_id, found in
@@ -8490,15 +8505,9 @@ def buyer_order_returns(visit, order):
 
 @buyer_page("POST", "/store/<slug>/orders/<order_id>/returns", refused=store_order_page)
 def request_return_action(visit, order_id):
-    lines = {}
-    for name in visit.form:
-        if name.startswith("units-"):
-            units = form_int(visit.form, name, required=False)
-            if units:
-                lines[name.removeprefix("units-")] = units
     with visit.write() as conn:
-        open_return(conn, visit.company_id, order_id, visit.form.get("reason"), lines=lines,
-                    customer_id=visit.session["account_id"])
+        open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
+                    lines=form_units(visit.form, "units-"), customer_id=visit.session["account_id"])
     return redirect(f"{visit.surface.prefix}/orders/{order_id}?returned=1")
 
 
