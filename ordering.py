@@ -693,7 +693,7 @@ def apply_schema(conn):
                            f"({SCHEMA_VERSION}); upgrade ordering")
     for target in range(version + 1, SCHEMA_VERSION + 1):
         for statement in MIGRATIONS.get(target, ()):
-            conn.execute(statement)
+            conn.execute(engine.translate(statement))
     for statement in statements:
         if "CREATE TABLE" not in statement:
             conn.execute(statement)
@@ -960,14 +960,15 @@ class TableWindowCounter:
 # ordering's SQL is written once, in the dialect SQLite and PostgreSQL share, with SQLite's
 # ? and :name parameters. The few places where they differ are the methods of these two
 # classes and nothing else: connecting, the write lock, the schema version, the schema's
-# types, two expressions (a JSON field and a prefix range that ignores ASCII case), the
+# types (in schema.sql and in migrations), a prefix range that ignores ASCII case, the
 # JSON text of a record and of a list of records (see "Records as the database writes them"),
 # the rate counter, housekeeping, and for the commands whether a database exists, whether two
 # names are one database, and an online backup. A connection names its engine (conn.engine), so code
 # that builds one of those expressions asks the connection it holds.
 #
-# Errors: what a PostgreSQL connection raises reaches callers as sqlite3.DatabaseError, the
-# DB-API's name for a database's failure, so that one except clause serves both engines.
+# Errors: what a PostgreSQL connection raises reaches callers as sqlite3.DatabaseError (a
+# broken constraint as sqlite3.IntegrityError), the DB-API's names for a database's failure,
+# so that one except clause serves both engines.
 
 def engine_for(path):
     return POSTGRES if str(path).startswith(("postgresql://", "postgres://")) else SQLITE
@@ -1014,14 +1015,14 @@ class SqliteEngine:
     def schema_statements(self):
         return schema_statements()
 
+    def translate(self, statement):
+        return statement
+
     def schema_version(self, conn):
         return conn.execute("PRAGMA user_version").fetchone()[0]
 
     def set_schema_version(self, conn, version):
         conn.execute(f"PRAGMA user_version = {version}")
-
-    def json_field(self, column, path):
-        return f"json_extract({column}, '$.{path}')"
 
     def prefix_ignoring_ascii_case(self, column):
         return f"{column} >= ? COLLATE NOCASE AND {column} < ? COLLATE NOCASE"
@@ -1262,12 +1263,7 @@ class PostgresEngine:
 
     @functools.lru_cache(maxsize=1)
     def schema_statements(self):
-        translated = []
-        for statement in schema_statements():
-            for pattern, replacement in self.SCHEMA_TYPES:
-                statement = re.sub(pattern, replacement, statement)
-            translated.append(statement)
-        return translated + [
+        return [self.translate(statement) for statement in schema_statements()] + [
             "CREATE TABLE IF NOT EXISTS schema_version (version BIGINT NOT NULL)",
             # Folded with the database's own locale (Unicode in a UTF-8 database).
             "CREATE OR REPLACE FUNCTION contains_folded(haystack TEXT, needle TEXT) "
@@ -1285,6 +1281,12 @@ class PostgresEngine:
         (r"(\w+) COLLATE NOCASE", r"lower(\1)"),
     )
 
+    def translate(self, statement):
+        """A statement of schema.sql or of a migration, in PostgreSQL's types."""
+        for pattern, replacement in self.SCHEMA_TYPES:
+            statement = re.sub(pattern, replacement, statement)
+        return statement
+
     def schema_version(self, conn):
         row = conn.execute("SELECT version FROM schema_version").fetchone()
         return row[0] if row else 0
@@ -1292,9 +1294,6 @@ class PostgresEngine:
     def set_schema_version(self, conn, version):
         conn.execute("DELETE FROM schema_version")
         conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
-
-    def json_field(self, column, path):
-        return f"(CAST({column} AS jsonb) #>> '{{{','.join(path.split('.'))}}}')"
 
     def prefix_ignoring_ascii_case(self, column):
         # lower() of a "C" collated column folds ASCII only, as SQLite's NOCASE does.
@@ -2925,6 +2924,14 @@ def load_order(conn, company_id, order_id):
     return load_row(conn, "orders", "Order", company_id, order_id)
 
 
+def buyer_order(conn, company_id, customer_id, order_id):
+    """One of the customer's own orders (whatever its source); another's is not found."""
+    order = load_order(conn, company_id, order_id)
+    if order["customer_id"] != customer_id:
+        raise not_found("Order")
+    return order
+
+
 _ITEMS_OF_ORDERS = """
     SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku, i.order_id
     FROM order_items i JOIN products p ON p.id = i.product_id
@@ -3217,10 +3224,10 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
     item_count says how many of the order's lines go back (the older form, which records no
     lines). customer_id is the buyer opening it at the storefront: the order must be theirs,
     and shipped or delivered."""
-    order = load_order(conn, company_id, order_id)
-    if customer_id is not None:
-        if order["customer_id"] != customer_id:
-            raise not_found("Order")
+    if customer_id is None:
+        order = load_order(conn, company_id, order_id)
+    else:
+        order = buyer_order(conn, company_id, customer_id, order_id)
         if order["status"] not in RETURNABLE_ORDER_STATUSES:
             raise ApiError(422, RETURN_NOT_SHIPPED)
     reason = (reason or "").strip()
@@ -4320,24 +4327,20 @@ def quick_order(conn, company_id, customer_id, text):
     entries = parse_quick_order(text)
     skus = list(dict.fromkeys(sku for sku, _ in entries))
     found = {}
-    for row in conn.execute(
-            f"SELECT * FROM products WHERE company_id = ? AND is_active = 1 AND sku IN "
-            f"({','.join('?' * len(skus))}) ORDER BY created_at, id", [company_id, *skus]):
-        found.setdefault(row["sku"], row)  # a SKU two products share: the older one
-    added = []
-    for sku, quantity in entries:
-        if sku in found:
-            add_to_cart(conn, company_id, customer_id, found[sku]["id"], quantity)
-            added.append((found[sku], quantity))
+    # By company and SKU alone (products_by_company_sku), activity and order in Python: with
+    # either in the SQL, SQLite (without table statistics) would scan the company's products.
+    rows = conn.execute(f"SELECT * FROM products WHERE company_id = ? AND sku IN "
+                        f"({','.join('?' * len(skus))})", [company_id, *skus]).fetchall()
+    for row in sorted(rows, key=lambda row: (row["created_at"], row["id"])):
+        if row["is_active"]:
+            found.setdefault(row["sku"], row)  # a SKU two products share: the older one
+    added = [(found[sku], quantity) for sku, quantity in entries if sku in found]
+    wanted = collections.Counter()
+    for product, quantity in added:  # a product once however many lines name it
+        wanted[product["id"]] += quantity
+    for product_id, quantity in wanted.items():
+        add_to_cart(conn, company_id, customer_id, product_id, quantity)
     return {"added": added, "unknown": [sku for sku in skus if sku not in found]}
-
-
-def buyer_order(conn, company_id, customer_id, order_id):
-    """One of the customer's own orders (whatever its source); another's is not found."""
-    order = load_order(conn, company_id, order_id)
-    if order["customer_id"] != customer_id:
-        raise not_found("Order")
-    return order
 
 
 def buyer_orders(conn, company_id, customer_id, query):

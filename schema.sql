@@ -3,7 +3,8 @@
 -- minor unit (cents, but yen for JPY and fils for KWD, as Stripe counts them). Times are ISO
 -- 8601 UTC strings with milliseconds, which sort as text. IDs begin with their creation time,
 -- so they sort by it as well.
--- PRAGMA user_version records the schema version; ordering.py migrates older files.
+-- The schema version is kept by the engine (PRAGMA user_version on SQLite, the schema_version
+-- table on PostgreSQL); ordering.py migrates older databases.
 -- In products, customers and orders the columns the API shows come first, in the order the
 -- serializers of ordering.py (product_json, customer_json, order_json) read them.
 
@@ -57,8 +58,8 @@ CREATE INDEX IF NOT EXISTS products_by_company_category_newest
 CREATE INDEX IF NOT EXISTS products_by_company_active_newest
     ON products (company_id, is_active, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS products_by_company_sku ON products (company_id, sku);   -- quick order
-CREATE INDEX IF NOT EXISTS products_by_company_active_category   -- the store's categories
-    ON products (company_id, is_active, category);
+CREATE INDEX IF NOT EXISTS products_by_company_active_category_newest  -- the store's catalog
+    ON products (company_id, is_active, category, created_at DESC, id DESC);   -- and categories
 
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,
@@ -183,7 +184,7 @@ CREATE TABLE IF NOT EXISTS returns (
     updated_at   TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS returns_by_company_newest ON returns (company_id, created_at DESC, id DESC);
-CREATE INDEX IF NOT EXISTS returns_of_order ON returns (order_id, created_at);
+CREATE INDEX IF NOT EXISTS returns_of_order ON returns (order_id, created_at, id);
 
 -- The lines a return takes back and how many units of each (returns opened before lines were
 -- recorded have none: their item_count says how many lines).
@@ -193,6 +194,7 @@ CREATE TABLE IF NOT EXISTS return_lines (
     quantity       INTEGER NOT NULL CHECK (quantity >= 1),
     PRIMARY KEY (return_id, order_item_id)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS return_lines_of_item ON return_lines (order_item_id);  -- units left
 
 CREATE TABLE IF NOT EXISTS refunds (
     id             TEXT PRIMARY KEY,
@@ -374,7 +376,8 @@ CREATE TABLE IF NOT EXISTS customer_tokens (
 );
 CREATE INDEX IF NOT EXISTS customer_tokens_of_customer ON customer_tokens (customer_id, created_at);
 
--- Failed dashboard sign-ins, per email and per client address ("email:..." / "address:...").
+-- Failed sign-ins (dashboard and storefronts) and wrong current passwords, per email (within
+-- a store for its buyers) and per client address ("email:..." / "address:...").
 CREATE TABLE IF NOT EXISTS sign_in_failures (
     subject          TEXT PRIMARY KEY,
     failures         INTEGER NOT NULL,
