@@ -4344,9 +4344,16 @@ def quick_order(conn, company_id, customer_id, text):
 
 
 def buyer_orders(conn, company_id, customer_id, query):
-    """A page of the customer's orders, newest first (status, cursor, limit)."""
-    return find_orders(conn, company_id, {name: query.get(name) for name in (
-        "status", "cursor", "limit")} | {"customerId": customer_id})
+    """A page of the customer's orders, newest first (status, cursor, limit). A cursor that
+    is not one of the customer's orders gives the empty last page, as an unknown one does: the
+    pages tell no one whether another customer's order exists, nor when it was placed."""
+    cursor = query.get("cursor")
+    if cursor and not conn.execute("SELECT 1 FROM orders WHERE id = ? AND customer_id = ?",
+                                   (cursor, customer_id)).fetchone():
+        cursor = "-"  # no order's ID
+    return find_orders(conn, company_id, {"status": query.get("status"), "cursor": cursor,
+                                          "limit": query.get("limit"),
+                                          "customerId": customer_id})
 
 
 def reorder(conn, company_id, customer_id, order_id):
@@ -6796,9 +6803,11 @@ class Visit:
     def field(self, name, label, default="", kind="text", **attributes):
         extra = join(render(' {name}="{value}"', name=key.replace("_", "-"), value=value)
                      for key, value in attributes.items())
+        # A refused form shows again what was sent, never a password.
         control = render('<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>',
                          id=name + self.id_suffix, name=name, kind=kind,
-                         value=self.value(name, default), extra=extra)
+                         value="" if kind == "password" else self.value(name, default),
+                         extra=extra)
         if kind == "textarea":
             control = render('<textarea id="{id}" name="{name}"{extra}>{value}</textarea>',
                              id=name + self.id_suffix, name=name,

@@ -11425,6 +11425,30 @@ def test_an_order_of_another_customer_or_another_store_is_not_found(app, tenant,
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM returns").fetchone()[0] == 0
 
 
+def test_a_cursor_of_another_customers_order_answers_as_an_unknown_one(app, tenant):
+    product = tenant.product("Rice 25kg")
+    customer, buyer = shopper(app, tenant)
+    stranger = store_buyer(app, tenant, "other@cafe.example")
+    mine = buyer_order(tenant, customer, product)
+    theirs = buyer_order(tenant, stranger, product)
+    newest = buyer_order(tenant, customer, product)
+    orders = store_of(tenant) + "/orders?cursor="
+    unknown = buyer.get(orders + "ord_unknown")
+    assert table_rows(unknown) == [["Nothing here yet."]]
+    assert without_secrets(buyer.get(orders + theirs["id"])) == without_secrets(unknown)
+    assert [row[0] for row in table_rows(buyer.get(orders + newest["id"]))] == [mine["id"]]
+
+
+def test_a_refused_form_never_shows_a_password_again(app, tenant):
+    store_buyer(app, tenant)
+    browser, _ = store_sign_in(app, tenant, "buyer@cafe.example")
+    form = form_to(browser.get(store_of(tenant) + "/account"), "/account/password")
+    form["currentPassword"], form["password"] = "a wrong password 1", "short"
+    refused = form.submit(status=400)
+    assert "a wrong password 1" not in refused.text and 'value="short"' not in refused.text
+    assert [field["value"] for field in refused.html.find_all("input", type="password")] == [
+        "", ""]
+
 def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_card(
         app, api, browser, tenant):
     product = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250)
