@@ -1911,7 +1911,8 @@ fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12
 # In the subject and the text every value is put on one line, so that a line break in a name
 # starts no header and no line of its own; in the HTML every value is escaped, as in the pages.
 # Besides the data's own values a template may use {facts} (the data's "facts", [label, value]
-# pairs, a value beginning with http:// or https:// as a link), {lines} (the data's order
+# pairs, or [label, value, URL] for a link the service made: text somebody typed is never a
+# link, whatever it looks like), {lines} (the data's order
 # "lines" and "total" as a table) and {link} (the data's "path" on the base URL: every link
 # to this server is built so). To send a new kind of email, add its template here and call
 # queue_email() with its data.
@@ -2010,27 +2011,23 @@ EMAIL_TEMPLATES = {
 }
 
 
-def _is_link(value):
-    return isinstance(value, str) and value.startswith(("https://", "http://"))
-
-
 def email_bodies(kind, data, link_base, sender):
     """(text, HTML) of an email of this kind from its data; sender signs it."""
     template = EMAIL_TEMPLATES[kind]
     facts = data.get("facts", ())
     lines = data.get("lines", ())
     text_values = dict(data, link=link_base + data.get("path", "/"), facts=PlainText(
-        "\n".join(f"{one_line(label)}: {one_line(value)}" for label, value in facts)),
+        "\n".join(f"{one_line(fact[0])}: {one_line(fact[1])}" for fact in facts)),
         lines=PlainText("\n".join(
             [f"{line['quantity']} x {one_line(line['name'])} ({one_line(line['sku'] or '-')}) at "
              f"{amount_text(line['unitPrice'])} = {amount_text(line['lineTotal'])}"
              for line in lines] + ([f"Total: {amount_text(data['total'])}"] if lines else []))))
     html_values = dict({name: one_line(value) for name, value in data.items()},
                        link=text_values["link"], facts=render('<table>{rows}</table>', rows=join(
-        render('<tr><th align="left">{label}</th><td>{value}</td></tr>', label=label,
-               value=render('<a href="{u}">{u}</a>', u=value) if _is_link(value)
-               else one_line(value))
-        for label, value in facts)) if facts else "", lines=render(
+        render('<tr><th align="left">{label}</th><td>{value}</td></tr>', label=fact[0],
+               value=render('<a href="{u}">{v}</a>', u=fact[2], v=one_line(fact[1]))
+               if len(fact) > 2 else one_line(fact[1]))
+        for fact in facts)) if facts else "", lines=render(
         '<table><tr><th align="left">Product</th><th align="left">SKU</th>'
         '<th align="right">Quantity</th><th align="right">Unit price</th>'
         '<th align="right">Line total</th></tr>{rows}<tr><th align="left" colspan="4">Total'
@@ -3127,7 +3124,7 @@ def queue_shipping_email(conn, company_id, order):
     if order["tracking"]:
         facts += [["Carrier", order["tracking"]["carrier"]],
                   ["Tracking number", order["tracking"]["number"]],
-                  ["Track it", order["tracking"]["url"]]]
+                  ["Track it", order["tracking"]["url"], order["tracking"]["url"]]]
     queue_email(conn, company_id, "order_shipped", customer["email"], {
         "orderId": order["id"], "customerName": customer["name"] or customer["email"],
         "facts": facts}, to_name=customer["name"])
@@ -5220,32 +5217,107 @@ def retries_end(row):
 
 def build_message(row, settings):
     """The email of a row (with its company's name, mail_name and reply_to) as the bytes of
-    SMTP DATA: multipart/alternative, plain text then HTML. Every header is set through the
-    email package from one-line values, so no value can add a header or a part."""
-    sender = row["mail_name"] or row["company_name"]
-    text, html = email_bodies(row["kind"], json.loads(row["data"]), settings.link_base,
-                              one_line(sender))
+    SMTP DATA: multipart/alternative, plain text then HTML. The email package builds only the
+    body: the headers that carry text somebody typed (names, the subject) are written here,
+    as plain atoms or as base64 encoded-words, so that no version of the package decodes and
+    refolds them (CVE-2024-6923, and display names that lose their quotes when folded). The
+    bytes are then read back, and a message whose headers are not exactly the ones written
+    (one To address, the row's) is refused (MessageRefused)."""
+    sender = one_line(row["mail_name"] or row["company_name"])
+    text, html = email_bodies(row["kind"], json.loads(row["data"]), settings.link_base, sender)
     utf8 = not (settings.mail_from + row["to_address"]).isascii()  # needs SMTPUTF8
-    message = email.message.EmailMessage(policy=MAIL_POLICY.clone(utf8=utf8))
-    message["Message-ID"] = f"<{row['id']}@{settings.mail_from.rpartition('@')[2]}>"
-    message["Date"] = email.utils.format_datetime(
-        datetime.datetime.fromisoformat(row["created_at"].replace("Z", "+00:00")))
-    message["From"] = _address(sender, settings.mail_from)
-    message["To"] = _address(row["to_name"], row["to_address"])
+    body = email.message.EmailMessage(policy=MAIL_POLICY)
+    body.set_content(text, cte="quoted-printable")
+    body.add_alternative(html, subtype="html", cte="quoted-printable")
+    headers = [
+        ("Message-ID", f"<{row['id']}@{settings.mail_from.rpartition('@')[2]}>"),
+        ("Date", email.utils.format_datetime(
+            datetime.datetime.fromisoformat(row["created_at"].replace("Z", "+00:00")))),
+        ("From", header_address(sender, settings.mail_from)),
+        ("To", header_address(row["to_name"], row["to_address"])),
+        *([("Reply-To", header_address(None, row["reply_to"]))] if row["reply_to"] else []),
+        ("Subject", header_text(row["subject"])),
+        ("Auto-Submitted", "auto-generated"),  # RFC 3834: no auto-replies, please
+    ]
+    message = "".join(f"{name}: {value}\r\n" for name, value in headers).encode() + \
+        body.as_bytes()
+    check_message(message, row, settings, sender, [name for name, _ in headers])
+    return message, utf8
+
+
+class MessageRefused(Exception):
+    """A built message that does not read back as it was written: it is not sent."""
+
+
+#: A subject that goes into its header as it is: printable ASCII words one space apart. Any
+#: other (a name beyond ASCII, "=?") is written as encoded-words, which a reader decodes and
+#: nothing reads as syntax.
+_PLAIN_HEADER_TEXT = re.compile(r"[!-~]+( [!-~]+)*")
+#: UTF-8 bytes per encoded-word, so that each stays within 75 characters (RFC 2047).
+_ENCODED_WORD_BYTES = 45
+
+
+def encoded_words(text):
+    """Text as base64 encoded-words of whole characters, folded one a line."""
+    words, word = [], ""
+    for character in text:
+        if len((word + character).encode()) > _ENCODED_WORD_BYTES:
+            words.append(word)
+            word = ""
+        word += character
+    words.append(word)
+    return "\r\n ".join("=?utf-8?b?" + base64.b64encode(word.encode()).decode() + "?="
+                         for word in words)
+
+
+def header_text(value):
+    """One line of text as an unstructured header's value (the subject)."""
+    value = one_line(value)
+    return value if _PLAIN_HEADER_TEXT.fullmatch(value) and "=?" not in value \
+        else encoded_words(value)
+
+
+def header_address(name, address):
+    """A checked address with an optional display name, as a header value: the name as a
+    quoted string when it is printable ASCII, as encoded-words otherwise."""
+    name = one_line(name)
+    if not name:
+        return address
+    if name.isascii() and name.isprintable() and "=?" not in name:
+        phrase = '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    else:
+        phrase = encoded_words(name)
+    return f"{phrase} <{address}>"
+
+
+def check_message(message, row, settings, sender, names):
+    """Raise MessageRefused unless the message's bytes read back to exactly these headers,
+    in this order, with the row's one recipient, and to a plain text and an HTML part."""
+    parsed = email.message_from_bytes(message, policy=email.policy.default) if message.isascii() \
+        else email.message_from_string(message.decode("utf-8"), policy=email.policy.default)
+    expected = {"From": (sender, settings.mail_from), "To": (one_line(row["to_name"]),
+                                                             row["to_address"])}
     if row["reply_to"]:
-        message["Reply-To"] = _address(None, row["reply_to"])
-    message["Subject"] = one_line(row["subject"])
-    message["Auto-Submitted"] = "auto-generated"  # RFC 3834: no auto-replies, please
-    message.set_content(text, cte="quoted-printable")
-    message.add_alternative(html, subtype="html", cte="quoted-printable")
-    return message.as_bytes(), utf8
-
-
-def _address(name, address):
-    """A header address from a checked address (split by hand: the email package parses an
-    addr_spec that is not ASCII as a defect, though SMTPUTF8 carries it)."""
-    local, _, domain = address.rpartition("@")
-    return email.headerregistry.Address(one_line(name), local, domain)
+        expected["Reply-To"] = ("", row["reply_to"])
+    problems = []
+    if [name.lower() for name in parsed.keys()] != [
+            name.lower() for name in names + ["MIME-Version", "Content-Type"]]:
+        problems.append("headers " + ", ".join(parsed.keys()))
+    for name, (display_name, address) in expected.items():
+        # without white space: in a name, some readers put a space between encoded-words
+        found = [("".join(one.display_name.split()), one.addr_spec)
+                 for one in parsed[name].addresses] if parsed[name] is not None else []
+        if found != [("".join(display_name.split()), address)]:
+            problems.append(f"{name} {found!r}")
+    if str(parsed["Subject"]) != one_line(row["subject"]):
+        problems.append("Subject")
+    if parsed.get_content_type() != "multipart/alternative" or [
+            part.get_content_type() for part in parsed.iter_parts()] != ["text/plain",
+                                                                         "text/html"]:
+        problems.append("parts")
+    if problems:
+        raise MessageRefused("the message does not read back as it was written: "
+                             + "; ".join(problems))
 
 
 class MailServerError(Exception):

@@ -5,6 +5,9 @@ command line and many-process set-ups through subprocess."""
 
 import base64
 import collections
+import email
+import email.header
+import email.policy
 import concurrent.futures
 import functools
 import hashlib
@@ -11757,3 +11760,130 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
         driver.quit()
         stop_server(process)
         mail.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Security: what a stranger cannot forge (mail headers, unverified buyers, lockouts, CSRF),
+# what the storefront does not tell, slow and greedy clients, and refunds bound by the units
+# that came back
+# ---------------------------------------------------------------------------------------------
+
+#: A name that the email package of CPython 3.11.7 decoded into a header of its own and a
+#: body of the sender's choosing (CVE-2024-6923).
+ENCODED_WORD_NAME = ("Bob =?utf-8?q?=0D=0AX-Injected:_yes=0D=0AContent-Type:_text/html=0D=0A"
+                     "=0D=0A<h1>Pay_here</h1>?=")
+#: A name whose quotes the email package lost when it folded the header, so that a reader
+#: took the To header for attacker@evil.example.
+FOLDED_NAME = ('Evil Bcc: attacker@evil.example X-Injected: yes <script>alert(1)</script> "q" '
+               '<b>b</b> =?utf-8?q?x?= L')
+ORDER_HEADERS = ["message-id", "date", "from", "to", "subject", "auto-submitted",
+                 "mime-version", "content-type"]
+
+
+def assert_only_the_headers_written(message, address, name):
+    """The received bytes, parsed as a reader would: the headers written and no other, one
+    recipient (the row's) with the name as given, and a plain text and an HTML part."""
+    raw = message["raw"]
+    parsed = email.message_from_bytes(raw, policy=email.policy.default)
+    head = raw.split(b"\r\n\r\n", 1)[0]
+    assert b"X-Injected" not in head and b"Bcc" not in head.replace(b"=?", b"")
+    assert [name.lower() for name in parsed.keys()] == ORDER_HEADERS
+    assert message["to"] == [address]
+    [to] = parsed["To"].addresses
+    assert to.addr_spec == address
+    assert "".join(to.display_name.split()) == "".join(name.split())
+    assert [part.get_content_type() for part in parsed.iter_parts()] == ["text/plain",
+                                                                         "text/html"]
+    assert parsed.get_content_type() == "multipart/alternative" and not parsed.defects
+    return parsed
+
+
+@pytest.mark.parametrize("name", [ENCODED_WORD_NAME, FOLDED_NAME])
+def test_a_buyers_name_adds_no_header_part_or_recipient_to_any_email(database, mail, name):
+    app = build_app(database, **mail_settings(mail.url))
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
+        store_register(app, tenant, "stranger@cafe.example", name=name)
+        [verify] = mail.wait_for(1)
+        assert_only_the_headers_written(verify, "stranger@cafe.example", name)
+        customer = store_buyer(app, tenant, "buyer@cafe.example", name=name)
+        product = tenant.product()
+        with tenant.db.write() as conn:
+            conn.execute("UPDATE customers SET email_verified = 1")
+            ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"], [
+                {"productId": product["id"], "quantity": 1}])
+        messages = mail.wait_for(3)[1:]
+        confirmation = next(m for m in messages if m["to"] == ["buyer@cafe.example"])
+        assert_only_the_headers_written(confirmation, "buyer@cafe.example", name)
+        alert = next(m for m in messages if m["to"] == ["staff@acme.example"])
+        parsed = assert_only_the_headers_written(alert, "staff@acme.example", "")
+        assert parsed["Subject"].startswith("New storefront order ")
+        assert parsed["Subject"].endswith(" from " + name)
+        assert "<h1>" not in parts(alert)[1]
+    finally:
+        app.service.close(grace=0)
+
+
+def test_names_keep_their_letters_and_punctuation_in_the_headers(mailed, mail):
+    api, tenant = webtest.TestApp(mailed), Tenant(mailed, "Acme Wholesale")
+    name = 'Café "Zur Mühle", Inh. O\'Brien & Søn <GmbH>'
+    customer = tenant.customer(email="buyer@muehle.example", name=name)
+    shipped_order(api, tenant, customer)
+    [message] = mail.wait_for(1)
+    assert_only_the_headers_written(message, "buyer@muehle.example", name)
+    # Read by RFC 2047's rule (the space between two encoded-words is not text), which the
+    # email package's address parser does not follow
+    head = message["raw"].split(b"\r\n\r\n", 1)[0].decode().replace("\r\n ", " ").replace("\r\n", "\n")
+    [to] = re.findall(r"^To: (.*) <buyer@muehle\.example>$", head, re.M)
+    assert str(email.header.make_header(email.header.decode_header(to))) == name
+
+
+def test_a_message_that_reads_back_otherwise_is_not_sent():
+    row = {"id": "eml_1", "kind": "mail_test", "company_name": "Acme", "mail_name": None,
+           "reply_to": None, "to_address": "buyer@cafe.example", "to_name": "Corner Cafe",
+           "created_at": "2026-11-26T00:00:00.000Z", "subject": "Test",
+           "data": json.dumps({"server": "x"})}
+    settings = ordering.Settings(mail_from=MAIL_FROM, base_url=BASE_URL)
+    message, _ = ordering.build_message(row, settings)
+    forged = message.replace(b"To: ", b"Bcc: attacker@evil.example\r\nTo: ", 1)
+    with pytest.raises(ordering.MessageRefused, match="headers"):
+        ordering.check_message(forged, row, settings, "Acme", [
+            "Message-ID", "Date", "From", "To", "Subject", "Auto-Submitted"])
+    with pytest.raises(ordering.MessageRefused,
+                       match=r"To \[\('CornerCafe', 'attacker@evil.example'\)"):
+        ordering.check_message(message.replace(b"<buyer@cafe.example>",
+                                               b"<attacker@evil.example>"), row, settings,
+                               "Acme", ["Message-ID", "Date", "From", "To", "Subject",
+                                        "Auto-Submitted"])
+
+
+def test_a_po_number_is_never_a_link_in_an_email(database, mail):
+    app = build_app(database, **mail_settings(mail.url))
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        with tenant.db.write() as conn:
+            ordering.update_company(conn, tenant.id, {"staff_alerts": ["staff@acme.example"]})
+        customer = store_buyer(app, tenant, "buyer@cafe.example")
+        product = tenant.product()
+        with tenant.db.write() as conn:
+            conn.execute("UPDATE customers SET email_verified = 1")
+            ordering.storefront_place_order(
+                conn, tenant.company["slug"], customer["id"],
+                [{"productId": product["id"], "quantity": 1}],
+                po_number="https://evil.example/pay")
+        messages = mail.wait_for(2)
+        for message in messages:
+            html = parts(message)[1]
+            assert "https://evil.example/pay" in html
+            assert 'href="https://evil.example' not in html
+        alert = next(m for m in messages if m["to"] == ["staff@acme.example"])
+        assert re.findall(r'href="([^"]+)"', parts(alert)[1]) == [
+            f"{BASE_URL}/dashboard/orders/" + ordering_id(parts(alert)[0])]
+    finally:
+        app.service.close(grace=0)
+
+
+def ordering_id(text):
+    return re.search(r"ord_[0-9a-f]+", text).group(0)
