@@ -1766,6 +1766,11 @@ STORE_MAIL_SENT = Template("email what", """\
 <div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
 way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
 
+#: What a buyer whose address is not confirmed yet sees where ordering would be.
+STORE_UNVERIFIED = Template("email form", """\
+<div class="card" role="status"><p>Confirm your email address before you order: open the link \
+we sent to {email}. It works for an hour; if it has expired, ask for a new one.</p>{form}</div>""")
+
 #: What a buyer awaiting approval sees where prices and ordering would be.
 STORE_AWAITING = Template("store", """\
 <div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
@@ -2163,6 +2168,12 @@ LINK_EXPIRED = "This link has expired or was already used. Ask for a new one bel
 CURRENT_PASSWORD_WRONG = "is not the account's current password"
 CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
 CUSTOMER_PENDING = "Customer awaits approval."
+CUSTOMER_UNVERIFIED = "Customer has not confirmed the email address yet."
+VERIFICATION_SENT = "A new link is on its way to your email address."
+VERIFICATION_NOT_SENT = ("No new link was sent: the address is confirmed already, or several "
+                         "links went to it within the hour. Look for the last one we sent.")
+APPROVE_UNVERIFIED = ("This customer has not confirmed the email address yet: approve once "
+                      "the emailed link was used.")
 CUSTOMER_BLOCKED = "Customer is blocked."
 CART_EMPTY = "Your cart is empty."
 #: Characters a quick order's pasted or uploaded lines may hold at most.
@@ -2767,6 +2778,25 @@ def require_buyer(conn, company_id, customer_id):
     return customer
 
 
+def require_signed_in_buyer(conn, company_id, customer_id):
+    """The customer, who may order at the store signed in as itself: a buyer as above whose
+    email address is confirmed, or anyone could order in the name of an address that is not
+    theirs. (Staff and the operator's commands vouch for the customers they order for.)"""
+    customer = require_buyer(conn, company_id, customer_id)
+    if not customer["email_verified"]:
+        raise ApiError(403, CUSTOMER_UNVERIFIED)
+    return customer
+
+
+def set_customer_status(conn, company_id, customer_id, status):
+    """Staff's approval, block and unblock: as PATCH, except that a customer awaiting approval
+    is approved only once its address is confirmed (the API keeps the spec's rule)."""
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["status"] == "PENDING" and status == "ACTIVE" and not customer["email_verified"]:
+        raise ApiError(409, APPROVE_UNVERIFIED)
+    return update_customer(conn, company_id, customer_id, {"status": status})
+
+
 def _customer_changes(body):
     """The validated fields of a create or update body that it actually sends."""
     changes = {}
@@ -2794,7 +2824,7 @@ def customer_by_email(conn, company_id, email):
 
 
 def create_customer(conn, company_id, body, source="api", store_slug=None, password=None,
-                    status="ACTIVE"):
+                    status="ACTIVE", email_verified=False):
     require_object(body)
     email = body.get("email")
     if email is not None and not isinstance(email, str):
@@ -2812,7 +2842,8 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
     customer_id, at = new_id_at("cus")
     row = {"id": customer_id, "company_id": company_id, "email": email, "email_key": email_key,
            "status": status, "created_at": at, "updated_at": at,
-           "password_hash": password and hash_password(password)}
+           "password_hash": password and hash_password(password),
+           "email_verified": int(email_verified)}
     row.update(fields)
     insert_row(conn, "customers", row)
     customer = load_customer(conn, company_id, customer_id)
@@ -2851,11 +2882,12 @@ def update_customer(conn, company_id, customer_id, body):
 
 
 def storefront_register(conn, store_slug, email, name=None, password=None):
-    """Self-registration on /store/{slug}: customer.created with source storefront."""
+    """The operator's registration of a buyer (storefront-register): customer.created with
+    source storefront, the address counted as confirmed (the operator vouches for it)."""
     company = company_by_slug(conn, store_slug)
     body = {"email": email} if name is None else {"email": email, "name": name}
     return create_customer(conn, company["id"], body, source="storefront",
-                           store_slug=store_slug, password=password)
+                           store_slug=store_slug, password=password, email_verified=True)
 
 
 # Customer prices -----------------------------------------------------------------------------
@@ -3969,6 +4001,18 @@ def _mark_email_verified(conn, customer):
                      (now_iso(), customer["id"]))
 
 
+def resend_verification(conn, company_id, customer_id, now_ms):
+    """A new verification link for a signed-in buyer whose address is not confirmed yet
+    (within the hourly emails of its address); returns whether one was written."""
+    company = load_company(conn, company_id)
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["email_verified"] or not account_mail_allowed(conn, company, customer, now_ms):
+        return False
+    queue_account_email(conn, company, customer, "account_verify",
+                        issue_account_link(conn, customer, "verify", now_ms))
+    return True
+
+
 def request_password_reset(conn, store_slug, email, now_ms):
     """A link to set a password, emailed to the store's customer with this email (not blocked,
     and not past its hourly emails); nothing otherwise. Returns nothing either way."""
@@ -4440,7 +4484,7 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
     placed = checkout_order_id(conn, customer_id, token)
     if placed is not None:
         return order_with_items(conn, company["id"], placed)
-    require_buyer(conn, company["id"], customer_id)
+    require_signed_in_buyer(conn, company["id"], customer_id)
     lines = cart_of(conn, company["id"], customer_id)["lines"]
     if not lines:
         raise ApiError(400, CART_EMPTY)
@@ -4597,7 +4641,8 @@ def prepare_demo(conn):
             for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG}
         for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
                               ("buyer@harbour-bistro.example", "Harbour Bistro")):
-            create_customer(conn, company_id, {"email": address, "name": name})
+            create_customer(conn, company_id, {"email": address, "name": name},
+                            email_verified=True)  # the operator vouches for them
         buyer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"]
         for sku, price in DEMO_BUYER_PRICES:
             set_customer_price(conn, company_id, buyer, products[sku], price)
@@ -7496,12 +7541,13 @@ def customers_page(visit):
              status_tag(c["status"]), amount_text(money(c["credit_limit_cents"])),
              c["created_at"][:10]) for c in result["data"]]
     pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
-                c["created_at"][:10], visit.for_form(f"/dashboard/customers/{c['id']}/status",
-                                                     c["id"]).button(
-                    f"/dashboard/customers/{c['id']}/status", "Approve", status="ACTIVE"))
+                c["created_at"][:10], "Yes" if c["email_verified"] else "Not yet",
+                approve_button(visit.for_form(f"/dashboard/customers/{c['id']}/status", c["id"]),
+                               c))
                for c in pending_customers(visit.conn, visit.company_id)]
     waiting = join([render("<h2>Awaiting approval</h2>"), table(
-        ("Email", "Name", "Registered", "Approve"), pending)]) if pending else ""
+        ("Email", "Name", "Registered", "Email confirmed", "Approve"), pending)]) \
+        if pending else ""
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
         visit.select("status", "Status",
@@ -7510,6 +7556,16 @@ def customers_page(visit):
         join([waiting, render("<h2>All customers</h2>") if pending else "",
               table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
                     numeric=("Credit limit",))]), result)
+
+
+def approve_button(visit, customer):
+    """Approve, for a customer awaiting approval whose address is confirmed."""
+    if customer["status"] != "PENDING":
+        return ""
+    if not customer["email_verified"]:
+        return render('<span class="muted">Once the email address is confirmed</span>')
+    return visit.button(f"/dashboard/customers/{customer['id']}/status", "Approve",
+                        status="ACTIVE")
 
 
 def customer_body(form):
@@ -7552,12 +7608,13 @@ def customer_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
     blocked = customer["status"] == "BLOCKED"
     status_path = f"/dashboard/customers/{customer_id}/status"
-    approve = visit.button(status_path, "Approve", status="ACTIVE") \
-        if customer["status"] == "PENDING" else ""
     invite = "" if blocked else visit.button(
         f"/dashboard/customers/{customer_id}/invite", "Email a set-password link", "secondary")
-    status = render('<div class="card"><p>Status: {tag}</p>{approve}{button}{invite}</div>',
-                    tag=status_tag(customer["status"]), approve=approve, invite=invite,
+    status = render('<div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>'
+                    '{approve}{button}{invite}</div>',
+                    tag=status_tag(customer["status"]), approve=approve_button(visit, customer),
+                    invite=invite, verified="confirmed" if customer["email_verified"]
+                    else "not confirmed yet",
                     button=visit.button(status_path, "Unblock" if blocked else "Block",
                                         "" if blocked else "danger",
                                         status="ACTIVE" if blocked else "BLOCKED"))
@@ -7621,7 +7678,7 @@ def update_customer_action(visit, customer_id):
 @page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page)
 def customer_status_action(visit, customer_id):
     with visit.write() as conn:
-        update_customer(conn, visit.company_id, customer_id, {"status": visit.form.get("status")})
+        set_customer_status(conn, visit.company_id, customer_id, visit.form.get("status"))
     return redirect(f"/dashboard/customers/{customer_id}")
 
 
@@ -8217,6 +8274,15 @@ def update_account_action(visit):
     return redirect(visit.surface.prefix + "/account")
 
 
+@page("POST", "/store/<slug>/account/verify")
+def resend_verification_action(visit):
+    with visit.write() as conn:
+        sent = resend_verification(conn, visit.company_id, visit.session["account_id"],
+                                   visit.surface.now_ms())
+    visit.notice = VERIFICATION_SENT if sent else VERIFICATION_NOT_SENT
+    return awaiting_confirmation(visit)
+
+
 @page("POST", "/store/<slug>/account/password", refused=account_page)
 def change_password_action(visit):
     """A wrong current password counts as a failed sign-in, and waits as one does: a browser
@@ -8251,16 +8317,26 @@ def awaiting_approval(visit, status=200):
                       status)
 
 
+def awaiting_confirmation(visit, status=200):
+    path = visit.surface.prefix + "/account/verify"
+    return visit.page("Confirm your email address", render(
+        STORE_UNVERIFIED, email=visit.session["email"],
+        form=visit.button(path, "Email me a new link", "secondary")), status)
+
+
 def buyer_page(method, path, refused=None):
     """A page of the store's prices or ordering, for ACTIVE buyers: a buyer awaiting approval
     sees that it does (and a form it sends changes nothing), a blocked one is refused."""
     def register(handler):
         def for_buyers(visit, **url_args):
             try:
-                require_buyer(visit.conn, visit.company_id, visit.session["account_id"])
+                require_signed_in_buyer(visit.conn, visit.company_id,
+                                        visit.session["account_id"])
             except ApiError as error:
                 if error.message == CUSTOMER_PENDING:
                     return awaiting_approval(visit, 403 if method == "POST" else 200)
+                if error.message == CUSTOMER_UNVERIFIED:
+                    return awaiting_confirmation(visit, 403 if method == "POST" else 200)
                 return visit.refusal(error)
             return handler(visit, **url_args)
         page(method, path, refused)(for_buyers)

@@ -1907,9 +1907,17 @@ def test_a_customers_price_is_of_its_own_company(app, tenant, other, database):
             "customerId": customer["id"], "productId": mine["id"], "cleared": False}
 
 
+def confirmed_customer(tenant):
+    """A customer whose address is confirmed, who may check out at the store."""
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE customers SET email_verified = 1 WHERE id = ?", (customer["id"],))
+    return customer
+
+
 def test_checkout_places_one_order_per_form_however_often_it_is_sent(app, tenant, database):
     rice = tenant.product(stock=5)
-    customer = tenant.customer()
+    customer = confirmed_customer(tenant)
     slug, token = tenant.company["slug"], secrets.token_urlsafe(24)
     with tenant.db.write() as conn:
         ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2)
@@ -1933,7 +1941,7 @@ def test_checkout_places_one_order_per_form_however_often_it_is_sent(app, tenant
 @pytest.mark.parametrize("case", ["stock", "inactive", "empty", "address", "pending"])
 def test_a_refused_checkout_writes_nothing(app, tenant, database, case):
     rice = tenant.product(stock=1)
-    customer = tenant.customer()
+    customer = confirmed_customer(tenant)
     with tenant.db.write() as conn:
         if case != "empty":
             ordering.add_to_cart(conn, tenant.id, customer["id"], rice["id"], 2 if case ==
@@ -10231,12 +10239,14 @@ def store_sign_in(app, tenant, email, password=BUYER_PASSWORD, status=303, **env
     return browser, form.submit(status=status)
 
 
-def store_buyer(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
-    """A customer with a password, as the storefront's registration leaves one."""
+def store_buyer(app, tenant, email="buyer@cafe.example", status="ACTIVE", verified=True,
+                **fields):
+    """A customer with a password, as the storefront's registration leaves one (once its
+    address is confirmed, unless verified is false)."""
     with tenant.db.write() as conn:
         customer = ordering.create_customer(conn, tenant.id, dict(fields, email=email),
                                             source="storefront", password=BUYER_PASSWORD,
-                                            status=status)
+                                            status=status, email_verified=verified)
     return customer
 
 
@@ -10634,6 +10644,10 @@ def test_a_pending_buyer_signs_in_to_see_it_awaits_approval_and_no_prices(app, a
     assert "awaits approval" in front.text and "42.50" not in front.text
     customers = browser.get("/dashboard/customers")
     assert "Awaiting approval" in customers.text
+    assert "Once the email address is confirmed" in customers.text
+    assert not [form for form in customers.forms.values() if form.action.endswith("/status")]
+    store_visitor(app).get(emailed_path(app, "account_verify"), status=200)
+    customers = browser.get("/dashboard/customers")
     form_to(customers, "/status", status="ACTIVE").submit(status=303)
     customer = app.service.db.conn.execute("SELECT * FROM customers").fetchone()
     assert customer["status"] == "ACTIVE"
@@ -11617,7 +11631,7 @@ def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
         for number in range(8):
             customer = ordering.create_customer(conn, company["id"], {
                 "email": f"buyer{number}@race.example"}, source="storefront",
-                password=BUYER_PASSWORD, status="ACTIVE")
+                password=BUYER_PASSWORD, status="ACTIVE", email_verified=True)
             ordering.add_to_cart(conn, company["id"], customer["id"], product["id"], 2)
             sessions.append(ordering.start_session(
                 conn, ordering.CUSTOMERS, customer, (f"email:{number}", "address:-"),
@@ -11681,7 +11695,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
                                     stock=50)
         buyer = ordering.create_customer(conn, company["id"], {
             "email": "buyer@phone.example", "name": "Corner Cafe"}, source="storefront",
-            password=BUYER_PASSWORD, status="ACTIVE")
+            password=BUYER_PASSWORD, status="ACTIVE", email_verified=True)
     db.close()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -11887,3 +11901,58 @@ def test_a_po_number_is_never_a_link_in_an_email(database, mail):
 
 def ordering_id(text):
     return re.search(r"ord_[0-9a-f]+", text).group(0)
+
+
+def test_a_buyer_orders_only_once_its_address_is_confirmed(app, tenant):
+    with tenant.db.write() as conn:  # automatic approval: ACTIVE at once, ordering waits
+        ordering.update_company(conn, tenant.id, {"storefront_approval": "automatic"})
+    rice = tenant.product("Rice 25kg", price_cents=4250)
+    store_register(app, tenant, "claimed@cafe.example")
+    [customer] = app.service.db.conn.execute("SELECT * FROM customers").fetchall()
+    assert (customer["status"], customer["email_verified"]) == ("ACTIVE", 0)
+    buyer, answer = store_sign_in(app, tenant, "claimed@cafe.example")
+    catalog = answer.follow().maybe_follow()
+    assert "Confirm your email address before you order" in catalog.text
+    assert "42.50" not in catalog.text
+    refused = buyer.post(store_of(tenant) + "/cart", {"csrf": csrf_of(catalog),
+                                                      "productId": rice["id"], "quantity": "1"},
+                         status=403)
+    assert "Confirm your email address before you order" in refused.text
+    with pytest.raises(ordering.ApiError) as unverified, tenant.db.write() as conn:
+        ordering.checkout(conn, tenant.company["slug"], customer["id"],
+                          secrets.token_urlsafe(24), address=REQUIRED_ADDRESS)
+    assert (unverified.value.status, unverified.value.message) == (
+        403, "Customer has not confirmed the email address yet.")
+    assert buyer_rows(tenant.db)["cart_lines"] == []
+    resent = form_to(catalog, "/account/verify").submit(status=200)
+    assert notice_of(resent) == "A new link is on its way to your email address."
+    assert len(account_emails(app, "account_verify")) == 2
+    store_visitor(app).get(emailed_path(app, "account_verify"), status=200)
+    catalog = buyer.get(store_of(tenant) + "/products")
+    assert "42.50" in catalog.text and "Confirm your email" not in catalog.text
+
+
+def test_staff_approve_a_buyer_only_once_its_address_is_confirmed(app, api, tenant, browser):
+    store_register(app, tenant, "pending@cafe.example")
+    [customer] = app.service.db.conn.execute("SELECT * FROM customers").fetchall()
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    assert "Email address: not confirmed yet" in page.text
+    refused = browser.post(f"/dashboard/customers/{customer['id']}/status",
+                           {"csrf": csrf_of(page), "status": "ACTIVE"}, status=409)
+    assert alert_of(refused) == ("Not saved: This customer has not confirmed the email address "
+                                 "yet: approve once the emailed link was used.")
+    assert app.service.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "PENDING"
+    # The API keeps the spec's rule, and the buyer still cannot order until it confirms
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"status": "ACTIVE"},
+                   headers=tenant.headers, status=200)
+    buyer, answer = store_sign_in(app, tenant, "pending@cafe.example")
+    assert "Confirm your email address" in answer.follow().maybe_follow().text
+
+
+def test_a_buyer_the_operator_registers_counts_as_confirmed(db_path):
+    app = build_app(db_path, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    app.service.close(grace=0)
+    customer = cli_json(db_path, "storefront-register", "--store", tenant.company["slug"],
+                        "--email", "vouched@cafe.example", "--name", "Vouched Cafe")
+    assert customer["emailVerified"] is True
