@@ -1737,8 +1737,9 @@ HEADER = Template("company links prefix csrf email", """\
 <form class="account" method="post" action="{prefix}/sign-out">{csrf}<span>{email}</span>
 <button type="submit">Sign out</button></form>""")
 
-SIGN_IN_FORM = Template("prefix error email", """\
+SIGN_IN_FORM = Template("prefix error email csrf", """\
 <form class="card narrow" method="post" action="{prefix}/sign-in">
+<input type="hidden" name="csrf" value="{csrf}">
 {error}
 <label for="email">Email</label>
 <input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
@@ -3744,11 +3745,16 @@ def company_api_keys(conn, company_id):
 # Accounts and sessions -----------------------------------------------------------------------
 
 #: Failed sign-ins per email and per address that cost nothing; then each further try waits
-#: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on the
-#: subject is refused for SIGN_IN_LOCKOUT_SECONDS after its last failure.
+#: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on a
+#: client address is refused for SIGN_IN_LOCKOUT_SECONDS after its last failure. An account's
+#: own wait never grows past SIGN_IN_ACCOUNT_MAX_WAIT: its failures may come from strangers,
+#: who must not keep the owner out (a completed reset or a verified link clears them).
 SIGN_IN_FREE_FAILURES = 3
 SIGN_IN_LOCKOUT_FAILURES = 10
 SIGN_IN_LOCKOUT_SECONDS = 15 * 60
+SIGN_IN_ACCOUNT_MAX_WAIT = 60
+#: Live sessions an account keeps at most: a new sign-in ends the oldest beyond it.
+MAX_SESSIONS = 10
 SIGN_IN_REFUSED = "Wrong email or password."
 SIGN_IN_THROTTLED = "Too many failed sign-ins. Try again in {seconds} seconds."
 
@@ -3819,13 +3825,15 @@ def sign_in_wait(conn, subjects, now_ms):
     """Seconds before the next sign-in attempt for these subjects may be tried (0: now)."""
     wait = 0.0
     for row in conn.execute(
-            f"SELECT failures, last_failure_at FROM sign_in_failures "
+            f"SELECT subject, failures, last_failure_at FROM sign_in_failures "
             f"WHERE subject IN ({','.join('?' * len(subjects))})", subjects):
         failures = row["failures"]
         if failures < SIGN_IN_FREE_FAILURES:
             continue
         delay = (SIGN_IN_LOCKOUT_SECONDS if failures >= SIGN_IN_LOCKOUT_FAILURES
-                 else 2 ** (failures - SIGN_IN_FREE_FAILURES + 1))
+                 else 2 ** min(failures - SIGN_IN_FREE_FAILURES + 1, 16))
+        if row["subject"].startswith("email:"):
+            delay = min(delay, SIGN_IN_ACCOUNT_MAX_WAIT)
         wait = max(wait, js_parse_date(row["last_failure_at"]) / 1000 + delay - now_ms / 1000)
     return wait
 
@@ -3842,6 +3850,13 @@ def record_sign_in_failure(conn, subjects, now_ms):
             "failures = CASE WHEN sign_in_failures.last_failure_at < ? THEN 1 "
             "ELSE sign_in_failures.failures + 1 END",
             (subject, at, forgotten))
+
+
+def clear_sign_in_failures(conn, email, scope=""):
+    """An account's failed sign-ins forgotten: its owner proved the address (a reset, a
+    verified link)."""
+    conn.execute("DELETE FROM sign_in_failures WHERE subject = ?",
+                 (sign_in_subjects(email, "", scope)[0],))
 
 
 def find_account(conn, accounts, email, password, company_id=None):
@@ -3862,7 +3877,8 @@ def find_account(conn, accounts, email, password, company_id=None):
 
 def start_session(conn, accounts, account, subjects, now_ms, idle_seconds):
     """A new session for a successful sign-in; returns the cookie value (kept only hashed).
-    Sessions left idle past the limit by browsers that never came back end here."""
+    Sessions left idle past the limit by browsers that never came back end here, and so do
+    the account's oldest beyond MAX_SESSIONS."""
     conn.execute("DELETE FROM sign_in_failures WHERE subject = ?", (subjects[0],))
     conn.execute(f"DELETE FROM {accounts.sessions} WHERE last_seen_at < ?",
                  (iso(now_ms - idle_seconds * 1000),))
@@ -3870,6 +3886,10 @@ def start_session(conn, accounts, account, subjects, now_ms, idle_seconds):
     conn.execute(f"INSERT INTO {accounts.sessions} (token_hash, {accounts.account_column}, "
                  f"created_at, last_seen_at) VALUES (?, ?, ?, ?)",
                  (hash_key(token), account["id"], iso(now_ms), iso(now_ms)))
+    conn.execute(f"DELETE FROM {accounts.sessions} WHERE {accounts.account_column} = ? AND "
+                 f"token_hash NOT IN (SELECT token_hash FROM {accounts.sessions} WHERE "
+                 f"{accounts.account_column} = ? ORDER BY created_at DESC, token_hash DESC "
+                 f"LIMIT ?)", (account["id"], account["id"], MAX_SESSIONS))
     return token
 
 
@@ -3991,6 +4011,7 @@ def verify_customer_email(conn, store_slug, token, now_ms):
     company = company_by_slug(conn, store_slug)
     customer = account_link(conn, company["id"], "verify", token, now_ms, use=True)
     _mark_email_verified(conn, customer)
+    clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
     return customer
 
 
@@ -4045,6 +4066,7 @@ def reset_password(conn, store_slug, token, password, now_ms):
     customer = account_link(conn, company["id"], "reset", token, now_ms, use=True)
     set_password(conn, CUSTOMERS, customer["id"], password)
     _mark_email_verified(conn, customer)
+    clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
     queue_account_email(conn, company, customer, "password_changed", "/reset")
     return customer
 
@@ -7120,6 +7142,7 @@ class Surface:
         self.service = service
         self.prefix = prefix
         self.cookie = cookie
+        self.form_cookie = cookie + "_form"
         self.accounts = accounts
         self.home = home
         self.navigation = navigation
@@ -7223,7 +7246,7 @@ class Surface:
     def sign_in_page(self, error="", email=""):
         self.headers()
         return self.bare_page("Sign in", render(
-            SIGN_IN_FORM, prefix=self.prefix, email=email,
+            SIGN_IN_FORM, prefix=self.prefix, email=email, csrf=self.form_token(),
             error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
 
     def throttle_subjects(self, email):
@@ -7233,7 +7256,32 @@ class Surface:
         company_id = self.account_company()
         return sign_in_subjects(email, address, f"{company_id} " if company_id else "")
 
+    def form_token(self):
+        """The CSRF token of a signed-out form: an HMAC of a random cookie of the browser's,
+        set with the first form, so that no other site can send the form in its name."""
+        secret = (bottle.request.get_cookie(self.form_cookie)
+                  or bottle.request.environ.get("ordering.form_secret"))
+        if not secret:
+            secret = bottle.request.environ["ordering.form_secret"] = secrets.token_urlsafe(32)
+            bottle.response.set_cookie(
+                self.form_cookie, secret, path=self.prefix, httponly=True, samesite="lax",
+                secure=self.secure_request(bottle.request.environ))
+        return hmac.new(secret.encode(), b"signed-out form", hashlib.sha256).hexdigest()
+
+    def form_matches(self):
+        secret = bottle.request.get_cookie(self.form_cookie)
+        sent = str(bottle.request.forms.get("csrf", "")).encode("utf-8", "replace")
+        return bool(secret) and hmac.compare_digest(sent, self.form_token().encode())
+
+    def refused_form(self):
+        self.headers()
+        bottle.response.status = 403
+        return self.bare_page("Refused", render('<p class="alert" role="alert">{m}</p>',
+                                                m=CSRF_REFUSED))
+
     def sign_in(self):
+        if not self.form_matches():  # no other site may sign a browser in to its account
+            return self.refused_form()
         form = bottle.request.forms.decode()
         email, password = form.get("email", ""), form.get("password", "")
         company_id = self.account_company()
@@ -8008,6 +8056,7 @@ class StoreSurface(Surface):
 
     def __init__(self, service):  # prefix, home and navigation are the request's, below
         self.service, self.cookie, self.accounts = service, STORE_SESSION_COOKIE, CUSTOMERS
+        self.form_cookie = STORE_FORM_COOKIE
         self.clock = time.time
 
     prefix = property(lambda self: "/store/" + self.store()["slug"])
@@ -8067,23 +8116,6 @@ class StoreSurface(Surface):
             return None, None
         return found, token
 
-    def form_token(self):
-        """The CSRF token of a signed-out form: an HMAC of a random cookie of the browser's,
-        set with the first form, so that no other site can send the form in its name."""
-        secret = (bottle.request.get_cookie(STORE_FORM_COOKIE)
-                  or bottle.request.environ.get("ordering.form_secret"))
-        if not secret:
-            secret = bottle.request.environ["ordering.form_secret"] = secrets.token_urlsafe(32)
-            bottle.response.set_cookie(
-                STORE_FORM_COOKIE, secret, path=self.prefix, httponly=True, samesite="lax",
-                secure=self.secure_request(bottle.request.environ))
-        return hmac.new(secret.encode(), b"store form", hashlib.sha256).hexdigest()
-
-    def form_matches(self):
-        secret = bottle.request.get_cookie(STORE_FORM_COOKIE)
-        sent = str(bottle.request.forms.get("csrf", "")).encode("utf-8", "replace")
-        return bool(secret) and hmac.compare_digest(sent, self.form_token().encode())
-
     def refused_form(self):
         return self.public_page("Refused", render('<p class="alert" role="alert">{m}</p>',
                                                   m=CSRF_REFUSED), 403)
@@ -8123,11 +8155,6 @@ class StoreSurface(Surface):
             ("password", "Password", "password", "current-password", "")), "Sign in",
             {"form": error} if error else None, bottle.response.status_code,
             render(STORE_SIGN_IN_LINKS, prefix=self.prefix), notice)
-
-    def sign_in(self):
-        if not self.form_matches():
-            return self.refused_form()
-        return super().sign_in()
 
     def front_page(self):
         """Signed out, a welcome without prices; signed in, the catalog (or, awaiting

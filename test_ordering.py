@@ -7088,8 +7088,10 @@ def session_cookie(response):
 
 def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, status=303,
                      **environ):
-    return webtest.TestApp(app, extra_environ=environ).post(
-        "/dashboard/sign-in", {"email": email, "password": password}, status=status)
+    browser = webtest.TestApp(app, extra_environ=environ)
+    form = browser.get("/dashboard/sign-in").forms[0]
+    form["email"], form["password"] = email, password
+    return form.submit(status=status)
 
 
 def test_session_cookie_is_httponly_lax_random_and_secure_over_https(app, staff):
@@ -7166,7 +7168,7 @@ def test_wrong_email_and_wrong_password_get_the_same_answer(app, staff):
     assert "Set-Cookie" not in wrong_password.headers
 
 
-def test_failed_sign_ins_per_email_are_slowed_then_refused(app, staff):
+def test_failed_sign_ins_per_email_are_slowed_to_a_minute_at_most(app, staff):
     now = [1_800_000_000.0]
     app.dashboard.clock = lambda: now[0]
     for attempt in range(3):
@@ -7179,12 +7181,12 @@ def test_failed_sign_ins_per_email_are_slowed_then_refused(app, staff):
     now[0] += 2
     sign_in_response(app, password="wrong", status=401, REMOTE_ADDR="10.0.1.2")
     assert "in 4 seconds" in sign_in_response(app, status=429, REMOTE_ADDR="10.0.1.3").text
-    for failures in range(4, 10):
-        now[0] += 2 ** (failures - 2)       # 4, 8, ... 128 seconds
+    for failures in range(4, 12):
+        now[0] += min(2 ** (failures - 2), 60)       # 4, 8, 16, 32, then a minute
         sign_in_response(app, password="wrong", status=401, REMOTE_ADDR=f"10.0.2.{failures}")
-    # ten failures: refused for fifteen minutes, and a quiet spell of that length starts over
-    assert "in 900 seconds" in sign_in_response(app, status=429, REMOTE_ADDR="10.0.3.1").text
-    now[0] += 899
+    # Eleven failures from strangers' addresses: the account's owner waits a minute at most
+    assert "in 60 seconds" in sign_in_response(app, status=429, REMOTE_ADDR="10.0.3.1").text
+    now[0] += 59
     sign_in_response(app, status=429, REMOTE_ADDR="10.0.3.2")
     now[0] += 1
     sign_in_response(app, status=303, REMOTE_ADDR="10.0.3.3")
@@ -11956,3 +11958,70 @@ def test_a_buyer_the_operator_registers_counts_as_confirmed(db_path):
     customer = cli_json(db_path, "storefront-register", "--store", tenant.company["slug"],
                         "--email", "vouched@cafe.example", "--name", "Vouched Cafe")
     assert customer["emailVerified"] is True
+
+
+def test_strangers_keep_a_buyer_out_a_minute_at_most_and_a_reset_ends_even_that(app, tenant):
+    now = [1_800_000_000.0]
+    app.storefront.clock = lambda: now[0]
+    store_buyer(app, tenant, "owner@cafe.example")
+    for attempt in range(10):  # from one address: that address is locked out
+        store_sign_in(app, tenant, "owner@cafe.example", password="wrong guess 123",
+                      status=401, REMOTE_ADDR="203.0.113.9")
+        now[0] += 130  # past each wait: the tenth failure locks the address out
+    now[0] -= 130
+    stranger = store_sign_in(app, tenant, "owner@cafe.example", status=429,
+                             REMOTE_ADDR="203.0.113.9")[1]
+    assert alert_of(stranger) == "Too many failed sign-ins. Try again in 900 seconds."
+    owner = store_sign_in(app, tenant, "owner@cafe.example", status=429,
+                          REMOTE_ADDR="198.51.100.4")[1]
+    assert alert_of(owner) == "Too many failed sign-ins. Try again in 60 seconds."
+    now[0] += 60
+    store_sign_in(app, tenant, "owner@cafe.example", status=303, REMOTE_ADDR="198.51.100.4")
+    for attempt in range(5):
+        store_sign_in(app, tenant, "owner@cafe.example", password="wrong guess 123",
+                      status=401, REMOTE_ADDR=f"203.0.113.{attempt}")
+        now[0] += 2 ** attempt if attempt < 4 else 0
+    store_sign_in(app, tenant, "owner@cafe.example", status=429, REMOTE_ADDR="198.51.100.4")
+    # The owner sets a new password through the emailed link: no wait at all
+    page = store_visitor(app).get(store_of(tenant) + "/reset")
+    form = main_form(page)
+    form["email"] = "owner@cafe.example"
+    form.submit(status=200)
+    page = store_visitor(app).get(emailed_path(app, "account_reset"))
+    form = main_form(page)
+    form["password"] = "a brand new password"
+    form.submit(status=200)
+    store_sign_in(app, tenant, "owner@cafe.example", password="a brand new password",
+                  status=303, REMOTE_ADDR="198.51.100.4")
+
+
+def test_the_dashboards_sign_in_needs_its_form_token(app, staff):
+    forged = webtest.TestApp(app).post("/dashboard/sign-in", {
+        "email": "staff@acme.example", "password": STAFF_PASSWORD}, status=403)
+    assert alert_of(forged) == ("This form has expired or did not come from this site. Reload "
+                                "the page and try again.")
+    assert "Set-Cookie" not in forged.headers or ordering.SESSION_COOKIE not in \
+        forged.headers["Set-Cookie"]
+    browser = webtest.TestApp(app)
+    form = browser.get("/dashboard/sign-in").forms[0]
+    form["email"], form["password"], form["csrf"] = "staff@acme.example", STAFF_PASSWORD, "0" * 64
+    form.submit(status=403)
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
+    sign_in_response(app)
+
+
+def test_an_account_keeps_ten_live_sessions_and_the_oldest_end(app, tenant):
+    now = [1_800_000_000.0]
+    app.storefront.clock = lambda: now[0]
+    store_buyer(app, tenant, "busy@cafe.example")
+    browsers = []
+    for number in range(12):
+        browsers.append(store_sign_in(app, tenant, "busy@cafe.example")[0])
+        now[0] += 1
+    assert app.service.db.conn.execute(
+        "SELECT COUNT(*) FROM customer_sessions").fetchone()[0] == 10
+    for browser in browsers[:2]:
+        assert browser.get(store_of(tenant) + "/account", status=303).location.endswith(
+            "/sign-in")
+    for browser in browsers[2:]:
+        browser.get(store_of(tenant) + "/account", status=200)

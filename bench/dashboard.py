@@ -31,8 +31,9 @@ def signed_in(path, data):
     with app.service.db.write() as conn:
         ordering.create_staff(conn, data["company"], "staff@bench.example", PASSWORD)
     browser = webtest.TestApp(app)
-    browser.post("/dashboard/sign-in", {"email": "staff@bench.example", "password": PASSWORD},
-                 status=303)
+    form = browser.get("/dashboard/sign-in").forms[0]
+    form["email"], form["password"] = "staff@bench.example", PASSWORD
+    form.submit(status=303)
     return app, browser
 
 
