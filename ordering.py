@@ -2077,6 +2077,14 @@ class ApiError(Exception):
 VALIDATION_FAILED = "Validation failed."
 
 
+class StockShortage(ApiError):
+    """INSUFFICIENT_STOCK, with the product's name for the pages that show no counts."""
+
+    def __init__(self, name, available, requested):
+        super().__init__(400, INSUFFICIENT_STOCK.format(name=name, N=available, M=requested))
+        self.product_name = name
+
+
 def invalid(field, rule):
     return ApiError(400, VALIDATION_FAILED, details=[{"field": field, "rule": rule}])
 
@@ -2111,6 +2119,9 @@ QUANTITY_NOT_WHOLE = "quantity must be a whole number"
 QUANTITY_TOO_SMALL = "quantity must be at least 1"
 PRODUCT_UNAVAILABLE = 'Product "{id}" not found or is inactive.'
 INSUFFICIENT_STOCK = 'Insufficient stock for product "{name}". Available: {N}, requested: {M}.'
+#: The storefront's word for a shortage: buyers see stock as a level, never the count.
+STORE_STOCK_SHORT = ('Not enough stock of "{name}": fewer are available than you asked for. '
+                     "Lower the quantity and try again.")
 INVALID_ORDER_STATUS = "Invalid order status."
 TRACKING_ONLY_WHEN_SHIPPED = "Tracking info is only valid when status is SHIPPED."
 TRACKING_URL_REQUIRED = "Tracking URL is required when carrier is OTHER."
@@ -3052,8 +3063,7 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
     for product_id, quantity in wanted.items():
         product = products[product_id]
         if product["stock"] < quantity:
-            raise ApiError(400, INSUFFICIENT_STOCK.format(
-                name=product["name"], N=max(product["stock"], 0), M=quantity))
+            raise StockShortage(product["name"], max(product["stock"], 0), quantity)
     prices = {product_id: product["price_cents"] for product_id, product in products.items()}
     if source != "api":
         prices.update(customer_prices_of(conn, customer_id, ids))
@@ -3103,8 +3113,11 @@ def storefront_place_order(conn, store_slug, customer_id, items, po_number=None,
     company = company_by_slug(conn, store_slug)
     customer = require_buyer(conn, company["id"], customer_id)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
-    order = place_order(conn, company["id"], body, "storefront", shipping_address,
-                        checkout_token)
+    try:
+        order = place_order(conn, company["id"], body, "storefront", shipping_address,
+                            checkout_token)
+    except StockShortage as error:
+        raise ApiError(400, STORE_STOCK_SHORT.format(name=error.product_name)) from None
     queue_order_emails(conn, company, customer, order)
     return order
 
@@ -6872,7 +6885,7 @@ FIELD_OF_MESSAGE = {
     TRACKING_URL_REQUIRED: "tracking.url",
     URL_REQUIRED: "url", INVALID_URL: "url",
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
-    PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items",
+    PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items", STORE_STOCK_SHORT: "items",
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
 }

@@ -1959,7 +1959,8 @@ def test_a_refused_checkout_writes_nothing(app, tenant, database, case):
                               secrets.token_urlsafe(24),
                               address={} if case == "address" else REQUIRED_ADDRESS)
     expected = {
-        "stock": (400, 'Insufficient stock for product "Rice 25kg". Available: 1, requested: 2.'),
+        "stock": (400, 'Not enough stock of "Rice 25kg": fewer are available than you asked '
+                       "for. Lower the quantity and try again."),
         "inactive": (400, f'Product "{rice["id"]}" not found or is inactive.'),
         "empty": (400, "Your cart is empty."),
         "address": (400, "Validation failed."),
@@ -11300,8 +11301,11 @@ def test_checkout_refusals_show_the_specs_messages_and_place_nothing(app, tenant
     assert alert_of(refused) == "Not saved: see the messages below."
     tenant.update_product(rice["id"], stock=2)
     refused = check_out(buyer, tenant, status=400, **BUYER_ADDRESS)
-    assert alert_of(refused) == "Not saved: " + ordering.INSUFFICIENT_STOCK.format(
-        name="Rice 25kg", N=2, M=3)
+    # the storefront names the product and shows no count (buyers see levels, never counts)
+    assert alert_of(refused) == ('Not saved: Not enough stock of "Rice 25kg": fewer are '
+                                 "available than you asked for. Lower the quantity and try "
+                                 "again.")
+    assert "Available" not in refused.text
     assert form_to(refused, "/checkout")["line1"].value == "1 Harbour Road"
     tenant.update_product(salt["id"], is_active=False)
     refused = check_out(buyer, tenant, status=400, **BUYER_ADDRESS)
@@ -11623,7 +11627,7 @@ def test_the_account_page_lists_saved_addresses_and_removes_one(app, tenant):
 def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
     """Eight buyers, each with two of the last five units in the cart, check out at once
     through a served app of two worker processes: two orders, one unit left, the rest told the
-    spec's stock message."""
+    storefront's stock message."""
     db = ordering.Database(str(store))
     with db.write() as conn:
         company = ordering.create_company(conn, "Race Foods")
@@ -11660,7 +11664,7 @@ def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
         stop_server(process)
     assert sorted(status for status, _ in answers) == [303] * 2 + [400] * 6
     # a refusal needs fewer than two units left, which only the second order leaves
-    refused = html_text(ordering.INSUFFICIENT_STOCK.format(name="Last Rice", N=1, M=2))
+    refused = html_text(ordering.STORE_STOCK_SHORT.format(name="Last Rice"))
     assert all(refused in text for status, text in answers if status == 400)
     db = ordering.Database(str(store))
     try:
