@@ -1830,6 +1830,13 @@ PRODUCT_STOCK = Template("level link movements", """\
 <h2>Stock</h2><div class="card"><p>{level} in stock. {link}</p></div>\
 <h3>Recent movements</h3>{movements}""")
 
+CANCEL_FORM = Template("", """\
+<input type="hidden" name="status" value="CANCELLED"><label class="check">\
+<input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
+<button type="submit" class="danger">Mark CANCELLED</button>""")
+
+REFUND_LINE_FIELDS = Template("good damaged", '<div class="grid">{good}{damaged}</div>')
+
 STOCK_FORMS = Template("level adjust count movements", """\
 <div class="card"><p>{level} in stock now. An adjustment changes it by an amount, saying why; \
 a count records the level found on the shelf (the difference is the movement).</p></div>\
@@ -7689,11 +7696,7 @@ def order_page(visit, order_id):
                     "tracking.url", "Tracking URL (OTHER carrier, or to override)", kind="url")),
                 render('<button type="submit">Mark SHIPPED</button>')])))
         elif status == "CANCELLED":
-            actions.append(visit.form_tag(action, render(
-                '<input type="hidden" name="status" value="CANCELLED"><label class="check">'
-                '<input type="checkbox" name="restock" value="on"> Put its units back in '
-                'stock</label> <button type="submit" class="danger">Mark CANCELLED</button>'),
-                css="inline"))
+            actions.append(visit.form_tag(action, render(CANCEL_FORM), css="inline"))
         else:
             actions.append(visit.button(action, f"Mark {status}", "", status=status))
     if not actions:
@@ -8070,27 +8073,14 @@ def returns_page(visit):
             next_step = visit.button(f"{action}/{step}", text)
         elif row["status"] == "RECEIVED":
             form = visit.for_form(f"{action}/refund", row["id"])
-            # A return with lines says per line what came back good (back in stock); its
-            # totals may then be left empty. (Both lists are in the order's line order.)
+            # (Both lists are in the order's line order.)
             per_line = [(line["orderItemId"], name, units) for line, (name, _, units)
                         in zip(records[row["id"]]["lines"], lines.get(row["id"], ()))]
-            total = "" if per_line else "0"
             next_step = form.form_tag(f"{action}/refund", join([
                 form.select("method", "Method", [
                     (method, f"{method} ({meaning})") for method, meaning in
                     zip(REFUND_METHODS, ("credit note", "out of band"))]),
-                join(render('<div class="grid">{g}{d}</div>', g=form.field(
-                    f"good.{item_id}", f"{name}: good units, back in stock (of {units})",
-                    kind="number", min="0", max=units), d=form.field(
-                    f"damaged.{item_id}", f"{name}: damaged units", kind="number", min="0",
-                    max=units)) for item_id, name, units in per_line),
-                form.error("lines"),
-                form.field("goodUnits", "Good units" + (" (default: the lines' sum)"
-                                                        if per_line else ""), total,
-                           kind="number", min="0"),
-                form.field("damagedUnits", "Damaged units" + (" (default: the lines' sum)"
-                                                              if per_line else ""), total,
-                           kind="number", min="0"),
+                refund_units_fields(form, per_line),
                 form.field("subtotal", "Subtotal", inputmode="decimal"),
                 form.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
                 render('<button type="submit">Refund</button>')]), css="refund")
@@ -8104,6 +8094,24 @@ def returns_page(visit):
         pager(visit, result, "/dashboard/returns"),
         render('<p class="muted">Open a return from its order\'s page.</p>')])
     return visit.page("Returns", body)
+
+
+def refund_units_fields(form, per_line):
+    """A refund form's units: for a return with lines, (order item ID, product name, units)
+    each, its good units (back in stock) and damaged units, the totals then optional (their
+    sums); for one without, the totals alone."""
+    default_sum = " (default: the lines' sum)" if per_line else ""
+    return join([
+        join(render(REFUND_LINE_FIELDS, good=form.field(
+            f"good.{item_id}", f"{name}: good units, back in stock (of {units})", kind="number",
+            min="0", max=units), damaged=form.field(
+            f"damaged.{item_id}", f"{name}: damaged units", kind="number", min="0", max=units))
+            for item_id, name, units in per_line),
+        form.error("lines"),
+        form.field("goodUnits", "Good units" + default_sum, "" if per_line else "0",
+                   kind="number", min="0"),
+        form.field("damagedUnits", "Damaged units" + default_sum, "" if per_line else "0",
+                   kind="number", min="0")])
 
 
 @page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
