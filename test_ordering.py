@@ -12305,6 +12305,21 @@ def test_only_a_cancelled_order_is_restocked_and_only_once(api, tenant):
     assert tenant.stock(product_id) == 100
 
 
+def test_a_restock_is_a_product_edit_that_rearms_low_stock(app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["product.updated", "product.low_stock"])
+    product = tenant.product(stock=12, low_stock_threshold=10)
+    first = place(api, tenant, [{"productId": product["id"], "quantity": 3}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{first['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers, status=200)
+    with tenant.db.write() as conn:
+        ordering.restock_order(conn, tenant.id, first["id"])
+    second = place(api, tenant, [{"productId": product["id"], "quantity": 3}]).json["data"]
+    assert [event["stock"] for event in store_events(app, "product.updated")] == [12]
+    assert [(event["currentStock"], event["triggeringOrderId"])
+            for event in store_events(app, "product.low_stock")] == [(9, first["id"]),
+                                                                      (9, second["id"])]
+
+
 # The API: GET /api/v1/inventory, GET /api/v1/returns and /api/v1/returns/{id} ---------------
 
 def test_inventory_lists_every_movement_newest_first_and_filters_them(api, tenant, other):
