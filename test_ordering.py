@@ -12028,7 +12028,7 @@ def test_the_ledger_balances_under_racing_processes_and_threads(app, tenant, dat
     barrier = threading.Barrier(9)
 
     def thread(number):
-        barrier.wait()
+        barrier.wait(timeout=120)
         done = []
         for step in range(10):
             product = products[(number + step) % 3]
@@ -12046,9 +12046,12 @@ def test_the_ledger_balances_under_racing_processes_and_threads(app, tenant, dat
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         threads = [pool.submit(thread, number) for number in range(8)]
-        assert wait_until(lambda: len(list(tmp_path.glob("go.*"))) == 3, timeout=60)
-        go.touch()
-        barrier.wait()
+        ready = wait_until(lambda: len(list(tmp_path.glob("go.*"))) == 3, timeout=60)
+        go.touch()  # (whatever happens, so that no racer waits for ever)
+        if not ready:
+            barrier.abort()
+        assert ready, "the racing processes did not start"
+        barrier.wait(timeout=120)
         done = [entry for future in threads for entry in future.result()]
     for racer in racers:
         out, err = racer.communicate(timeout=120)
