@@ -23,9 +23,11 @@ ones above it.
   7. Operations    what the business does, without HTTP: events (the catalog, emit() into
                    the outbox); email (queue_email(), written like an event); rows and
                    tenancy (load_row, the one "fetch or 404"); companies (and their
-                   settings); products; customers; customer prices (a customer's own, for
-                   storefront and dashboard orders); orders (and their status changes);
-                   returns, refunds and invoices (returns' lines);
+                   settings); products; stock movements (the ledger: every change of
+                   stock, adjustments, counts); customers; customer prices (a customer's
+                   own, for storefront and dashboard orders); orders (and their status
+                   changes, restocking a cancelled one); returns, refunds and invoices
+                   (returns' lines, the good units a refund puts back);
                    billing (Stripe's events); webhook subscriptions; emails (what was sent,
                    sending again); API keys and idempotency; accounts and sessions (any kind
                    of account); storefront accounts (registration, emailed links, password
@@ -117,11 +119,14 @@ __all__ = [
     "approve_return", "receive_return", "refund_return", "record_invoice_paid",
     "create_webhook", "update_webhook", "delete_webhook", "rotate_webhook_secret",
     "recent_deliveries", "create_staff", "disable_staff", "emit",
+    # The stock ledger: who moves stock, and the moves that are not an order's
+    "Actor", "adjust_stock", "count_stock", "restock_order", "stock_history",
     # Records: rows to the JSON the API shows
     "product_json", "customer_json", "order_json", "webhook_json", "return_json",
+    "movement_json",
     # Errors, the spec's enumerations, and the OpenAPI document
     "ApiError", "EVENT_CATALOG", "SCOPES", "ORDER_STATUSES", "CARRIERS", "CUSTOMER_STATUSES",
-    "openapi_document",
+    "RETURN_STATUSES", "MOVEMENT_REASONS", "openapi_document",
     # For webhook receivers
     "verify_signature",
     # Former names, for one release
@@ -148,7 +153,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -743,6 +748,12 @@ MIGRATIONS = {
         "INSERT INTO order_status_changes (id, order_id, from_status, to_status, source, "
         "tracking_number, created_at) SELECT 'osc_' || substr(id, 5) || 'n', id, NULL, status, "
         "NULL, tracking_number, updated_at FROM orders WHERE status <> 'SUBMITTED'"),
+    # The stock ledger (its table comes from schema.sql): each product opens it with one
+    # movement of its whole stock, dated when the product last changed, so that the sum of
+    # every product's movements is its stock from the start.
+    6: ("INSERT INTO stock_movements (id, company_id, product_id, change, level_after, reason, "
+        "actor_type, created_at) SELECT 'mov_' || substr(id, 6), company_id, id, stock, stock, "
+        "'initial', 'system', updated_at FROM products",),
 }
 
 
@@ -1821,6 +1832,22 @@ ORDER_FACTS = Template("status customer po notes created updated tracking", """\
 <dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
 <dd>{tracking}</dd></dl></div>""")
 
+PRODUCT_STOCK = Template("level link movements", """\
+<h2>Stock</h2><div class="card"><p>{level} in stock. {link}</p></div>\
+<h3>Recent movements</h3>{movements}""")
+
+CANCEL_FORM = Template("", """\
+<input type="hidden" name="status" value="CANCELLED"><label class="check">\
+<input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
+<button type="submit" class="danger">Mark CANCELLED</button>""")
+
+REFUND_LINE_FIELDS = Template("good damaged", '<div class="grid">{good}{damaged}</div>')
+
+STOCK_FORMS = Template("level adjust count movements", """\
+<div class="card"><p>{level} in stock now. An adjustment changes it by an amount, saying why; \
+a count records the level found on the shelf (the difference is the movement).</p></div>\
+<div class="grid">{adjust}{count}</div><h2>Recent movements</h2>{movements}""")
+
 WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
 <section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}\
 <p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>""")
@@ -2136,7 +2163,7 @@ EVENTS_REQUIRED = "At least one event is required."
 UNKNOWN_EVENT = 'Unknown event: "{name}".'
 
 SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
-          "webhooks:read", "webhooks:write")
+          "webhooks:read", "webhooks:write", "inventory:read", "returns:read")
 ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
 CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
 #: Every status a customer is stored with; PENDING (awaiting approval) is never set through
@@ -2144,6 +2171,23 @@ CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OT
 CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED", "PENDING")
 SETTABLE_CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
 REFUND_METHODS = ("CREDIT", "MANUAL")
+RETURN_STATUSES = ("REQUESTED", "APPROVED", "RECEIVED", "REFUNDED")
+INVALID_RETURN_STATUS = "Invalid return status."
+#: Why a product's stock moved (README, Stock, says what each means).
+MOVEMENT_REASONS = ("order", "adjustment", "count", "return", "cancellation", "import",
+                    "initial")
+INVALID_MOVEMENT_REASON = "Invalid movement reason."
+#: Who made a movement: staff, an API key, a buyer (with their IDs), a command, the program.
+ACTOR_TYPES = ("staff", "key", "buyer", "command", "system")
+#: Characters a movement's note holds at most.
+MAX_MOVEMENT_NOTE = 500
+#: Movements a product's page shows, and stock-history prints unless told otherwise.
+MOVEMENTS_SHOWN = 20
+STOCK_BELOW_ZERO = 'Stock of "{name}" cannot go below zero: it is {N}, the change is {M}.'
+RESTOCK_NOT_CANCELLED = "Only a cancelled order's units can be put back in stock."
+ALREADY_RESTOCKED = "This order's units are already back in stock."
+REFUND_LINES_NEEDED = ("say for each line how many of its units are good and how many "
+                       "damaged")
 
 #: Page sizes of the list endpoints: the default, and the most a page holds.
 DEFAULT_PAGE_SIZE = 50
@@ -2450,10 +2494,31 @@ def delivery_json(row):
     }
 
 
-def return_json(row):
+def return_json(row, lines=(), refund=None):
+    """A return with its lines (rows: order item ID, product ID, units; none for a return
+    opened before lines were recorded) and its refund's row, or None before it."""
     return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
             "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
-            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"]}
+            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"],
+            "lines": [{"orderItemId": item_id, "productId": product_id, "units": units}
+                      for item_id, product_id, units in lines],
+            "refund": None if refund is None else refund_json(refund)}
+
+
+def refund_json(row):
+    return {"id": row["id"], "amount": money(row["amount_cents"]), "method": row["method"],
+            "breakdown": {"goodUnits": row["good_units"], "damagedUnits": row["damaged_units"],
+                          "subtotal": money(row["subtotal_cents"])},
+            "createdAt": row["created_at"]}
+
+
+def movement_json(row):
+    """A stock movement: signed change, the level after it, why, what it belongs to, who."""
+    return {"id": row["id"], "productId": row["product_id"], "change": row["change"],
+            "levelAfter": row["level_after"], "reason": row["reason"],
+            "orderId": row["order_id"], "returnId": row["return_id"], "note": row["note"],
+            "actor": {"type": row["actor_type"], "id": row["actor_id"]},
+            "createdAt": row["created_at"]}
 
 
 def customer_price_json(customer_id, product_id, price_cents, updated_at):
@@ -2718,7 +2783,9 @@ def _check_product_fields(fields):
         raise invalid(sorted(unknown)[0], "is not a product field")
 
 
-def create_product(conn, company_id, **fields):
+def create_product(conn, company_id, actor=None, opening="initial", **fields):
+    """A new product (no event); its stock opens its ledger with one movement of reason
+    opening (initial, or import for a catalog loaded in bulk), made by actor."""
     load_company(conn, company_id)
     fields.setdefault("unit", "each")
     fields.setdefault("is_active", 1)
@@ -2732,12 +2799,19 @@ def create_product(conn, company_id, **fields):
     threshold = row.get("low_stock_threshold")
     row["low_stock_alerted"] = int(threshold is not None and row["stock"] <= threshold)
     insert_row(conn, "products", row)
+    record_movements(conn, company_id, [(product_id, row["stock"], row["stock"], opening, None,
+                                         None, None, actor or SYSTEM)], at)
     return load_product(conn, company_id, product_id)
 
 
-def update_product(conn, company_id, product_id, **changes):
+#: The note of the adjustment a product edit that changes its stock records.
+PRODUCT_EDIT_NOTE = "stock set by editing the product"
+
+
+def update_product(conn, company_id, product_id, actor=None, **changes):
     """A dashboard edit: emits product.updated (the lighter payload for an active toggle alone)
-    and product.low_stock when the new stock reaches the threshold."""
+    and product.low_stock when the new stock reaches the threshold. A new stock is an
+    adjustment movement (PRODUCT_EDIT_NOTE) made by actor."""
     _check_product_fields(changes)
     before = load_product(conn, company_id, product_id)
     if "is_active" in changes:
@@ -2746,17 +2820,25 @@ def update_product(conn, company_id, product_id, **changes):
     if not changed:
         return before
     after = load_product(conn, company_id, product_id)
+    if "stock" in changed:
+        record_movements(conn, company_id, [
+            (product_id, after["stock"] - before["stock"], after["stock"], "adjustment", None,
+             None, PRODUCT_EDIT_NOTE, actor or SYSTEM)], after["updated_at"])
     if set(changed) == {"is_active"}:
         emit(conn, company_id, "product.updated", {
             "id": after["id"], "sku": after["sku"], "name": after["name"],
             "isActive": bool(after["is_active"])})
     else:
-        emit(conn, company_id, "product.updated", {
-            "id": after["id"], "sku": after["sku"], "name": after["name"],
-            "price": money(after["price_cents"]), "stock": after["stock"],
-            "isActive": bool(after["is_active"]), "category": after["category"]})
+        emit(conn, company_id, "product.updated", product_updated(after))
     check_low_stock(conn, company_id, after, triggering_order_id=None)
     return after
+
+
+def product_updated(product):
+    """product.updated's payload (but for an active toggle alone)."""
+    return {"id": product["id"], "sku": product["sku"], "name": product["name"],
+            "price": money(product["price_cents"]), "stock": product["stock"],
+            "isActive": bool(product["is_active"]), "category": product["category"]}
 
 
 def check_low_stock(conn, company_id, product, triggering_order_id):
@@ -2772,6 +2854,105 @@ def check_low_stock(conn, company_id, product, triggering_order_id):
             "triggeringOrderId": triggering_order_id})
     elif not low and product["low_stock_alerted"]:
         conn.execute("UPDATE products SET low_stock_alerted = 0 WHERE id = ?", (product["id"],))
+
+
+# Stock movements -----------------------------------------------------------------------------
+# Every change of a product's stock is a movement, written in the transaction that changes the
+# stock, so that the sum of a product's movements is its stock (the write lock makes each
+# read of a level and the write after it one step). Order placement writes its own (one
+# INSERT for all its lines); every other change is a product edit and goes through
+# move_stock: product.updated, and product.low_stock (triggeringOrderId null) when the level
+# reaches the threshold, re-armed when it rises above it.
+
+#: Who made a change: a type of ACTOR_TYPES and, for staff, a key or a buyer, its ID.
+Actor = collections.namedtuple("Actor", "type id")
+SYSTEM = Actor("system", None)
+COMMAND = Actor("command", None)
+
+MOVEMENT_COLUMNS = ("id", "company_id", "product_id", "change", "level_after", "reason",
+                    "order_id", "return_id", "note", "actor_type", "actor_id", "created_at")
+_INSERT_MOVEMENT = (f"INSERT INTO stock_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES "
+                    f"({', '.join('?' * len(MOVEMENT_COLUMNS))})")
+
+
+def record_movements(conn, company_id, movements, at):
+    """Write movements, (product ID, change, level after, reason, order ID, return ID, note,
+    actor) each, in one INSERT; returns their rows (values in MOVEMENT_COLUMNS order)."""
+    rows = [(new_id("mov"), company_id, product_id, change, level, reason, order_id,
+             return_id, note, actor.type, actor.id, at)
+            for product_id, change, level, reason, order_id, return_id, note, actor in movements]
+    if rows:
+        conn.execute(_INSERT_MOVEMENT + ", (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" * (len(rows) - 1),
+                     [value for row in rows for value in row])
+    return rows
+
+
+def move_stock(conn, company_id, changes, reason, actor, note=None, order_id=None,
+               return_id=None):
+    """Stock changes as product edits: changes, [(product ID, signed units)], one movement
+    each, in order (a product may come twice). No level may go below zero. Returns the
+    movements as records."""
+    products = {}
+    for product_id, _ in changes:
+        if product_id not in products:
+            products[product_id] = dict(load_product(conn, company_id, product_id))
+    before = {product_id: product["stock"] for product_id, product in products.items()}
+    movements = []
+    for product_id, change in changes:
+        product = products[product_id]
+        if product["stock"] + change < 0:
+            raise ApiError(422, STOCK_BELOW_ZERO.format(name=product["name"],
+                                                        N=product["stock"], M=change))
+        product["stock"] += change
+        movements.append((product_id, change, product["stock"], reason, order_id, return_id,
+                          note, actor))
+    at = now_iso()
+    rows = record_movements(conn, company_id, movements, at)
+    for product_id, product in products.items():
+        if product["stock"] == before[product_id]:
+            continue
+        conn.execute("UPDATE products SET stock = ?, updated_at = ? WHERE id = ?",
+                     (product["stock"], at, product_id))
+        product["updated_at"] = at
+        emit(conn, company_id, "product.updated", product_updated(product))
+        check_low_stock(conn, company_id, product, triggering_order_id=None)
+    return [movement_json(dict(zip(MOVEMENT_COLUMNS, row))) for row in rows]
+
+
+def _movement_note(note, required):
+    note = (note or "").strip() or None
+    if (note is None and required) or (note is not None and len(note) > MAX_MOVEMENT_NOTE):
+        raise invalid("reason", f"must be 1 to {MAX_MOVEMENT_NOTE} characters")
+    return note
+
+
+def adjust_stock(conn, company_id, product_id, by, note, actor=None):
+    """Staff change a product's stock by a signed amount, saying why (note, required): an
+    adjustment movement."""
+    if not isinstance(by, int) or by == 0 or abs(by) > MAX_QUANTITY:
+        raise invalid("by", f"must be a whole number from -{MAX_QUANTITY} to {MAX_QUANTITY}, "
+                            "not 0")
+    note = _movement_note(note, required=True)
+    return move_stock(conn, company_id, [(product_id, by)], "adjustment", actor or SYSTEM,
+                      note)[0]
+
+
+def count_stock(conn, company_id, product_id, level, note=None, actor=None):
+    """Staff record a count, the level found on the shelf: a count movement of the
+    difference (0 when the count agrees, which changes nothing else)."""
+    if not isinstance(level, int) or not 0 <= level <= MAX_QUANTITY:
+        raise invalid("to", f"must be a whole number from 0 to {MAX_QUANTITY}")
+    note = _movement_note(note, required=False)
+    current = load_product(conn, company_id, product_id)["stock"]
+    return move_stock(conn, company_id, [(product_id, level - current)], "count",
+                      actor or SYSTEM, note)[0]
+
+
+def stock_history(conn, company_id, product_id, limit=MOVEMENTS_SHOWN):
+    """A product's most recent movements (rows), newest first."""
+    load_product(conn, company_id, product_id)
+    return conn.execute("SELECT * FROM stock_movements WHERE product_id = ? "
+                        "ORDER BY created_at DESC, id DESC LIMIT ?", (product_id, limit)).fetchall()
 
 
 # Customers -----------------------------------------------------------------------------------
@@ -3040,11 +3221,12 @@ def parse_order_request(body):
 
 
 def place_order(conn, company_id, body, source="api", shipping_address=None,
-                checkout_token=None):
+                checkout_token=None, actor=None):
     """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
     storefront's orders, which take the customer's own prices where there are any (API orders
     never do). The write lock the caller's transaction holds makes the stock check and the
-    decrement one step: stock never goes below zero."""
+    decrement one step: stock never goes below zero. Each line is an order movement made by
+    actor (a storefront order's: its buyer)."""
     customer_id, lines, po_number, notes = parse_order_request(body)
     load_customer(conn, company_id, customer_id)
     wanted = {}
@@ -3088,6 +3270,15 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
          in enumerate(items)])
     conn.executemany("UPDATE products SET stock = stock - ?, updated_at = ? WHERE id = ?",
                      [(quantity, at, product_id) for product_id, quantity in wanted.items()])
+    if actor is None:
+        actor = Actor("buyer", customer_id) if source == "storefront" else SYSTEM
+    levels = {product_id: product["stock"] for product_id, product in products.items()}
+    movements = []
+    for product_id, quantity in lines:
+        levels[product_id] -= quantity
+        movements.append((product_id, -quantity, levels[product_id], "order", order_id, None,
+                          None, actor))
+    record_movements(conn, company_id, movements, at)
     record_status_change(conn, order_id, None, "SUBMITTED", source, None, at)
     order = order_json((order_id, "SUBMITTED", po_number, notes, total, at, at, customer_id,
                         None, None, None), items)
@@ -3238,6 +3429,27 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
     return order
 
 
+def restock_order(conn, company_id, order_id, actor=None):
+    """A cancelled order's units back in stock, once: a cancellation movement for each of its
+    lines. Cancelling through the API never does this (the spec); staff choose to as they
+    cancel in the dashboard, or later (order-restock, the order's page)."""
+    order = load_order(conn, company_id, order_id)
+    if order["status"] != "CANCELLED":
+        raise ApiError(422, RESTOCK_NOT_CANCELLED)
+    if order_restocked(conn, order_id):
+        raise ApiError(422, ALREADY_RESTOCKED)
+    items = conn.execute("SELECT product_id, quantity FROM order_items WHERE order_id = ? "
+                         "ORDER BY position", (order_id,)).fetchall()
+    return move_stock(conn, company_id, [tuple(item) for item in items], "cancellation",
+                      actor or SYSTEM, order_id=order_id)
+
+
+def order_restocked(conn, order_id):
+    """Whether a cancelled order's units are back in stock."""
+    return conn.execute("SELECT 1 FROM stock_movements WHERE order_id = ? AND "
+                        "reason = 'cancellation' LIMIT 1", (order_id,)).fetchone() is not None
+
+
 def dashboard_allows(from_status, to_status):
     return to_status in DASHBOARD_TRANSITIONS.get(from_status, ())
 
@@ -3340,6 +3552,29 @@ def return_lines_of(conn, return_ids):
     return lines
 
 
+def returns_json(conn, rows):
+    """Returns as the API shows them (return_json), with their lines and refunds read in two
+    queries however many they are."""
+    if not rows:  # PostgreSQL has no empty IN ()
+        return []
+    ids = [row["id"] for row in rows]
+    marks = ",".join("?" * len(ids))
+    lines = collections.defaultdict(list)
+    for row in conn.execute(
+            "SELECT l.return_id, l.order_item_id, i.product_id, l.quantity FROM return_lines l "
+            f"JOIN order_items i ON i.id = l.order_item_id WHERE l.return_id IN ({marks}) "
+            "ORDER BY l.return_id, i.position", ids):
+        lines[row[0]].append(tuple(row[1:]))
+    refunds = {row["return_id"]: row for row in conn.execute(
+        f"SELECT * FROM refunds WHERE return_id IN ({marks})", ids)}
+    return [return_json(row, lines[row["id"]], refunds.get(row["id"])) for row in rows]
+
+
+def return_record(conn, company_id, return_id):
+    """One return as the API shows it, or its 404."""
+    return returns_json(conn, [load_return(conn, company_id, return_id)])[0]
+
+
 def _move_return(conn, company_id, return_id, from_status, to_status):
     row = load_return(conn, company_id, return_id)
     if row["status"] != from_status:
@@ -3363,11 +3598,18 @@ def receive_return(conn, company_id, return_id):
 
 
 def refund_return(conn, company_id, return_id, method, good_units, damaged_units,
-                  subtotal_cents, amount_cents=None):
+                  subtotal_cents, amount_cents=None, lines=None, actor=None):
     """The refund row that moves a return RECEIVED to REFUNDED; amount defaults to the
-    subtotal and may be overridden."""
+    subtotal and may be overridden. The good units of each line go back to its product's
+    stock (a return movement, made by actor), the damaged ones do not: lines, {order item ID:
+    (good, damaged)}, say so for the return's lines (the breakdown's goodUnits and
+    damagedUnits are then their sums, and may be None); without lines the two are split over
+    the return's lines where that can be done one way only (see refund_restock). A return
+    that records no lines (the older form) moves no stock."""
     if method not in REFUND_METHODS:
         raise invalid("method", f"must be {' or '.join(REFUND_METHODS)}")
+    if lines is not None:
+        good_units, damaged_units = refund_line_sums(lines, good_units, damaged_units)
     for field, value in (("goodUnits", good_units), ("damagedUnits", damaged_units),
                          ("subtotal", subtotal_cents)):
         if not isinstance(value, int) or value < 0:
@@ -3384,18 +3626,74 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     if amount_cents > left:
         raise invalid("amount", f"must be at most {money(max(left, 0))}, what the order has "
                                 f"left to refund")
+    restock = refund_restock(conn, return_id, lines, good_units, damaged_units)
     refund_id, at = new_id_at("ref")
     conn.execute(
         "INSERT INTO refunds (id, company_id, return_id, amount_cents, method, good_units, "
         "damaged_units, subtotal_cents, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (refund_id, company_id, return_id, amount_cents, method, good_units, damaged_units,
          subtotal_cents, at))
+    move_stock(conn, company_id, restock, "return", actor or SYSTEM, order_id=row["order_id"],
+               return_id=return_id)
     payload = {"id": refund_id, "returnId": return_id, "orderId": row["order_id"],
                "customerId": row["customer_id"], "amount": money(amount_cents), "method": method,
                "breakdown": {"goodUnits": good_units, "damagedUnits": damaged_units,
                              "subtotal": money(subtotal_cents)}}
     emit(conn, company_id, "refund.processed", payload)
     return payload
+
+
+def refund_line_sums(lines, good_units, damaged_units):
+    """A refund's goodUnits and damagedUnits from its lines ({order item ID: (good,
+    damaged)}): their sums, which a total given as well must equal."""
+    for item_id, split in lines.items():
+        if not (isinstance(split, tuple) and len(split) == 2
+                and all(isinstance(units, int) and units >= 0 for units in split)):
+            raise invalid("lines", f"{item_id}: good and damaged units must be whole numbers "
+                                   ">= 0")
+    sums = []
+    for field, given, index in (("goodUnits", good_units, 0), ("damagedUnits", damaged_units, 1)):
+        total = sum(split[index] for split in lines.values())
+        if given is not None and given != total:
+            raise invalid(field, f"must be {total}, the sum over the lines, or left out")
+        sums.append(total)
+    return sums
+
+
+def refund_restock(conn, return_id, lines, good_units, damaged_units):
+    """[(product ID, good units)] a refund puts back, line by line: as lines say ({order item
+    ID: (good, damaged)}, each at most the line's units in the return), or else from the
+    totals where only one split is possible (one line; no good unit; every unit good). A
+    return without recorded lines puts nothing back."""
+    recorded = conn.execute(
+        "SELECT l.order_item_id, i.product_id, p.name, l.quantity FROM return_lines l JOIN "
+        "order_items i ON i.id = l.order_item_id JOIN products p ON p.id = i.product_id "
+        "WHERE l.return_id = ? ORDER BY i.position", (return_id,)).fetchall()
+    if not recorded:
+        if lines:
+            raise invalid("lines", "this return records no lines: give the good and damaged "
+                                   "units alone")
+        return []
+    if lines is None:
+        if len(recorded) == 1:
+            lines = {recorded[0][0]: (good_units, damaged_units)}
+        elif good_units == 0:
+            lines = {}
+        elif damaged_units == 0 and good_units == sum(row[3] for row in recorded):
+            lines = {row[0]: (row[3], 0) for row in recorded}
+        else:
+            raise invalid("lines", REFUND_LINES_NEEDED)
+    unknown = sorted(set(lines) - {row[0] for row in recorded})
+    if unknown:
+        raise invalid("lines", f"{unknown[0]} is not a line of this return")
+    restock = []
+    for item_id, product_id, name, units in recorded:
+        good, damaged = lines.get(item_id, (0, 0))
+        if good + damaged > units:
+            raise invalid("lines", f"at most {units} units of {name} came back")
+        if good:
+            restock.append((product_id, good))
+    return restock
 
 
 def check_currency(currency):
@@ -3787,12 +4085,14 @@ class Accounts:
     sessions: str
     account_column: str
     enabled: str
+    actor: str  # the type of Actor its accounts are as they change stock
 
 
-STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "disabled = 0")
+STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "disabled = 0",
+                 "staff")
 #: Buyers of a storefront: a pending one may sign in (and sees that it awaits approval).
 CUSTOMERS = Accounts("Customer", "customers", "customer_sessions", "customer_id",
-                     "status <> 'BLOCKED'")
+                     "status <> 'BLOCKED'", "buyer")
 
 
 def create_staff(conn, company_id, email, password):
@@ -4200,28 +4500,55 @@ def find_invoices(conn, company_id, query):
 
 
 def find_returns(conn, company_id, query):
-    """A page of the company's returns (rows)."""
-    return paginate(conn, "returns", company_id, query)
+    """A page of the company's returns (rows): status, orderId and customerId."""
+    filters, params = equal_filters(query, (("status", "status", RETURN_STATUSES,
+                                                INVALID_RETURN_STATUS),
+                                               ("orderId", "order_id", None, None),
+                                               ("customerId", "customer_id", None, None)))
+    return paginate(conn, "returns", company_id, query, filters, params)
 
 
-def order_filters(query):
-    """The order list's filters (status, customerId, since, until) as SQL and parameters."""
+def find_movements(conn, company_id, query):
+    """A page of the company's stock movements (rows): productId, reason, since and until."""
+    filters, params = equal_filters(query, (("productId", "product_id", None, None),
+                                               ("reason", "reason", MOVEMENT_REASONS,
+                                                INVALID_MOVEMENT_REASON)))
+    filters += date_filters(query, params)
+    return paginate(conn, "stock_movements", company_id, query, filters, params)
+
+
+def equal_filters(query, known):
+    """Filters of exact matches: known, (parameter, column, the values it may take or None,
+    the 400 message of another), each a filter when given a value."""
     filters, params = [], []
-    status = query.get("status")
-    if status:
-        if status not in ORDER_STATUSES:
-            raise ApiError(400, INVALID_ORDER_STATUS)
-        filters.append("status = ?")
-        params.append(status)
-    if query.get("customerId"):
-        filters.append("customer_id = ?")
-        params.append(query["customerId"])
+    for name, column, values, refusal in known:
+        value = query.get(name)
+        if value:
+            if values is not None and value not in values:
+                raise ApiError(400, refusal)
+            filters.append(f"{column} = ?")
+            params.append(value)
+    return filters, params
+
+
+def date_filters(query, params):
+    """since (createdAt >= since) and until (createdAt <= until) as filters; their values are
+    added to params."""
+    filters = []
     for name, operator in (("since", ">="), ("until", "<=")):
         bound = date_filter(query, name)
         if bound is not None:
             filters.append(f"created_at {operator} ?")
             params.append(bound)
-    return filters, params
+    return filters
+
+
+def order_filters(query):
+    """The order list's filters (status, customerId, since, until) as SQL and parameters."""
+    filters, params = equal_filters(query, (("status", "status", ORDER_STATUSES,
+                                                INVALID_ORDER_STATUS),
+                                               ("customerId", "customer_id", None, None)))
+    return filters + date_filters(query, params), params
 
 
 #: Records a form's select offers at most, newest first.
@@ -4664,15 +4991,17 @@ DEMO_BUYER_PRICES = (("GR-RICE-25", 3990), ("BV-ESP-1", 2290))
 
 
 def prepare_demo(conn):
-    """A demo company with a small catalog, two customers (the first with prices of its own)
-    and a staff account (made once), and on every call a new key with all seven scopes and new
-    passwords for the staff account and the first customer (the storefront's demo buyer)."""
+    """A demo company with a small catalog (its stock opens with import movements), two
+    customers (the first with prices of its own) and a staff account (made once), and on every
+    call a new key with every scope and new passwords for the staff account and the first
+    customer (the storefront's demo buyer)."""
     company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
     if company is None:
         company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
         products = {sku: create_product(
-            conn, company_id, name=name, sku=sku, category=category, unit=unit,
-            price_cents=price, stock=stock, low_stock_threshold=threshold, is_active=active)["id"]
+            conn, company_id, opening="import", name=name, sku=sku, category=category,
+            unit=unit, price_cents=price, stock=stock, low_stock_threshold=threshold,
+            is_active=active)["id"]
             for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG}
         for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
                               ("buyer@harbour-bistro.example", "Harbour Bistro")):
@@ -5738,15 +6067,17 @@ def route(method, path, scope, status=200):
 
 class Call:
     """What a route handler gets: the connection (inside the write transaction for writes),
-    the key's company, the query parameters and the parsed body."""
-    __slots__ = ("conn", "company_id", "query", "body", "settings")
+    the key's company, the query parameters and the parsed body, and the key as the actor of
+    what it changes."""
+    __slots__ = ("conn", "company_id", "query", "body", "settings", "actor")
 
-    def __init__(self, conn, company_id, query, body, settings):
+    def __init__(self, conn, company_id, query, body, settings, actor=None):
         self.conn = conn
         self.company_id = company_id
         self.query = query
         self.body = body
         self.settings = settings
+        self.actor = actor
 
 
 Key = collections.namedtuple("Key", "id company_id scopes rate_limit expires_at revoked")
@@ -5834,7 +6165,7 @@ class Api:
     @route("POST", "/api/v1/orders", "orders:write", status=201)
     def create_order(call):
         """Place an order"""
-        return {"data": place_order(call.conn, call.company_id, call.body)}
+        return {"data": place_order(call.conn, call.company_id, call.body, actor=call.actor)}
 
 
     @route("PATCH", "/api/v1/orders/<order_id>", "orders:write")
@@ -5902,6 +6233,26 @@ class Api:
     def delete_webhook(call, webhook_id):
         """Delete a webhook subscription and its delivery log"""
         return {"data": delete_webhook(call.conn, call.company_id, webhook_id)}
+
+
+    @route("GET", "/api/v1/inventory", "inventory:read")
+    def list_inventory(call):
+        """List stock movements"""
+        page = find_movements(call.conn, call.company_id, call.query)
+        return dict(page, data=[movement_json(row) for row in page["data"]])
+
+
+    @route("GET", "/api/v1/returns", "returns:read")
+    def list_returns(call):
+        """List returns"""
+        page = find_returns(call.conn, call.company_id, call.query)
+        return dict(page, data=returns_json(call.conn, page["data"]))
+
+
+    @route("GET", "/api/v1/returns/<return_id>", "returns:read")
+    def get_return(call, return_id):
+        """Fetch one return"""
+        return {"data": return_record(call.conn, call.company_id, return_id)}
 
 
 # Billing -------------------------------------------------------------------------------------
@@ -6090,21 +6441,23 @@ class Service:
             text = environ.get("QUERY_STRING")
             # The first value of a repeated parameter wins, as URLSearchParams.get() has it.
             query = dict(urllib.parse.parse_qsl(text, keep_blank_values=True)[::-1]) if text else {}
+            actor = Actor("key", key.id)
             if found.method == "GET":
-                call = Call(self.db.conn, key.company_id, query, None, self.settings)
+                call = Call(self.db.conn, key.company_id, query, None, self.settings, actor)
                 return found.status, json_text(found.handler(call, **url_args)).encode(), headers
             raw = self.read_body(environ) if found.method != "DELETE" else b"{}"
             idempotency_key = None
             if found.method == "POST":
                 idempotency_key = parse_idempotency_key(environ.get("HTTP_IDEMPOTENCY_KEY"))
             if idempotency_key is None:
-                call = Call(None, key.company_id, query, parse_json_body(raw), self.settings)
+                call = Call(None, key.company_id, query, parse_json_body(raw), self.settings,
+                            actor)
                 with self.db.write() as conn:
                     call.conn = conn
                     result = found.handler(call, **url_args)
                 return found.status, json_text(result).encode(), headers
             status, body, replayed = self.respond_once(
-                found, url_args, key.company_id, idempotency_key, query, raw, environ)
+                found, url_args, key.company_id, idempotency_key, query, raw, environ, actor)
             if replayed:
                 headers["Idempotent-Replayed"] = "true"
             return status, body, headers
@@ -6121,7 +6474,8 @@ class Service:
             raise ApiError(413, BODY_TOO_LARGE)
         return environ["wsgi.input"].read(length) if length > 0 else b""
 
-    def respond_once(self, found, url_args, company_id, idempotency_key, query, raw, environ):
+    def respond_once(self, found, url_args, company_id, idempotency_key, query, raw, environ,
+                     actor=None):
         """A POST with an Idempotency-Key: done once across every process of the database. The
         key is first claimed in a transaction of its own, so that a duplicate arriving at any
         process meanwhile is told it is in progress; the response is then stored in the same
@@ -6138,7 +6492,8 @@ class Service:
             with self.db.write() as conn:
                 try:
                     with savepoint(conn):
-                        call = Call(conn, company_id, query, parse_json_body(raw), self.settings)
+                        call = Call(conn, company_id, query, parse_json_body(raw), self.settings,
+                                    actor)
                         status = found.status
                         body = json_text(found.handler(call, **url_args)).encode()
                 except ApiError as refusal:
@@ -6356,6 +6711,40 @@ COMPONENT_SCHEMAS = {
         "emailVerified": BOOLEAN,
         "createdAt": TIMESTAMP_SCHEMA,
         "updatedAt": TIMESTAMP_SCHEMA,
+    }),
+    "StockMovement": object_schema({
+        "id": ID_SCHEMA,
+        "productId": ID_SCHEMA,
+        "change": dict(integer_schema(), description="Signed: units in (+) or out (-)."),
+        "levelAfter": dict(integer_schema(), description="The product's stock once it was made."),
+        "reason": enum_schema(MOVEMENT_REASONS),
+        "orderId": nullable(ID_SCHEMA),
+        "returnId": nullable(ID_SCHEMA),
+        "note": nullable(string_schema(max_length=MAX_MOVEMENT_NOTE)),
+        "actor": object_schema({"type": enum_schema(ACTOR_TYPES), "id": nullable(ID_SCHEMA)},
+                               description="Who made it: staff, key and buyer carry their ID."),
+        "createdAt": TIMESTAMP_SCHEMA,
+    }),
+    "Return": object_schema({
+        "id": ID_SCHEMA,
+        "orderId": ID_SCHEMA,
+        "customerId": nullable(ID_SCHEMA),
+        "status": enum_schema(RETURN_STATUSES),
+        "reason": string_schema(*RETURN_REASON_LENGTH),
+        "itemCount": integer_schema(1),
+        "actor": nullable({"const": "staff"}),
+        "createdAt": TIMESTAMP_SCHEMA,
+        "updatedAt": TIMESTAMP_SCHEMA,
+        "lines": {"type": "array", "description": "Empty for a return opened before its lines "
+                                                  "were recorded (itemCount says how many).",
+                  "items": object_schema({"orderItemId": ID_SCHEMA, "productId": ID_SCHEMA,
+                                          "units": integer_schema(1, MAX_QUANTITY)})},
+        "refund": nullable(object_schema({
+            "id": ID_SCHEMA, "amount": money_schema(), "method": enum_schema(REFUND_METHODS),
+            "breakdown": object_schema({"goodUnits": integer_schema(0),
+                                        "damagedUnits": integer_schema(0),
+                                        "subtotal": money_schema()}),
+            "createdAt": TIMESTAMP_SCHEMA})),
     }),
     "Webhook": _webhook(with_secret=False),
     "WebhookWithSecret": _webhook(with_secret=True),
@@ -6605,6 +6994,29 @@ OPERATIONS = {
         messages={400: either(_VALIDATION, CREDIT_LIMIT_MESSAGE, TAX_RATE_MESSAGE,
                               INVALID_STATUS),
                   404: NOT_FOUND.format(resource="Customer")}),
+    ("GET", "/api/v1/inventory"): api_operation(
+        list_of("StockMovement"), AUTH_ERRORS + (400,), query=(
+            *PAGE_QUERY,
+            query_param("productId", string_schema(), "Movements of this product only."),
+            query_param("reason", enum_schema((*MOVEMENT_REASONS, "")),
+                        "Exact match; empty is no filter."),
+            query_param("since", DATE_QUERY, "createdAt >= since, read as the orders list "
+                                             "reads it."),
+            query_param("until", DATE_QUERY, "createdAt <= until, read as since.")),
+        description="Every change of a product's stock, newest first: for each product the "
+                    "sum of its movements' change is its stock.",
+        messages={400: either(INVALID_MOVEMENT_REASON, f"{VALIDATION_FAILED} (since, until)")}),
+    ("GET", "/api/v1/returns"): api_operation(
+        list_of("Return"), AUTH_ERRORS + (400,), description="Newest first.", query=(
+            *PAGE_QUERY,
+            query_param("status", enum_schema((*RETURN_STATUSES, "")),
+                        "Exact match; empty is no filter."),
+            query_param("orderId", string_schema(), "Returns of this order only."),
+            query_param("customerId", string_schema(), "Returns of this customer only.")),
+        messages={400: INVALID_RETURN_STATUS}),
+    ("GET", "/api/v1/returns/<return_id>"): api_operation(
+        single("Return"), AUTH_ERRORS + (404,),
+        messages={404: NOT_FOUND.format(resource="Return")}),
     ("GET", "/api/v1/webhooks"): api_operation(
         all_of("Webhook"), AUTH_ERRORS,
         description=f"Not paginated (at most {MAX_WEBHOOKS}). Never includes the secret."),
@@ -6783,8 +7195,9 @@ _UNAUTHENTICATED = {
 }
 
 API_DESCRIPTION = f"""\
-A multi-tenant wholesale ordering service: products (read only), orders, customers and \
-webhook subscriptions; the events it delivers are under `webhooks`.
+A multi-tenant wholesale ordering service: products (read only), orders, customers, \
+stock movements and returns (read only) and webhook subscriptions; the events it delivers \
+are under `webhooks`.
 
 Every operation but the two under `meta` needs `Authorization: Bearer <API key>`. The key \
 belongs to one company, which every read and write is limited to (another company's records \
@@ -6824,7 +7237,8 @@ def openapi_document():
         "info": {"title": "ordering", "version": __version__, "description": API_DESCRIPTION},
         "servers": [{"url": "/"}],
         "tags": [{"name": "products"}, {"name": "orders"}, {"name": "customers"},
-                 {"name": "webhooks"}, {"name": "meta"},
+                 {"name": "inventory"}, {"name": "returns"}, {"name": "webhooks"},
+                 {"name": "meta"},
                  {"name": "events", "description": "Deliveries to webhook subscribers."}],
         "paths": paths,
         "webhooks": {event: _event_delivery(event) for event in EVENT_CATALOG},
@@ -6926,6 +7340,11 @@ class Visit:
     @property
     def conn(self):
         return self.service.db.conn
+
+    @property
+    def actor(self):
+        """The signed-in account, as the actor of the stock it moves."""
+        return Actor(self.surface.accounts.actor, self.session["account_id"])
 
     def for_form(self, action, key):
         """This visit for one of several like forms on a page: its fields get IDs of their
@@ -7413,7 +7832,7 @@ def create_order_action(visit):
     body = {"customerId": visit.form.get("customerId"), "items": items,
             "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
     with visit.write() as conn:
-        order = place_order(conn, visit.company_id, body, source="dashboard")
+        order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor)
     return redirect(f"/dashboard/orders/{order['id']}")
 
 
@@ -7454,12 +7873,18 @@ def order_page(visit, order_id):
                     "tracking.number", "Tracking number", required="required"), u=visit.field(
                     "tracking.url", "Tracking URL (OTHER carrier, or to override)", kind="url")),
                 render('<button type="submit">Mark SHIPPED</button>')])))
+        elif status == "CANCELLED":
+            actions.append(visit.form_tag(action, render(CANCEL_FORM), css="inline"))
         else:
-            css = "danger" if status == "CANCELLED" else ""
-            actions.append(visit.button(action, f"Mark {status}", css, status=status))
+            actions.append(visit.button(action, f"Mark {status}", "", status=status))
     if not actions:
         actions.append(render('<p class="muted">{s} is final: no further status.</p>',
                               s=order["status"]))
+    if order["status"] == "CANCELLED":
+        actions.append(render('<p class="muted">Its units are back in stock.</p>')
+                       if order_restocked(visit.conn, order_id) else
+                       visit.button(f"/dashboard/orders/{order_id}/restock",
+                                    "Put its units back in stock"))
     returnable = returnable_units(visit.conn, order_id)
     open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
         render("<h3>Open a return</h3>"),
@@ -7511,6 +7936,15 @@ def order_status_action(visit, order_id):
     status, tracking = parse_status_update(body, visit.settings.tracking_url_templates)
     with visit.write() as conn:
         dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking)
+        if status == "CANCELLED" and visit.form.get("restock"):
+            restock_order(conn, visit.company_id, order_id, visit.actor)
+    return redirect(f"/dashboard/orders/{order_id}")
+
+
+@page("POST", "/dashboard/orders/<order_id>/restock", refused=order_page)
+def restock_order_action(visit, order_id):
+    with visit.write() as conn:
+        restock_order(conn, visit.company_id, order_id, visit.actor)
     return redirect(f"/dashboard/orders/{order_id}")
 
 
@@ -7575,22 +8009,83 @@ def new_product_page(visit):
 def create_product_action(visit):
     fields = product_fields(visit.form)
     with visit.write() as conn:
-        product = create_product(conn, visit.company_id, **fields)
+        product = create_product(conn, visit.company_id, visit.actor, **fields)
     return redirect(f"/dashboard/products/{product['id']}")
 
 
 @page("GET", "/dashboard/products/<product_id>")
 def product_page(visit, product_id):
     product = load_product(visit.conn, visit.company_id, product_id)
-    return visit.page(product["name"], product_form(
-        visit, f"/dashboard/products/{product_id}", dict(product)))
+    path = f"/dashboard/products/{product_id}"
+    stock = render(PRODUCT_STOCK, level=product["stock"],
+                   link=link(path + "/stock", "Adjust or count stock"),
+                   movements=movements_table(visit, product_id))
+    return visit.page(product["name"], join([product_form(visit, path, dict(product)), stock]))
+
+
+def movements_table(visit, product_id):
+    """A product's most recent stock movements, newest first, with what each belongs to."""
+    rows = []
+    for movement in map(movement_json, stock_history(visit.conn, visit.company_id, product_id)):
+        of = (link(f"/dashboard/orders/{movement['orderId']}", movement["orderId"])
+              if movement["orderId"] else "")
+        if movement["returnId"]:
+            of = join([of, render(" return {r}", r=movement["returnId"])])
+        actor = movement["actor"]
+        rows.append((movement["createdAt"], f"{movement['change']:+d}", movement["levelAfter"],
+                     movement["reason"], of, movement["note"] or "",
+                     " ".join(filter(None, (actor["type"], actor["id"])))))
+    return table(("When (UTC)", "Change", "Level after", "Reason", "For", "Note", "By"), rows,
+                 numeric=("Change", "Level after"))
+
+
+#: What the stock page says once a movement is saved.
+STOCK_SAVED = "Saved: the movement is at the top of the list below."
+
+
+@page("GET", "/dashboard/products/<product_id>/stock")
+def stock_page(visit, product_id):
+    product = load_product(visit.conn, visit.company_id, product_id)
+    path = f"/dashboard/products/{product_id}/stock"
+    if "saved" in visit.query:
+        visit.notice = STOCK_SAVED
+    adjust, count = (visit.for_form(f"{path}/{kind}", kind) for kind in ("adjust", "count"))
+    adjust_form = adjust.form_tag(path + "/adjust", join([
+        render("<h3>Adjust</h3>"),
+        adjust.field("by", "Change by (units; negative takes out)", kind="number",
+                     required="required"),
+        adjust.field("reason", "Why", required="required", maxlength=MAX_MOVEMENT_NOTE),
+        render('<button type="submit">Adjust stock</button>')]))
+    count_form = count.form_tag(path + "/count", join([
+        render("<h3>Count</h3>"),
+        count.field("to", "Level found on the shelf", kind="number", min="0",
+                    required="required"),
+        count.field("reason", "Note (optional)", maxlength=MAX_MOVEMENT_NOTE),
+        render('<button type="submit">Record count</button>')]))
+    return visit.page(f"Stock of {product['name']}", render(
+        STOCK_FORMS, level=product["stock"], adjust=adjust_form, count=count_form,
+        movements=movements_table(visit, product_id)))
+
+
+@page("POST", "/dashboard/products/<product_id>/stock/<kind>", refused=stock_page)
+def stock_action(visit, product_id, kind):
+    with visit.write() as conn:
+        if kind == "adjust":
+            adjust_stock(conn, visit.company_id, product_id, form_int(visit.form, "by"),
+                         visit.form.get("reason"), visit.actor)
+        elif kind == "count":
+            count_stock(conn, visit.company_id, product_id, form_int(visit.form, "to"),
+                        visit.form.get("reason"), visit.actor)
+        else:
+            raise not_found("Page")
+    return redirect(f"/dashboard/products/{product_id}/stock?saved")
 
 
 @page("POST", "/dashboard/products/<product_id>", refused=product_page)
 def update_product_action(visit, product_id):
     fields = product_fields(visit.form)
     with visit.write() as conn:
-        update_product(conn, visit.company_id, product_id, **fields)
+        update_product(conn, visit.company_id, product_id, visit.actor, **fields)
     return redirect(f"/dashboard/products/{product_id}")
 
 
@@ -7759,6 +8254,7 @@ RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Ma
 def returns_page(visit):
     result = find_returns(visit.conn, visit.company_id, visit.filters())
     lines = return_lines_of(visit.conn, [row["id"] for row in result["data"]])
+    records = {record["id"]: record for record in returns_json(visit.conn, result["data"])}
     rows = []
     for row in result["data"]:
         action = f"/dashboard/returns/{row['id']}"
@@ -7767,12 +8263,14 @@ def returns_page(visit):
             next_step = visit.button(f"{action}/{step}", text)
         elif row["status"] == "RECEIVED":
             form = visit.for_form(f"{action}/refund", row["id"])
+            # (Both lists are in the order's line order.)
+            per_line = [(line["orderItemId"], name, units) for line, (name, _, units)
+                        in zip(records[row["id"]]["lines"], lines.get(row["id"], ()))]
             next_step = form.form_tag(f"{action}/refund", join([
                 form.select("method", "Method", [
                     (method, f"{method} ({meaning})") for method, meaning in
                     zip(REFUND_METHODS, ("credit note", "out of band"))]),
-                form.field("goodUnits", "Good units", "0", kind="number", min="0"),
-                form.field("damagedUnits", "Damaged units", "0", kind="number", min="0"),
+                refund_units_fields(form, per_line),
                 form.field("subtotal", "Subtotal", inputmode="decimal"),
                 form.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
                 render('<button type="submit">Refund</button>')]), css="refund")
@@ -7786,6 +8284,24 @@ def returns_page(visit):
         pager(visit, result, "/dashboard/returns"),
         render('<p class="muted">Open a return from its order\'s page.</p>')])
     return visit.page("Returns", body)
+
+
+def refund_units_fields(form, per_line):
+    """A refund form's units: for a return with lines, (order item ID, product name, units)
+    each, its good units (back in stock) and damaged units, the totals then optional (their
+    sums); for one without, the totals alone."""
+    default_sum = " (default: the lines' sum)" if per_line else ""
+    return join([
+        join(render(REFUND_LINE_FIELDS, good=form.field(
+            f"good.{item_id}", f"{name}: good units, back in stock (of {units})", kind="number",
+            min="0", max=units), damaged=form.field(
+            f"damaged.{item_id}", f"{name}: damaged units", kind="number", min="0", max=units))
+            for item_id, name, units in per_line),
+        form.error("lines"),
+        form.field("goodUnits", "Good units" + default_sum, "" if per_line else "0",
+                   kind="number", min="0"),
+        form.field("damagedUnits", "Damaged units" + default_sum, "" if per_line else "0",
+                   kind="number", min="0")])
 
 
 @page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
@@ -7804,10 +8320,15 @@ def return_step_action(visit, return_id, step):
         elif step == "receive":
             receive_return(conn, visit.company_id, return_id)
         elif step == "refund":
+            good, damaged = form_units(visit.form, "good."), form_units(visit.form, "damaged.")
+            lines = {item_id: (good.get(item_id, 0), damaged.get(item_id, 0))
+                     for item_id in {**good, **damaged}} or None
             refund_return(conn, visit.company_id, return_id, visit.form.get("method"),
-                          form_int(visit.form, "goodUnits"), form_int(visit.form, "damagedUnits"),
+                          form_int(visit.form, "goodUnits", required=lines is None),
+                          form_int(visit.form, "damagedUnits", required=lines is None),
                           form_amount(visit.form, "subtotal"),
-                          form_amount(visit.form, "amount", required=False))
+                          form_amount(visit.form, "amount", required=False), lines=lines,
+                          actor=visit.actor)
         else:
             raise not_found("Page")
     return redirect("/dashboard/returns")
@@ -9170,7 +9691,7 @@ def cmd_key_revoke(conn, args):
 def cmd_product_create(conn, args):
     fields = _product_fields(args)
     fields["is_active"] = not args.inactive
-    return product_json(create_product(conn, args.company, **fields))
+    return product_json(create_product(conn, args.company, COMMAND, **fields))
 
 
 def cmd_product_update(conn, args):
@@ -9178,7 +9699,7 @@ def cmd_product_update(conn, args):
     fields = _product_fields(args)
     if args.active is not None:
         fields["is_active"] = args.active
-    return product_json(update_product(conn, company_id, args.id, **fields))
+    return product_json(update_product(conn, company_id, args.id, COMMAND, **fields))
 
 
 def cmd_storefront_register(conn, args):
@@ -9221,22 +9742,65 @@ def cmd_return_open(conn, args):
         lines = dict(pairs)
         if len(lines) < len(pairs):
             raise invalid("line", "must name each order item once")
-    return return_json(open_return(conn, company_of(conn, "Order", args.order), args.order,
-                                   args.reason, args.item_count, "staff" if args.staff else None,
-                                   lines))
+    company_id = company_of(conn, "Order", args.order)
+    opened = open_return(conn, company_id, args.order, args.reason, args.item_count,
+                         "staff" if args.staff else None, lines)
+    return return_record(conn, company_id, opened["id"])
 
 
 def cmd_return_approve(conn, args):
-    return return_json(approve_return(conn, company_of(conn, "Return", args.id), args.id))
+    company_id = company_of(conn, "Return", args.id)
+    approve_return(conn, company_id, args.id)
+    return return_record(conn, company_id, args.id)
 
 
 def cmd_return_receive(conn, args):
-    return return_json(receive_return(conn, company_of(conn, "Return", args.id), args.id))
+    company_id = company_of(conn, "Return", args.id)
+    receive_return(conn, company_id, args.id)
+    return return_record(conn, company_id, args.id)
+
+
+def _refund_lines(texts):
+    """{order item ID: (good, damaged)} from --line ORDER_ITEM_ID:GOOD:DAMAGED values."""
+    lines = {}
+    for text in texts:
+        match = re.fullmatch(r"(.+):(\d{1,10}):(\d{1,10})", text)
+        if not match:
+            raise invalid("line", "must be ORDER_ITEM_ID:GOOD:DAMAGED")
+        if match.group(1) in lines:
+            raise invalid("line", "must name each order item once")
+        lines[match.group(1)] = (int(match.group(2)), int(match.group(3)))
+    return lines
 
 
 def cmd_return_refund(conn, args):
+    if args.line is None and None in (args.good_units, args.damaged_units):
+        raise invalid("goodUnits", "--good-units and --damaged-units are required without "
+                                   "--line")
     return refund_return(conn, company_of(conn, "Return", args.id), args.id, args.method,
-                         args.good_units, args.damaged_units, args.subtotal, args.amount)
+                         args.good_units, args.damaged_units, args.subtotal, args.amount,
+                         lines=None if args.line is None else _refund_lines(args.line),
+                         actor=COMMAND)
+
+
+def cmd_stock_adjust(conn, args):
+    return adjust_stock(conn, company_of(conn, "Product", args.id), args.id, args.by,
+                        args.reason, COMMAND)
+
+
+def cmd_stock_count(conn, args):
+    return count_stock(conn, company_of(conn, "Product", args.id), args.id, args.to,
+                       args.reason, COMMAND)
+
+
+def cmd_stock_history(conn, args):
+    return {"data": [movement_json(row) for row in stock_history(
+        conn, company_of(conn, "Product", args.id), args.id, args.limit)]}
+
+
+def cmd_order_restock(conn, args):
+    return {"orderId": args.id, "data": restock_order(
+        conn, company_of(conn, "Order", args.id), args.id, COMMAND)}
 
 
 def cmd_invoice_paid(conn, args):
@@ -9288,7 +9852,7 @@ def demo(settings):
     return "\n".join([
         f"Demo company Demo Wholesale ({made['companyId']}) in {describe_db(settings)}: "
         f"{len(DEMO_CATALOG)} products, 2 customers.",
-        "API key with all seven scopes (shown once):",
+        f"API key with all {len(SCOPES)} scopes (shown once):",
         made["key"],
         f"Start the server ({start}), then try:",
         f"  curl -s {header} {base}/products",
@@ -9443,10 +10007,37 @@ def build_parser():
                   "refund a RECEIVED return (refund.processed)")
     sub.add_argument("id", metavar="RETURN_ID")
     sub.add_argument("--method", required=True, choices=REFUND_METHODS)
-    sub.add_argument("--good-units", type=_non_negative, required=True)
-    sub.add_argument("--damaged-units", type=_non_negative, required=True)
+    sub.add_argument("--good-units", type=_non_negative,
+                     help="units that came back good (required without --line)")
+    sub.add_argument("--damaged-units", type=_non_negative,
+                     help="units that came back damaged (required without --line)")
     sub.add_argument("--subtotal", type=_amount, required=True, help="e.g. 40.00")
     sub.add_argument("--amount", type=_amount, help="refunded amount (default: the subtotal)")
+    sub.add_argument("--line", action="append", metavar="ORDER_ITEM_ID:GOOD:DAMAGED",
+                     help="a line of the return and how many of its units came back good (back "
+                          "in stock) and damaged; repeat for more lines")
+
+    sub = command("stock-adjust", cmd_stock_adjust,
+                  "change a product's stock by N, saying why (an adjustment movement; "
+                  "product.updated)")
+    sub.add_argument("id", metavar="PRODUCT_ID")
+    sub.add_argument("--by", type=int, required=True, help="signed units, e.g. -3 or 12")
+    sub.add_argument("--reason", required=True, help="why, kept as the movement's note")
+    sub = command("stock-count", cmd_stock_count,
+                  "record a count, the level found on the shelf (a count movement of the "
+                  "difference; product.updated)")
+    sub.add_argument("id", metavar="PRODUCT_ID")
+    sub.add_argument("--to", type=_non_negative, required=True, help="the level counted")
+    sub.add_argument("--reason", help="a note kept with the movement")
+    sub = command("stock-history", cmd_stock_history,
+                  "a product's most recent stock movements, newest first")
+    sub.add_argument("id", metavar="PRODUCT_ID")
+    sub.add_argument("--limit", type=_positive, default=MOVEMENTS_SHOWN,
+                     help=f"how many ({MOVEMENTS_SHOWN})")
+    sub = command("order-restock", cmd_order_restock,
+                  "put a cancelled order's units back in stock, once (a cancellation "
+                  "movement per line)")
+    sub.add_argument("id", metavar="ORDER_ID")
 
     sub = command("invoice-paid", cmd_invoice_paid,
                   "record a paid invoice of the company's subscription (invoice.paid)")
@@ -9468,7 +10059,7 @@ def build_parser():
                      help=f"grace window ({WEBHOOK_SECRET_GRACE_HOURS})")
 
     command("demo", None, "create a demo company, catalog and customers (once) and print a "
-                          "new key with all seven scopes and curl commands to try")
+                          f"new key with all {len(SCOPES)} scopes and curl commands to try")
     sub = command("backup", None, "copy the database to DEST while the server may be running")
     sub.add_argument("destination", metavar="DEST", type=_non_empty)
     sub = command("copy-to", None, "copy every table into TARGET, an empty database (a file or "

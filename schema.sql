@@ -208,6 +208,33 @@ CREATE TABLE IF NOT EXISTS refunds (
     created_at     TEXT NOT NULL
 );
 
+-- The stock ledger: every change of a product's stock, written in the transaction that makes
+-- it, so that for every product the sum of change over its movements is its stock. reason says
+-- why (see README, Stock), order_id or return_id what it belongs to, actor_type and actor_id who
+-- made it (staff and a staff ID, key and an API key ID, buyer and a customer ID, command, or
+-- system: the program itself, as for the opening movements schema version 6 wrote).
+CREATE TABLE IF NOT EXISTS stock_movements (
+    id           TEXT PRIMARY KEY,
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    product_id   TEXT NOT NULL REFERENCES products(id),
+    change       INTEGER NOT NULL,          -- signed: units in (+) or out (-)
+    level_after  INTEGER NOT NULL,          -- the product's stock once it was made
+    reason       TEXT NOT NULL CHECK (reason IN ('order', 'adjustment', 'count', 'return',
+                                                 'cancellation', 'import', 'initial')),
+    order_id     TEXT REFERENCES orders(id),
+    return_id    TEXT REFERENCES returns(id),
+    note         TEXT,
+    actor_type   TEXT NOT NULL CHECK (actor_type IN ('staff', 'key', 'buyer', 'command', 'system')),
+    actor_id     TEXT,
+    created_at   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS stock_movements_by_company_newest   -- GET /api/v1/inventory
+    ON stock_movements (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS stock_movements_of_product_newest   -- a product's history, productId
+    ON stock_movements (product_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS stock_movements_of_order      -- a cancelled order's restock, once
+    ON stock_movements (order_id, reason);
+
 CREATE TABLE IF NOT EXISTS invoices (
     id                  TEXT PRIMARY KEY,
     company_id          TEXT NOT NULL REFERENCES companies(id),

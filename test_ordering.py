@@ -2952,7 +2952,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
     expected = {"companies": 2, "api_keys": 3, "products": 3, "customers": 1,
                 "customer_prices": 1, "cart_lines": 2, "addresses": 1, "orders": 2,
                 "order_status_changes": 2, "order_items": 3, "returns": 1, "return_lines": 1,
-                "refunds": 0, "invoices": 0, "stripe_events": 0, "webhooks": 1, "events": 2,
+                "refunds": 0, "stock_movements": 6, "invoices": 0, "stripe_events": 0,
+                "webhooks": 1, "events": 2,
                 "deliveries": 2, "emails": 0, "email_attempts": 0, "idempotency_keys": 1,
                 "staff": 1, "staff_sessions": 2, "customer_sessions": 1, "customer_tokens": 1,
                 "sign_in_failures": 1, "rate_windows": 0}
@@ -5109,7 +5110,7 @@ def test_cli_delivery_to_loopback_refused_without_flag(quiet_api, quiet_tenant, 
 # ---------------------------------------------------------------------------------------------
 # Hostile input and tenant isolation
 #
-# A. Malformed input everywhere (property-based): for each of the 15 operations in
+# A. Malformed input everywhere (property-based): for each of the 18 operations in
 #    ordering.ROUTES, arbitrary JSON, wrong types, huge and unicode strings, deep nesting, raw
 #    bytes, odd Content-Types, odd query strings and odd path IDs. Property: every answer is a
 #    2xx, or a 4xx whose body is JSON {"error": <non-empty str>, ...}; never a 500; and a refused
@@ -5119,21 +5120,22 @@ def test_cli_delivery_to_loopback_refused_without_flag(quiet_api, quiet_tenant, 
 # ---------------------------------------------------------------------------------------------
 
 BUSINESS_TABLES = ("products", "customers", "orders", "order_items", "webhooks", "events",
-                   "deliveries")
+                   "deliveries", "returns", "stock_movements")
 ROUTES = [(r.method, r.path) for r in ordering.ROUTES]
 ROUTE_IDS = [f"{method} {path}" for method, path in ROUTES]
 ID_ROUTES = [(m, p) for m, p in ROUTES if "<" in p]
 LIST_ROUTES = [(m, p) for m, p in ROUTES if m == "GET" and "<" not in p]
 BODY_ROUTES = [(m, p) for m, p in ROUTES if m in ("POST", "PATCH")]
 KIND_OF_PATH = {"products": "product", "orders": "order", "customers": "customer",
-                "webhooks": "webhook"}
+                "webhooks": "webhook", "returns": "return", "inventory": "movement"}
 RESOURCE = {"product": "Product", "order": "Order", "customer": "Customer",
-            "webhook": "Webhook"}
-PREFIX = {"product": "prod", "order": "ord", "customer": "cus", "webhook": "wh"}
+            "webhook": "Webhook", "return": "Return"}
+PREFIX = {"product": "prod", "order": "ord", "customer": "cus", "webhook": "wh", "return": "ret",
+          "movement": "mov"}
 EMPTY_PAGE = {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
 SEED_HOOK = "https://hooks.example/x"
 
-assert len(ROUTES) == 15, ROUTES
+assert len(ROUTES) == 18, ROUTES
 
 
 def kind_of(path):
@@ -5197,10 +5199,15 @@ class Seeded:
                                             "quantity": 1 + i}],
                              customer_id=self.customers[i % 2]["id"], headers=self.headers,
                              poNumber=f"PO-{i}").json["data"] for i in range(3)]
+        with self.db.write() as conn:
+            self.returns = [ordering.open_return(conn, t.id, self.orders[0]["id"], "Torn bag")]
         self.ids = {"product": [p["id"] for p in self.products],
                     "customer": [c["id"] for c in self.customers],
                     "order": [o["id"] for o in self.orders],
-                    "webhook": [w["id"] for w in self.webhooks]}
+                    "webhook": [w["id"] for w in self.webhooks],
+                    "return": [r["id"] for r in self.returns],
+                    "movement": [row[0] for row in self.db.conn.execute(
+                        "SELECT id FROM stock_movements ORDER BY id LIMIT 3")]}
         self.all_ids = [i for ids in self.ids.values() for i in ids]
         self.strategies = {}
 
@@ -5527,7 +5534,8 @@ def test_odd_query_strings_on_lists(seeded, caplog, method, path, data):
                      headers=seeded.headers)
     if response.status_int == 200:
         page = response.json
-        own = {row[0] for table in ("products", "customers", "orders", "webhooks")
+        own = {row[0] for table in ("products", "customers", "orders", "webhooks", "returns",
+                                    "stock_movements")
                for row in seeded.db.conn.execute(f"SELECT id FROM {table}")}
         assert all(record["id"] in own for record in page["data"])
         if path != "/api/v1/webhooks":
@@ -5683,13 +5691,19 @@ class Companies:
         api.patch_json(f"/api/v1/orders/{self.b_orders[1]['id']}", {
             "status": "SHIPPED", "tracking": {"carrier": "CARRIER_A", "number": "ZZ123"}},
             headers=b.headers, status=200)
+        with self.db.write() as conn:
+            self.a_returns = [ordering.open_return(conn, a.id, self.a_orders[0]["id"], "Torn")]
+            self.b_returns = [ordering.open_return(conn, b.id, order["id"], "Zanzibar torn")
+                              for order in self.b_orders]
         self.a_webhooks = [self._webhook(a)]
         self.b_webhooks = [self._webhook(b)]
         self.records = {
             "a": {"product": self.a_products, "customer": self.a_customers,
-                  "order": self.a_orders, "webhook": self.a_webhooks},
+                  "order": self.a_orders, "webhook": self.a_webhooks,
+                  "return": self.a_returns, "movement": self._movements(a)},
             "b": {"product": self.b_products, "customer": self.b_customers,
-                  "order": self.b_orders, "webhook": self.b_webhooks},
+                  "order": self.b_orders, "webhook": self.b_webhooks,
+                  "return": self.b_returns, "movement": self._movements(b)},
         }
         self.b_ids = {r["id"] for records in self.records["b"].values() for r in records}
 
@@ -5697,6 +5711,10 @@ class Companies:
         return place(self.api, tenant, [{"productId": product["id"], "quantity": 2}],
                      customer_id=customer["id"], poNumber="PO-" + tenant.company["slug"]
                      ).json["data"]
+
+    def _movements(self, tenant):
+        return [{"id": row[0]} for row in self.db.conn.execute(
+            "SELECT id FROM stock_movements WHERE company_id = ?", (tenant.id,))]
 
     def _webhook(self, tenant):
         return self.api.post_json("/api/v1/webhooks", {
@@ -5711,7 +5729,8 @@ class Companies:
         company = self.b.id
         conn = self.db.conn
         state = {}
-        for table in ("products", "customers", "orders", "webhooks", "events"):
+        for table in ("products", "customers", "orders", "webhooks", "events", "returns",
+                      "stock_movements"):
             state[table] = [tuple(r) for r in conn.execute(
                 f"SELECT * FROM {table} WHERE company_id = ? ORDER BY id", (company,))]
         state["order_items"] = [tuple(r) for r in conn.execute(
@@ -5753,7 +5772,7 @@ def as_a(companies, method, url, body=None):
     return response.status_int, response.json
 
 
-KINDS = ["product", "order", "customer", "webhook"]
+KINDS = ["product", "order", "customer", "webhook", "return"]
 ID_FORMS = {
     "exact": lambda i: i,
     "percent-encoded": lambda i: "".join(f"%{b:02X}" for b in i.encode()),
@@ -5858,6 +5877,9 @@ LIST_QUERIES = [
     ("customers", "status=BLOCKED"), ("customers", "status=ACTIVE"),
     ("customers", "search=%40"), ("customers", "search=example"), ("customers", "search=e"),
     ("webhooks", ""), ("webhooks", "limit=100"),
+    ("returns", ""), ("returns", "limit=1"), ("returns", "status=REQUESTED"),
+    ("inventory", ""), ("inventory", "limit=1"), ("inventory", "reason=order"),
+    ("inventory", "since=2000-01-01"),
 ]
 
 
@@ -5879,7 +5901,8 @@ def test_lists_never_contain_other_companys_records(companies, resource, query):
     assert set(seen) <= a_ids
 
 
-CURSOR_CASES = [(r, k) for r in ("products", "orders", "customers") for k in KINDS]
+CURSOR_CASES = [(r, k) for r in ("products", "orders", "customers", "returns", "inventory")
+                for k in KINDS]
 
 
 @pytest.mark.parametrize("resource,kind", CURSOR_CASES,
@@ -6390,10 +6413,17 @@ def _seed_for_openapi(app):
                    headers=tenant.headers)
     webhooks = [subscribe(api, tenant, f"https://hooks.example/{n}", ["order.created"])
                 for n in range(3)]
+    with tenant.db.write() as conn:
+        returns = [ordering.open_return(conn, tenant.id, orders[n]["id"], "Torn bags", lines={
+            orders[n]["items"][0]["id"]: 1}) for n in (3, 4)]
+        ordering.approve_return(conn, tenant.id, returns[0]["id"])
+        ordering.receive_return(conn, tenant.id, returns[0]["id"])
+        ordering.refund_return(conn, tenant.id, returns[0]["id"], "CREDIT", 1, 0, 100)
     known = {"product_id": [p["id"] for p in products],
              "customer_id": [c["id"] for c in customers],
              "order_id": [o["id"] for o in orders],
-             "webhook_id": [w["id"] for w in webhooks], "keys": []}
+             "webhook_id": [w["id"] for w in webhooks],
+             "return_id": [r["id"] for r in returns], "keys": []}
     return tenant, known
 
 
@@ -6409,7 +6439,8 @@ def _use_known_ids(case, data, known):
     for name, value in list((case.path_parameters or {}).items()):
         case.path_parameters[name] = maybe(known[name], value)
     for name, ids in (("cursor", known["order_id"] + known["customer_id"]),
-                      ("customerId", known["customer_id"])):
+                      ("customerId", known["customer_id"]), ("orderId", known["order_id"]),
+                      ("productId", known["product_id"])):
         if isinstance(case.query, dict) and isinstance(case.query.get(name), str):
             case.query[name] = maybe(ids, case.query[name])
     body = case.body
@@ -8191,12 +8222,14 @@ def back_to_schema_2(conn):
 
 def back_to_schema_4(conn):
     """A database as version 4 left it: no shipping addresses or checkout forms on orders, no
-    record of status changes, no customer prices, carts, saved addresses or return lines."""
+    record of status changes, no customer prices, carts, saved addresses or return lines, no
+    stock movements."""
     for statement in ("DROP INDEX orders_by_checkout",
                       "ALTER TABLE orders DROP COLUMN shipping_address",
                       "ALTER TABLE orders DROP COLUMN checkout_token",
                       "DROP TABLE order_status_changes", "DROP TABLE customer_prices",
-                      "DROP TABLE cart_lines", "DROP TABLE addresses", "DROP TABLE return_lines"):
+                      "DROP TABLE cart_lines", "DROP TABLE addresses", "DROP TABLE return_lines",
+                      "DROP TABLE stock_movements"):
         conn.execute(statement)
     conn.engine.set_schema_version(conn, 4)
 
@@ -8220,7 +8253,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 5
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -9204,7 +9237,7 @@ def test_operation_ids_are_the_route_functions_named_as_operations():
         "list_products", "get_product", "list_orders", "get_order", "create_order",
         "update_order", "list_customers", "get_customer", "create_customer", "update_customer",
         "list_webhooks", "get_webhook", "create_webhook", "update_webhook", "delete_webhook",
-        "openapi_document", "health"])
+        "list_inventory", "list_returns", "get_return", "openapi_document", "health"])
     assert ordering.Api.create_customer is not ordering.create_customer
 
 
@@ -10060,7 +10093,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 5
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 6
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -10763,7 +10796,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 5
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 6
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
@@ -10784,7 +10817,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 5
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -12029,3 +12062,868 @@ def test_an_account_keeps_ten_live_sessions_and_the_oldest_end(app, tenant):
             "/sign-in")
     for browser in browsers[2:]:
         browser.get(store_of(tenant) + "/account", status=200)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stock as a ledger: a movement for every change of stock, adjustments and counts, returns and
+# cancellations that put stock back, the inventory and returns endpoints, their commands
+# ---------------------------------------------------------------------------------------------
+
+MOVEMENT_FIELDS = {"id", "productId", "change", "levelAfter", "reason", "orderId", "returnId",
+                   "note", "actor", "createdAt"}
+RETURN_FIELDS = {"id", "orderId", "customerId", "status", "reason", "itemCount", "actor",
+                 "createdAt", "updatedAt", "lines", "refund"}
+
+
+def ledger_of(db, product_id):
+    """(reason, change, level after, order ID, return ID, note, actor type) of a product's
+    movements, oldest first."""
+    return [(row["reason"], row["change"], row["level_after"], row["order_id"], row["return_id"],
+             row["note"], row["actor_type"]) for row in db.conn.execute(
+        "SELECT * FROM stock_movements WHERE product_id = ? ORDER BY created_at, id",
+        (product_id,))]
+
+
+def assert_ledger_balances(conn):
+    """For every product, the sum of its movements is its stock."""
+    unbalanced = conn.execute(
+        "SELECT p.id, p.stock, COALESCE(SUM(m.change), 0) FROM products p LEFT JOIN "
+        "stock_movements m ON m.product_id = p.id GROUP BY p.id, p.stock "
+        "HAVING p.stock <> COALESCE(SUM(m.change), 0)").fetchall()
+    assert [tuple(row) for row in unbalanced] == []
+
+
+def received_return(tenant, order, lines=None, reason="Torn bags"):
+    """A return of order (lines: {order item ID: units}, or None for the older form), RECEIVED."""
+    with tenant.db.write() as conn:
+        opened = ordering.open_return(conn, tenant.id, order["id"], reason, lines=lines)
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+    return opened
+
+
+def refused(call, status, message):
+    """call(conn) must be refused with status and message, writing nothing."""
+    with pytest.raises(ordering.ApiError) as refusal:
+        call()
+    assert (refusal.value.status, refusal.value.message) == (status, message)
+    return refusal.value
+
+
+# The ledger ----------------------------------------------------------------------------------
+
+def test_every_change_of_stock_is_a_movement_and_they_add_up_to_it(api, tenant, database):
+    product = tenant.product(stock=10)
+    pid = product["id"]
+    order = place(api, tenant, [{"productId": pid, "quantity": 2},
+                                {"productId": pid, "quantity": 1}]).json["data"]
+    tenant.update_product(pid, stock=20)
+    with tenant.db.write() as conn:
+        ordering.adjust_stock(conn, tenant.id, pid, -4, "Two bags torn in the store")
+        ordering.count_stock(conn, tenant.id, pid, 15, "Shelf count")
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers, status=200)
+    assert tenant.stock(pid) == 15  # the API's cancellation moves no stock (the spec)
+    with tenant.db.write() as conn:
+        ordering.restock_order(conn, tenant.id, order["id"], ordering.COMMAND)
+    edit = ordering.PRODUCT_EDIT_NOTE
+    assert ledger_of(tenant.db, pid) == [
+        ("initial", 10, 10, None, None, None, "system"),
+        ("order", -2, 8, order["id"], None, None, "key"),
+        ("order", -1, 7, order["id"], None, None, "key"),
+        ("adjustment", 13, 20, None, None, edit, "system"),
+        ("adjustment", -4, 16, None, None, "Two bags torn in the store", "system"),
+        ("count", -1, 15, None, None, "Shelf count", "system"),
+        ("cancellation", 2, 17, order["id"], None, None, "command"),
+        ("cancellation", 1, 18, order["id"], None, None, "command")]
+    assert tenant.stock(pid) == 18
+    assert {row[0] for row in tenant.db.conn.execute(
+        "SELECT actor_id FROM stock_movements WHERE reason = 'order'")} == {tenant.key["id"]}
+    assert_ledger_balances(tenant.db.conn)
+
+
+def test_orders_from_each_surface_name_who_placed_them(app, tenant):
+    product = tenant.product(stock=10)
+    customer = store_buyer(app, tenant)
+    with tenant.db.write() as conn:
+        ordering.storefront_place_order(conn, tenant.company["slug"], customer["id"], [
+            {"productId": product["id"], "quantity": 1}])
+        ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": product["id"], "quantity": 2}]}, source="dashboard",
+            actor=ordering.Actor("staff", "stf_1"))
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT change, level_after, actor_type, actor_id FROM stock_movements WHERE "
+        "reason = 'order' ORDER BY created_at, id")] == [
+        (-1, 9, "buyer", customer["id"]), (-2, 7, "staff", "stf_1")]
+
+
+def test_a_refused_order_writes_no_movement(api, tenant):
+    product = tenant.product(stock=1)
+    before = tenant.db.conn.execute("SELECT COUNT(*) FROM stock_movements").fetchone()[0]
+    place(api, tenant, [{"productId": product["id"], "quantity": 2}], status=400)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM stock_movements").fetchone()[0] == before
+
+
+def test_the_demo_imports_its_catalog_and_every_level_is_its_movements(db_path):
+    cli_json_demo = run_cli(db_path, "demo")
+    assert cli_json_demo.returncode == 0, cli_json_demo.stderr
+    assert f"API key with all {len(ordering.SCOPES)} scopes" in cli_json_demo.stdout
+    conn = read_db(db_path)
+    try:
+        assert {tuple(row) for row in conn.execute(
+            "SELECT reason, actor_type, COUNT(*) FROM stock_movements GROUP BY reason, "
+            "actor_type")} == {("import", "system", len(ordering.DEMO_CATALOG))}
+        assert_ledger_balances(conn)
+        scopes = conn.execute("SELECT scopes FROM api_keys").fetchone()[0].split()
+        assert scopes == list(ordering.SCOPES)
+    finally:
+        conn.close()
+
+
+def back_to_schema_5(conn):
+    """A database as version 5 left it: no stock movements."""
+    conn.execute("DROP TABLE stock_movements")
+    conn.engine.set_schema_version(conn, 5)
+
+
+def reopened_from(app, database, older):
+    """The app's database taken back to an older schema by older(conn), opened again."""
+    with app.service.db.write() as conn:
+        older(conn)
+    app.service.close(grace=0)
+    return ordering.Database(str(database))
+
+
+def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, database):
+    rice, salt = tenant.product("Rice", stock=10), tenant.product("Salt", stock=0)
+    place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
+    db = reopened_from(app, database, back_to_schema_5)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
+        updated = dict(tuple(row) for row in db.conn.execute(
+            "SELECT id, updated_at FROM products"))
+        opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
+                    row["order_id"], row["actor_type"], row["actor_id"], row["created_at"])
+                   for row in db.conn.execute("SELECT * FROM stock_movements ORDER BY product_id")]
+        assert opening == sorted([
+            (rice["id"], 7, 7, "initial", None, "system", None, updated[rice["id"]]),
+            (salt["id"], 0, 0, "initial", None, "system", None, updated[salt["id"]])])
+        with db.write() as conn:
+            ordering.adjust_stock(conn, tenant.id, rice["id"], 5, "Delivery")
+        assert [m[:3] for m in ledger_of(db, rice["id"])] == [("initial", 7, 7),
+                                                              ("adjustment", 5, 12)]
+        assert_ledger_balances(db.conn)
+    finally:
+        db.close()
+
+
+# Racing threads and processes ----------------------------------------------------------------
+
+RACING_LEDGER = """
+import json, os, random, sys, time
+sys.path.insert(0, sys.argv[1])
+import ordering
+path, go, company, customer = sys.argv[2:6]
+products = sys.argv[6].split(",")
+db = ordering.Database(path)
+open(f"{go}.{os.getpid()}", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.001)
+rng = random.Random(os.getpid())
+done = []
+for step in range(25):
+    kind, product = step % 5, rng.choice(products)
+    try:
+        with db.write() as conn:
+            if kind in (0, 1, 4):
+                order = ordering.place_order(conn, company, {"customerId": customer, "items": [
+                    {"productId": product, "quantity": rng.randint(1, 3)},
+                    {"productId": rng.choice(products), "quantity": 1}]})
+                done.append(["order", order["id"]])
+                if kind == 1:
+                    ordering.update_order_status(conn, company, order["id"], "CANCELLED")
+                    ordering.restock_order(conn, company, order["id"], ordering.COMMAND)
+                    done.append(["restock", order["id"]])
+                elif kind == 4:
+                    item = order["items"][0]
+                    opened = ordering.open_return(conn, company, order["id"], "Racing",
+                                                  lines={item["id"]: item["quantity"]})
+                    ordering.approve_return(conn, company, opened["id"])
+                    ordering.receive_return(conn, company, opened["id"])
+                    ordering.refund_return(conn, company, opened["id"], "CREDIT", None, None, 0,
+                                           lines={item["id"]: (1, item["quantity"] - 1)})
+                    done.append(["return", opened["id"]])
+            elif kind == 2:
+                ordering.adjust_stock(conn, company, product, rng.choice([-2, 5]), "race")
+                done.append(["adjustment", product])
+            else:
+                ordering.count_stock(conn, company, product, rng.randint(0, 40), "race")
+                done.append(["count", product])
+    except ordering.ApiError as error:
+        done.append(["refused", error.message])
+print(json.dumps(done))
+"""
+
+
+def assert_no_movement_missing_or_doubled(conn, done):
+    """Each placed order has one order movement per line, each restocked one a cancellation
+    movement per line, each refunded return one return movement; and as many adjustments and
+    counts as were made."""
+    kinds = collections.Counter(kind for kind, _ in done)
+    movements = collections.Counter(row[0] for row in conn.execute(
+        "SELECT reason FROM stock_movements WHERE reason <> 'initial'"))
+    assert movements == {reason: count for reason, count in (
+        ("order", 2 * kinds["order"]), ("cancellation", 2 * kinds["restock"]),
+        ("return", kinds["return"]), ("adjustment", kinds["adjustment"]),
+        ("count", kinds["count"])) if count}
+    for kind, record_id in done:
+        if kind in ("order", "restock"):
+            reason = "order" if kind == "order" else "cancellation"
+            assert conn.execute("SELECT COUNT(*) FROM stock_movements WHERE order_id = ? AND "
+                                "reason = ?", (record_id, reason)).fetchone()[0] == 2
+        elif kind == "return":
+            assert conn.execute("SELECT COUNT(*) FROM stock_movements WHERE return_id = ?",
+                                (record_id,)).fetchone()[0] == 1
+
+
+def test_the_ledger_balances_under_racing_processes_and_threads(app, tenant, database, tmp_path):
+    """Three processes and eight threads order, cancel and restock, refund returns, adjust and
+    count the same three products at once, on either engine."""
+    products = [tenant.product(f"Racing {n}", stock=40)["id"] for n in range(3)]
+    customer = tenant.customer()["id"]
+    go = tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", RACING_LEDGER, HERE, str(database),
+                                str(go), tenant.id, customer, ",".join(products)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(3)]
+    api = webtest.TestApp(app)
+    barrier = threading.Barrier(9)
+
+    def thread(number):
+        barrier.wait(timeout=120)
+        done = []
+        for step in range(10):
+            product = products[(number + step) % 3]
+            if step % 2:
+                with tenant.db.write() as conn:
+                    ordering.adjust_stock(conn, tenant.id, product, 3, "thread")
+                done.append(["adjustment", product])
+                continue
+            response = api.post_json("/api/v1/orders", {"customerId": customer, "items": [
+                {"productId": product, "quantity": 2}, {"productId": products[0], "quantity": 1}]},
+                headers=tenant.headers, expect_errors=True)
+            done.append(["order", response.json["data"]["id"]] if response.status_int == 201
+                        else ["refused", response.json["error"]])
+        return done
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        threads = [pool.submit(thread, number) for number in range(8)]
+        ready = wait_until(lambda: len(list(tmp_path.glob("go.*"))) == 3, timeout=60)
+        go.touch()  # (whatever happens, so that no racer waits for ever)
+        if not ready:
+            barrier.abort()
+        assert ready, "the racing processes did not start"
+        barrier.wait(timeout=120)
+        done = [entry for future in threads for entry in future.result()]
+    for racer in racers:
+        out, err = racer.communicate(timeout=120)
+        assert racer.returncode == 0, err
+        done += json.loads(out)
+    assert {message for kind, message in done if kind == "refused"} <= {
+        message for message in (f'Insufficient stock for product "Racing {n}". Available: {a}, '
+                                f'requested: {r}.' for n in range(3) for a in range(4)
+                                for r in range(1, 5))} | {
+        f'Stock of "Racing {n}" cannot go below zero: it is {a}, the change is -2.'
+        for n in range(3) for a in range(2)}
+    assert_ledger_balances(tenant.db.conn)
+    assert_no_movement_missing_or_doubled(tenant.db.conn, done)
+
+
+@pytest.mark.sqlite_only
+def test_the_ledger_balances_through_two_server_workers_and_commands(db_path):
+    """Threads order and cancel through `serve --workers 2` while stock-adjust, stock-count and
+    order-restock run as processes of their own on the same file."""
+    company, key, products, customers = seed_company(db_path, 2, 30, 2)
+    process, port = start_server(db_path, "--workers", "2", "--ip-rate-limit", "0")
+    done, lock = [], threading.Lock()
+
+    def client(number):
+        session = Client(port, key)
+        for step in range(8):
+            status, body = session.call("POST", "/api/v1/orders", {
+                "customerId": customers[number % 2], "items": [
+                    {"productId": products[step % 2], "quantity": 1},
+                    {"productId": products[(step + 1) % 2], "quantity": 1}]})
+            assert status in (201, 400), body
+            if status == 201:
+                order_id = json.loads(body)["data"]["id"]
+                with lock:
+                    done.append(["order", order_id])
+                if step % 3 == 0:
+                    assert session.call("PATCH", f"/api/v1/orders/{order_id}",
+                                        {"status": "CANCELLED"})[0] == 200
+                    with lock:
+                        done.append(["cancelled", order_id])
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            clients = [pool.submit(client, number) for number in range(6)]
+            for step in range(3):
+                if run_cli(db_path, "stock-adjust", products[step % 2], "--by", "4", "--reason",
+                           "delivery").returncode == 0:
+                    done.append(["adjustment", products[step % 2]])
+                if run_cli(db_path, "stock-count", products[1], "--to", str(20 + step)
+                           ).returncode == 0:
+                    done.append(["count", products[1]])
+            for future in clients:
+                future.result()
+    finally:
+        stop_server(process)
+    for kind, order_id in list(done):
+        if kind == "cancelled":
+            cli_json(db_path, "order-restock", order_id)
+            done.append(["restock", order_id])
+            cli_refuses(db_path, "order-restock", order_id, message=ordering.ALREADY_RESTOCKED)
+    conn = read_db(db_path)
+    try:
+        assert_ledger_balances(conn)
+        assert_no_movement_missing_or_doubled(
+            conn, [entry for entry in done if entry[0] != "cancelled"])
+    finally:
+        conn.close()
+
+
+# Adjustments and counts ----------------------------------------------------------------------
+
+def test_an_adjustment_is_a_product_edit_that_fires_and_rearms_low_stock(app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["product.updated", "product.low_stock"])
+    product = tenant.product(stock=12, low_stock_threshold=10, sku="R-1")
+    pid = product["id"]
+    with tenant.db.write() as conn:
+        moved = ordering.adjust_stock(conn, tenant.id, pid, -3, "  Torn in the store ",
+                                      ordering.Actor("staff", "stf_1"))
+    assert moved == {"id": moved["id"], "productId": pid, "change": -3, "levelAfter": 9,
+                     "reason": "adjustment", "orderId": None, "returnId": None,
+                     "note": "Torn in the store", "actor": {"type": "staff", "id": "stf_1"},
+                     "createdAt": moved["createdAt"]}
+    assert ISO_MS.match(moved["createdAt"])
+    with tenant.db.write() as conn:
+        ordering.adjust_stock(conn, tenant.id, pid, -1, "Another torn")   # still low: no event
+        ordering.adjust_stock(conn, tenant.id, pid, 5, "Delivery")        # 13: re-armed
+        ordering.adjust_stock(conn, tenant.id, pid, -4, "Spilt")          # 9: fires again
+    assert [(e["stock"], e["price"], e["isActive"]) for e in
+            store_events(app, "product.updated")] == [(9, 12.5, True), (8, 12.5, True),
+                                                       (13, 12.5, True), (9, 12.5, True)]
+    assert store_events(app, "product.updated")[0] == {
+        "id": pid, "sku": "R-1", "name": "Rice 25kg", "price": 12.5, "stock": 9,
+        "isActive": True, "category": None}
+    assert store_events(app, "product.low_stock") == [
+        {"id": pid, "sku": "R-1", "name": "Rice 25kg", "currentStock": level, "threshold": 10,
+         "triggeringOrderId": None} for level in (9, 9)]
+
+
+def test_a_count_records_the_difference_and_one_that_agrees_changes_nothing_else(app, api,
+                                                                                 tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["product.updated"])
+    product = tenant.product(stock=12)
+    with tenant.db.write() as conn:
+        short = ordering.count_stock(conn, tenant.id, product["id"], 9, "Shelf A")
+        agrees = ordering.count_stock(conn, tenant.id, product["id"], 9)
+    assert (short["reason"], short["change"], short["levelAfter"], short["note"]) == (
+        "count", -3, 9, "Shelf A")
+    assert (agrees["reason"], agrees["change"], agrees["levelAfter"], agrees["note"]) == (
+        "count", 0, 9, None)
+    assert [event["stock"] for event in store_events(app, "product.updated")] == [9]
+    assert tenant.stock(product["id"]) == 9
+
+
+def test_neither_an_adjustment_nor_a_count_leaves_stock_below_zero_or_takes_bad_input(app,
+                                                                                      tenant):
+    product = tenant.product("Salt", stock=3)
+    before = snapshot(app.service.db)
+    with tenant.db.write() as conn:
+        refused(lambda: ordering.adjust_stock(conn, tenant.id, product["id"], -4, "Lost"), 422,
+                'Stock of "Salt" cannot go below zero: it is 3, the change is -4.')
+        for by in (0, 1.5, ordering.MAX_QUANTITY + 1):
+            error = refused(lambda: ordering.adjust_stock(conn, tenant.id, product["id"], by,
+                                                          "Why"), 400, "Validation failed.")
+            assert error.details == [{"field": "by", "rule": "must be a whole number from "
+                                      "-1000000000 to 1000000000, not 0"}]
+        for note in (None, "   ", "n" * 501):
+            error = refused(lambda: ordering.adjust_stock(conn, tenant.id, product["id"], 1,
+                                                          note), 400, "Validation failed.")
+            assert error.details == [{"field": "reason", "rule": "must be 1 to 500 characters"}]
+        for level in (-1, "3"):
+            error = refused(lambda: ordering.count_stock(conn, tenant.id, product["id"], level),
+                            400, "Validation failed.")
+            assert error.details == [{"field": "to",
+                                      "rule": "must be a whole number from 0 to 1000000000"}]
+    with pytest.raises(ordering.ApiError) as missing, tenant.db.write() as conn:
+        ordering.adjust_stock(conn, tenant.id, "prod_nope", 1, "Why")
+    assert (missing.value.status, missing.value.message) == (404, "Product not found.")
+    assert snapshot(app.service.db) == before
+
+
+def test_another_companys_product_cannot_be_adjusted_counted_or_read(app, tenant, other):
+    theirs = other.product(stock=5)
+    with tenant.db.write() as conn:
+        for call in (lambda: ordering.adjust_stock(conn, tenant.id, theirs["id"], 1, "Why"),
+                     lambda: ordering.count_stock(conn, tenant.id, theirs["id"], 0),
+                     lambda: ordering.stock_history(conn, tenant.id, theirs["id"])):
+            refused(call, 404, "Product not found.")
+    assert other.stock(theirs["id"]) == 5
+
+
+# Returns put good units back -----------------------------------------------------------------
+
+def rice_and_salt_order(api, tenant):
+    rice, salt = tenant.product("Rice", stock=20), tenant.product("Salt", stock=20)
+    order = place(api, tenant, [{"productId": rice["id"], "quantity": 3},
+                                {"productId": salt["id"], "quantity": 2}]).json["data"]
+    return order, rice, salt
+
+
+def test_a_refund_puts_each_lines_good_units_back_and_not_its_damaged_ones(app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["refund.processed", "product.updated"])
+    order, rice, salt = rice_and_salt_order(api, tenant)
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    opened = received_return(tenant, order, {rice_line: 3, salt_line: 2})
+    with tenant.db.write() as conn:
+        refund = ordering.refund_return(conn, tenant.id, opened["id"], "CREDIT", None, None,
+                                        2000, lines={rice_line: (2, 1), salt_line: (0, 2)},
+                                        actor=ordering.Actor("staff", "stf_1"))
+    assert refund == {"id": refund["id"], "returnId": opened["id"], "orderId": order["id"],
+                      "customerId": order["customerId"], "amount": 20, "method": "CREDIT",
+                      "breakdown": {"goodUnits": 2, "damagedUnits": 3, "subtotal": 20}}
+    assert store_events(app, "refund.processed") == [refund]
+    assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (19, 18)
+    assert ledger_of(tenant.db, rice["id"])[-1] == ("return", 2, 19, order["id"], opened["id"],
+                                                    None, "staff")
+    assert [row[0] for row in ledger_of(tenant.db, salt["id"])] == ["initial", "order"]
+    assert [event["stock"] for event in store_events(app, "product.updated")] == [19]
+    assert_ledger_balances(tenant.db.conn)
+
+
+def test_refund_lines_are_the_returns_own_within_their_units_and_agree_with_the_totals(
+        app, api, tenant):
+    order, rice, _ = rice_and_salt_order(api, tenant)
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    opened = received_return(tenant, order, {rice_line: 2})
+    older = received_return(tenant, order, None, reason="Older form")
+    before = snapshot(app.service.db)
+    cases = [
+        (opened, {rice_line: (2, 1)}, None, None, "lines", "at most 2 units of Rice came back"),
+        (opened, {salt_line: (1, 0)}, None, None, "lines",
+         f"{salt_line} is not a line of this return"),
+        (opened, {rice_line: (1, 0)}, 2, None, "goodUnits",
+         "must be 1, the sum over the lines, or left out"),
+        (opened, {rice_line: (1, 0)}, None, 1, "damagedUnits",
+         "must be 0, the sum over the lines, or left out"),
+        (opened, {rice_line: (-1, 0)}, None, None, "lines",
+         f"{rice_line}: good and damaged units must be whole numbers >= 0"),
+        (older, {rice_line: (1, 0)}, None, None, "lines",
+         "this return records no lines: give the good and damaged units alone"),
+    ]
+    for record, lines, good, damaged, field, rule in cases:
+        with pytest.raises(ordering.ApiError) as refusal, tenant.db.write() as conn:
+            ordering.refund_return(conn, tenant.id, record["id"], "CREDIT", good, damaged, 100,
+                                   lines=lines)
+        assert (refusal.value.status, refusal.value.details) == (
+            400, [{"field": field, "rule": rule}])
+    assert snapshot(app.service.db) == before
+
+
+def test_a_refund_without_lines_puts_stock_back_only_where_one_split_is_possible(api, tenant):
+    rice, salt = tenant.product("Rice", stock=20), tenant.product("Salt", stock=20)
+    order = place(api, tenant, [{"productId": rice["id"], "quantity": 5},
+                                {"productId": salt["id"], "quantity": 5}]).json["data"]
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    both = {rice_line: 1, salt_line: 1}
+    one_line, all_good, none_good, ambiguous, older = (
+        received_return(tenant, order, lines) for lines in (
+            {rice_line: 1}, both, both, both, None))
+    with tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, one_line["id"], "CREDIT", 1, 0, 100)
+        ordering.refund_return(conn, tenant.id, all_good["id"], "CREDIT", 2, 0, 100)
+        ordering.refund_return(conn, tenant.id, none_good["id"], "CREDIT", 0, 2, 100)
+        ordering.refund_return(conn, tenant.id, older["id"], "MANUAL", 1, 0, 100)
+    assert [(row[0], row[1], row[4]) for row in ledger_of(tenant.db, rice["id"])[2:]] == [
+        ("return", 1, one_line["id"]), ("return", 1, all_good["id"])]
+    assert [(row[0], row[1], row[4]) for row in ledger_of(tenant.db, salt["id"])[2:]] == [
+        ("return", 1, all_good["id"])]
+    assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (17, 16)
+    with pytest.raises(ordering.ApiError) as refusal, tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, ambiguous["id"], "CREDIT", 1, 1, 100)
+    assert refusal.value.details == [{"field": "lines", "rule": ordering.REFUND_LINES_NEEDED}]
+    assert_ledger_balances(tenant.db.conn)
+
+
+# Cancellations may put stock back -------------------------------------------------------------
+
+def test_only_a_cancelled_order_is_restocked_and_only_once(api, tenant):
+    order = new_order(api, tenant, quantity=4)
+    product_id = order["items"][0]["productId"]
+    with tenant.db.write() as conn:
+        refused(lambda: ordering.restock_order(conn, tenant.id, order["id"]), 422,
+                "Only a cancelled order's units can be put back in stock.")
+        ordering.update_order_status(conn, tenant.id, order["id"], "CANCELLED")
+    assert tenant.stock(product_id) == 96
+    with tenant.db.write() as conn:
+        moved = ordering.restock_order(conn, tenant.id, order["id"])
+    assert [(m["reason"], m["change"], m["levelAfter"], m["orderId"]) for m in moved] == [
+        ("cancellation", 4, 100, order["id"])]
+    with tenant.db.write() as conn:
+        refused(lambda: ordering.restock_order(conn, tenant.id, order["id"]), 422,
+                "This order's units are already back in stock.")
+        refused(lambda: ordering.restock_order(conn, tenant.id, "ord_nope"), 404,
+                "Order not found.")
+    assert tenant.stock(product_id) == 100
+
+
+def test_a_restock_is_a_product_edit_that_rearms_low_stock(app, api, tenant):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["product.updated", "product.low_stock"])
+    product = tenant.product(stock=12, low_stock_threshold=10)
+    first = place(api, tenant, [{"productId": product["id"], "quantity": 3}]).json["data"]
+    api.patch_json(f"/api/v1/orders/{first['id']}", {"status": "CANCELLED"},
+                   headers=tenant.headers, status=200)
+    with tenant.db.write() as conn:
+        ordering.restock_order(conn, tenant.id, first["id"])
+    second = place(api, tenant, [{"productId": product["id"], "quantity": 3}]).json["data"]
+    assert [event["stock"] for event in store_events(app, "product.updated")] == [12]
+    assert [(event["currentStock"], event["triggeringOrderId"])
+            for event in store_events(app, "product.low_stock")] == [(9, first["id"]),
+                                                                      (9, second["id"])]
+
+
+# The API: GET /api/v1/inventory, GET /api/v1/returns and /api/v1/returns/{id} ---------------
+
+def test_inventory_lists_every_movement_newest_first_and_filters_them(api, tenant, other):
+    rice, tea = tenant.product("Rice", stock=10), tenant.product("Tea", stock=5)
+    order = place(api, tenant, [{"productId": rice["id"], "quantity": 3}]).json["data"]
+    with tenant.db.write() as conn:
+        adjusted = ordering.adjust_stock(conn, tenant.id, tea["id"], 2, "Found behind a shelf")
+    theirs = other.product("Theirs", stock=7)
+    page = api.get("/api/v1/inventory", headers=tenant.headers, status=200).json
+    assert page["pagination"] == {"hasMore": False, "nextCursor": None}
+    assert all(set(m) == MOVEMENT_FIELDS for m in page["data"])
+    assert [(m["productId"], m["reason"], m["change"], m["levelAfter"], m["orderId"])
+            for m in page["data"]] == [(tea["id"], "adjustment", 2, 7, None),
+                                       (rice["id"], "order", -3, 7, order["id"]),
+                                       (tea["id"], "initial", 5, 5, None),
+                                       (rice["id"], "initial", 10, 10, None)]
+    assert page["data"][0] == adjusted
+    assert page["data"][1]["actor"] == {"type": "key", "id": tenant.key["id"]}
+
+    def listed(query, status=200):
+        return api.get("/api/v1/inventory?" + query, headers=tenant.headers, status=status).json
+
+    def reasons(query):
+        return [(m["productId"], m["reason"]) for m in listed(query)["data"]]
+
+    assert reasons(f"productId={rice['id']}") == [(rice["id"], "order"), (rice["id"], "initial")]
+    assert reasons("reason=order") == [(rice["id"], "order")]
+    assert reasons("reason=&productId=") == reasons("")
+    assert reasons(f"since={urllib.parse.quote(order['createdAt'])}") == [
+        (tea["id"], "adjustment"), (rice["id"], "order")]
+    assert reasons(f"until={urllib.parse.quote(order['createdAt'])}&reason=order") == [
+        (rice["id"], "order")]
+    assert reasons("until=2000-01-01") == [] and reasons("since=2999") == []
+    assert reasons(f"productId={theirs['id']}") == []
+    first = listed("limit=1")
+    assert first["pagination"] == {"hasMore": True, "nextCursor": adjusted["id"]}
+    assert [m["id"] for m in listed(f"limit=0&cursor={adjusted['id']}")["data"]] == [
+        page["data"][1]["id"]]
+    assert listed(f"cursor={theirs['id']}") == EMPTY_PAGE
+    assert_error(api.get("/api/v1/inventory?reason=sale", headers=tenant.headers, status=400),
+                 400, "Invalid movement reason.")
+    error = assert_error(api.get("/api/v1/inventory?since=yesterday", headers=tenant.headers,
+                                 status=400), 400, "Validation failed.")
+    assert error["details"] == [{"field": "since",
+                                 "rule": "must be a date (2026-11-22) or an ISO 8601 datetime"}]
+
+
+def test_returns_are_read_with_their_lines_and_refund_and_filtered(api, tenant, other):
+    order, rice, salt = rice_and_salt_order(api, tenant)
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    opened = received_return(tenant, order, {rice_line: 2, salt_line: 1})
+    with tenant.db.write() as conn:
+        refund = ordering.refund_return(conn, tenant.id, opened["id"], "MANUAL", None, None,
+                                        1550, 1200, lines={rice_line: (1, 1), salt_line: (1, 0)})
+        older = ordering.open_return(conn, tenant.id, order["id"], "Wrong size", item_count=1,
+                                     actor="staff")
+    fetched = api.get(f"/api/v1/returns/{opened['id']}", headers=tenant.headers,
+                      status=200).json
+    stored = tenant.db.conn.execute("SELECT updated_at FROM returns WHERE id = ?",
+                                    (opened["id"],)).fetchone()[0]
+    created = tenant.db.conn.execute("SELECT created_at FROM refunds WHERE id = ?",
+                                     (refund["id"],)).fetchone()[0]
+    assert fetched == {"data": {
+        "id": opened["id"], "orderId": order["id"], "customerId": order["customerId"],
+        "status": "REFUNDED", "reason": "Torn bags", "itemCount": 2, "actor": None,
+        "createdAt": opened["created_at"], "updatedAt": stored,
+        "lines": [{"orderItemId": rice_line, "productId": rice["id"], "units": 2},
+                  {"orderItemId": salt_line, "productId": salt["id"], "units": 1}],
+        "refund": {"id": refund["id"], "amount": 12, "method": "MANUAL",
+                   "breakdown": {"goodUnits": 2, "damagedUnits": 1, "subtotal": 15.5},
+                   "createdAt": created}}}
+    page = api.get("/api/v1/returns", headers=tenant.headers, status=200).json
+    assert page["pagination"] == {"hasMore": False, "nextCursor": None}
+    assert [r["id"] for r in page["data"]] == [older["id"], opened["id"]]
+    assert page["data"][1] == fetched["data"]
+    assert (page["data"][0]["lines"], page["data"][0]["refund"], page["data"][0]["actor"]) == (
+        [], None, "staff")
+
+    def ids(query):
+        return [r["id"] for r in api.get("/api/v1/returns?" + query, headers=tenant.headers,
+                                         status=200).json["data"]]
+
+    assert ids("status=REFUNDED") == [opened["id"]]
+    assert ids("status=REQUESTED") == [older["id"]]
+    assert ids(f"orderId={order['id']}") == ids(f"customerId={order['customerId']}") == [
+        older["id"], opened["id"]]
+    assert ids("orderId=ord_nope") == ids(f"customerId={other.customer()['id']}") == []
+    assert ids("limit=1") == [older["id"]]
+    assert_error(api.get("/api/v1/returns?status=DONE", headers=tenant.headers, status=400),
+                 400, "Invalid return status.")
+    for headers in (other.headers, tenant.headers):
+        missing = opened["id"] if headers is other.headers else "ret_nope"
+        assert_error(api.get(f"/api/v1/returns/{missing}", headers=headers, status=404), 404,
+                     "Return not found.")
+    assert api.get("/api/v1/returns", headers=other.headers).json == EMPTY_PAGE
+
+
+@pytest.mark.parametrize("path,scope", [("/api/v1/inventory", "inventory:read"),
+                                        ("/api/v1/returns", "returns:read"),
+                                        ("/api/v1/returns/{return}", "returns:read")])
+def test_the_inventory_and_returns_endpoints_check_their_scope(api, tenant, path, scope):
+    order = new_order(api, tenant)
+    url = path.format(**{"return": received_return(tenant, order)["id"]})
+    others = [s for s in ALL_SCOPES if s != scope]
+    assert_error(api.get(url, headers=auth(tenant.new_key(others)), status=403), 403,
+                 f'Insufficient permissions. This key lacks the "{scope}" scope.')
+    assert_error(api.get(url, status=401), 401,
+                 "Missing or invalid Authorization header. Use: Bearer <api_key>")
+    answer = api.get(url, headers=auth(tenant.new_key([scope])), status=200).json
+    assert set(answer) == ({"data"} if "{" in path else {"data", "pagination"})
+
+
+def test_keys_are_made_with_the_two_new_scopes_and_the_seven_stay_as_they_were():
+    assert ordering.SCOPES[:7] == ("products:read", "orders:read", "orders:write",
+                                   "customers:read", "customers:write", "webhooks:read",
+                                   "webhooks:write")
+    assert ordering.SCOPES[7:] == ("inventory:read", "returns:read")
+    document = ordering.openapi_document()
+    assert {operation["x-required-scope"] for item in document["paths"].values()
+            for operation in item.values() if "x-required-scope" in operation} == set(
+        ordering.SCOPES)
+
+
+def test_the_new_scopes_from_the_command_line(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    key = cli_json(db_path, "key-create", "--company", company["id"], "--scopes",
+                   "inventory:read,returns:read")
+    assert key["scopes"] == ["inventory:read", "returns:read"]
+
+
+# Commands ------------------------------------------------------------------------------------
+
+def test_stock_commands_adjust_count_print_history_and_refuse_what_they_must(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    product = cli_json(db_path, "product-create", "--company", company["id"], "--name", "Rice",
+                       "--price", "10", "--stock", "5")
+    pid = product["id"]
+    adjusted = cli_json(db_path, "stock-adjust", pid, "--by", "-2", "--reason", "Torn")
+    assert adjusted == {"id": adjusted["id"], "productId": pid, "change": -2, "levelAfter": 3,
+                        "reason": "adjustment", "orderId": None, "returnId": None,
+                        "note": "Torn", "actor": {"type": "command", "id": None},
+                        "createdAt": adjusted["createdAt"]}
+    counted = cli_json(db_path, "stock-count", pid, "--to", "7", "--reason", "Shelf")
+    assert (counted["reason"], counted["change"], counted["levelAfter"], counted["note"]) == (
+        "count", 4, 7, "Shelf")
+    uncounted = cli_json(db_path, "stock-count", pid, "--to", "7")
+    assert (uncounted["change"], uncounted["note"]) == (0, None)
+    history = cli_json(db_path, "stock-history", pid)
+    assert list(history) == ["data"]
+    assert [(m["reason"], m["change"], m["levelAfter"], m["actor"]["type"])
+            for m in history["data"]] == [("count", 0, 7, "command"), ("count", 4, 7, "command"),
+                                          ("adjustment", -2, 3, "command"),
+                                          ("initial", 5, 5, "command")]
+    assert history["data"][2] == adjusted
+    assert cli_json(db_path, "stock-history", pid, "--limit", "1")["data"] == [uncounted]
+    before = table_counts(db_path)
+    cli_refuses(db_path, "stock-adjust", pid, "--by", "-8", "--reason", "Lost",
+                message='Stock of "Rice" cannot go below zero: it is 7, the change is -8.')
+    cli_refuses(db_path, "stock-adjust", pid, "--by", "0", "--reason", "Lost",
+                message="Validation failed.\n  by: must be a whole number from -1000000000 "
+                        "to 1000000000, not 0")
+    cli_refuses(db_path, "stock-adjust", pid, "--by", "2",
+                message="the following arguments are required: --reason")
+    cli_refuses(db_path, "stock-adjust", pid, "--by", "two", "--reason", "x",
+                message="argument --by: invalid int value: 'two'")
+    cli_refuses(db_path, "stock-count", pid, "--to", "-1",
+                message="argument --to: must be 0 or more")
+    cli_refuses(db_path, "stock-history", "prod_nope", message="Product not found.")
+    cli_refuses(db_path, "stock-history", pid, "--limit", "0",
+                message="argument --limit: must be 1 or more")
+    assert table_counts(db_path) == before
+
+
+def test_order_restock_command_puts_a_cancelled_orders_units_back_once(db_path):
+    company, key, products, customers = seed_company(db_path, 1, 10, 1)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        order = ordering.place_order(conn, company, {"customerId": customers[0], "items": [
+            {"productId": products[0], "quantity": 4}]})
+    database.close()
+    cli_refuses(db_path, "order-restock", order["id"], message=ordering.RESTOCK_NOT_CANCELLED)
+    cli_refuses(db_path, "order-restock", "ord_nope", message="Order not found.")
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        ordering.update_order_status(conn, company, order["id"], "CANCELLED")
+    database.close()
+    restocked = cli_json(db_path, "order-restock", order["id"])
+    assert restocked["orderId"] == order["id"]
+    assert [(m["productId"], m["reason"], m["change"], m["levelAfter"], m["orderId"],
+             m["actor"]) for m in restocked["data"]] == [
+        (products[0], "cancellation", 4, 10, order["id"], {"type": "command", "id": None})]
+    cli_refuses(db_path, "order-restock", order["id"],
+                message="This order's units are already back in stock.")
+
+
+def test_return_refund_command_takes_good_and_damaged_units_per_line(db_path):
+    company, key, products, customers = seed_company(db_path, 2, 10, 1)
+    database = ordering.Database(str(db_path))
+    with database.write() as conn:
+        order = ordering.place_order(conn, company, {"customerId": customers[0], "items": [
+            {"productId": products[0], "quantity": 3}, {"productId": products[1], "quantity": 2}]})
+        first, second = (item["id"] for item in order["items"])
+        opened = ordering.open_return(conn, company, order["id"], "Torn", lines={first: 3,
+                                                                                 second: 2})
+        ordering.approve_return(conn, company, opened["id"])
+        ordering.receive_return(conn, company, opened["id"])
+    database.close()
+    cli_refuses(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--subtotal", "5",
+                message="Validation failed.\n  goodUnits: --good-units and --damaged-units "
+                        "are required without --line")
+    cli_refuses(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--subtotal", "5",
+                "--line", f"{first}:1", message="Validation failed.\n  line: must be "
+                                                "ORDER_ITEM_ID:GOOD:DAMAGED")
+    cli_refuses(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--subtotal", "5",
+                "--line", f"{first}:1:0", "--line", f"{first}:1:0",
+                message="Validation failed.\n  line: must name each order item once")
+    cli_refuses(db_path, "return-refund", opened["id"], "--method", "CREDIT", "--subtotal", "5",
+                "--line", f"{first}:2:0", "--good-units", "3",
+                message="Validation failed.\n  goodUnits: must be 2, the sum over the lines, "
+                        "or left out")
+    refund = cli_json(db_path, "return-refund", opened["id"], "--method", "CREDIT",
+                      "--subtotal", "5", "--line", f"{first}:2:1", "--line", f"{second}:0:2",
+                      "--damaged-units", "3")
+    assert refund["breakdown"] == {"goodUnits": 2, "damagedUnits": 3, "subtotal": 5}
+    conn = read_db(db_path)
+    try:
+        assert [tuple(row) for row in conn.execute(
+            "SELECT product_id, change, level_after, return_id, actor_type FROM stock_movements "
+            "WHERE reason = 'return'")] == [(products[0], 2, 9, opened["id"], "command")]
+        assert_ledger_balances(conn)
+    finally:
+        conn.close()
+
+
+# The dashboard -------------------------------------------------------------------------------
+
+def movement_rows(page):
+    """The cells of the recent movements table of a product's page or its stock page."""
+    heading = page.html.find(["h2", "h3"], string="Recent movements")
+    return [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+            for row in heading.find_next("table").find("tbody").find_all("tr")]
+
+
+def test_staff_adjust_and_count_on_the_stock_page_and_the_product_page_lists_movements(
+        app, api, tenant, browser, staff):
+    subscribe(api, tenant, "http://127.0.0.1:9/hook", ["product.updated", "product.low_stock"])
+    product = tenant.product("Rice", stock=12, low_stock_threshold=10)
+    path = f"/dashboard/products/{product['id']}"
+    assert "12 in stock." in browser.get(path).html.find("h2", string="Stock").find_next(
+        "div").get_text()
+    page = browser.get(path + "/stock")
+    form = form_to(page, "/stock/adjust")
+    form["by"], form["reason"] = "-3", "Torn in the store"
+    saved = form.submit(status=303).follow()
+    assert notice_of(saved) == ordering.STOCK_SAVED
+    form = form_to(saved, "/stock/count")
+    form["to"], form["reason"] = "15", "Shelf count"
+    form.submit(status=303)
+    rows = movement_rows(browser.get(path))
+    assert [row[1:] for row in rows] == [
+        ["+6", "15", "count", "", "Shelf count", f"staff {staff['id']}"],
+        ["-3", "9", "adjustment", "", "Torn in the store", f"staff {staff['id']}"],
+        ["+12", "12", "initial", "", "", "system"]]
+    assert [event["stock"] for event in store_events(app, "product.updated")] == [9, 15]
+    assert [(e["currentStock"], e["triggeringOrderId"])
+            for e in store_events(app, "product.low_stock")] == [(9, None)]
+    def stock_state():
+        return [tuple(row) for row in tenant.db.conn.execute(
+            "SELECT p.stock, p.updated_at, (SELECT COUNT(*) FROM stock_movements m WHERE "
+            "m.product_id = p.id) FROM products p")]
+    before = stock_state()
+    form = form_to(browser.get(path + "/stock"), "/stock/adjust")
+    form["by"], form["reason"] = "-16", "Lost"
+    refusal = form.submit(status=422)
+    assert 'Stock of "Rice" cannot go below zero: it is 15, the change is -16.' in \
+        refusal.html.find(class_="alert").get_text()
+    form = form_to(refusal, "/stock/count")
+    form["to"] = "many"
+    refusal = form.submit(status=400)
+    assert field_error(refusal, "to") == "must be a whole number"
+    assert form_to(refusal, "/stock/count")["to"].value == "many"
+    assert form_to(refusal, "/stock/adjust")["by"].value == ""
+    csrf = csrf_of(browser.get(path + "/stock"))
+    response = browser.post(path + "/stock/adjust", {"by": "1", "reason": "x"}, status=403)
+    assert ordering.CSRF_REFUSED in response.text
+    browser.post(path + "/stock/melt", {"csrf": csrf}, status=404)
+    assert stock_state() == before
+
+
+def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back_once(
+        app, tenant, browser, staff):
+    kept = dashboard_order(tenant, quantity=3)
+    back = dashboard_order(tenant, quantity=2)
+    form = form_to(browser.get(f"/dashboard/orders/{back['id']}"), "/status", status="CANCELLED")
+    form["restock"] = True
+    page = form.submit(status=303).follow()
+    assert "Its units are back in stock." in page.text
+    assert not [f for f in page.forms.values() if f.action.endswith("/restock")]
+    back_product = back["items"][0]["productId"]
+    assert ledger_of(tenant.db, back_product)[-1] == ("cancellation", 2, 50, back["id"], None,
+                                                     None, "staff")
+    form = form_to(browser.get(f"/dashboard/orders/{kept['id']}"), "/status", status="CANCELLED")
+    page = form.submit(status=303).follow()
+    kept_product = kept["items"][0]["productId"]
+    assert tenant.stock(kept_product) == 47
+    csrf = csrf_of(page)
+    form_to(page, "/restock").submit(status=303)
+    assert tenant.stock(kept_product) == 50
+    refusal = browser.post(f"/dashboard/orders/{kept['id']}/restock", {"csrf": csrf},
+                           status=422)
+    assert refusal.html.find(class_="alert").get_text() == (
+        "Not saved: This order's units are already back in stock.")
+    assert tenant.stock(kept_product) == 50
+
+
+def test_the_refund_form_takes_good_and_damaged_units_per_line(app, api, tenant, browser):
+    order, rice, salt = rice_and_salt_order(api, tenant)
+    rice_line, salt_line = (item["id"] for item in order["items"])
+    opened = received_return(tenant, order, {rice_line: 2, salt_line: 1})
+    form = form_to(browser.get("/dashboard/returns"), f"/{opened['id']}/refund")
+    form[f"good.{rice_line}"], form["subtotal"] = "3", "10.00"
+    refusal = form.submit(status=400)
+    assert errors_of(refusal) == ["at most 2 units of Rice came back"]
+    form = form_to(refusal, f"/{opened['id']}/refund")
+    assert form[f"good.{rice_line}"].value == "3"
+    form[f"good.{rice_line}"], form[f"damaged.{salt_line}"] = "2", "1"
+    form.submit(status=303)
+    assert tuple(tenant.db.conn.execute(
+        "SELECT good_units, damaged_units, subtotal_cents FROM refunds").fetchone()) == (
+        2, 1, 1000)
+    assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (19, 18)
+    assert ledger_of(tenant.db, rice["id"])[-1][:2] == ("return", 2)
