@@ -84,6 +84,7 @@ import mmap
 import os
 import queue
 import re
+import resource
 import secrets
 import shlex
 import signal
@@ -174,6 +175,12 @@ class Settings:
     port: int = 8080
     #: Request-handling threads of the server (waitress's default: more mostly add GIL contention).
     threads: int = 4
+    #: Connections the server keeps open at once: slow clients holding half a request cost a
+    #: socket each, not a thread, so this is set well above waitress's 100.
+    connection_limit: int = 1000
+    #: Seconds a connection may stay silent (half a request, or idle between requests) before
+    #: the server closes it.
+    idle_timeout: int = 30
     #: Server processes sharing the port (serve --workers); a parent starts and stops them.
     workers: int = 1
     #: SQLite PRAGMA synchronous: FULL puts every commit on disk before it is acknowledged;
@@ -1706,6 +1713,11 @@ def amount_text(number):
     return "" if number is None else f"{number:,.2f}"
 
 
+def decimal_text(cents):
+    """Cents as a form field holds an amount: 1234.50."""
+    return f"{cents // 100}.{cents % 100:02d}"
+
+
 def minor_amount_text(amount, currency):
     """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
     decimals = currency_decimals(currency)
@@ -2224,6 +2236,8 @@ LINK_EXPIRED = "This link has expired or was already used. Ask for a new one bel
 CURRENT_PASSWORD_WRONG = "is not the account's current password"
 CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
 CUSTOMER_PENDING = "Customer awaits approval."
+REFUND_UNITS = ("good and damaged units together must be from 1 to {units}, the units that "
+                "came back")
 CUSTOMER_UNVERIFIED = "Customer has not confirmed the email address yet."
 VERIFICATION_SENT = "A new link is on its way to your email address."
 VERIFICATION_NOT_SENT = ("No new link was sent: the address is confirmed already, or several "
@@ -3627,6 +3641,9 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
         raise invalid("amount", f"must be at most {money(max(left, 0))}, what the order has "
                                 f"left to refund")
     restock = refund_restock(conn, return_id, lines, good_units, damaged_units)
+    came_back = units_returned(conn, row)
+    if not 1 <= good_units + damaged_units <= came_back:
+        raise invalid("goodUnits", REFUND_UNITS.format(units=came_back))
     refund_id, at = new_id_at("ref")
     conn.execute(
         "INSERT INTO refunds (id, company_id, return_id, amount_cents, method, good_units, "
@@ -3641,6 +3658,29 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
                              "subtotal": money(subtotal_cents)}}
     emit(conn, company_id, "refund.processed", payload)
     return payload
+
+
+def units_returned(conn, return_row):
+    """The units a return brought back, which its refund counts at most: those of its lines,
+    or, for a return that records none (the older form), those of its order that no other
+    refund counted."""
+    (units,) = conn.execute("SELECT SUM(quantity) FROM return_lines WHERE return_id = ?",
+                            (return_row["id"],)).fetchone()
+    if units is not None:
+        return units
+    return conn.execute(
+        "SELECT (SELECT SUM(quantity) FROM order_items WHERE order_id = ?) - COALESCE((SELECT "
+        "SUM(f.good_units + f.damaged_units) FROM refunds f JOIN returns r ON r.id = "
+        "f.return_id WHERE r.order_id = ?), 0)",
+        (return_row["order_id"], return_row["order_id"])).fetchone()[0]
+
+
+def return_subtotal_cents(conn, return_id):
+    """What a return's lines cost at their frozen prices (the refund form proposes it)."""
+    return conn.execute(
+        "SELECT COALESCE(SUM(l.quantity * i.unit_price_cents), 0) FROM return_lines l JOIN "
+        "order_items i ON i.id = l.order_item_id WHERE l.return_id = ?", (return_id,)
+    ).fetchone()[0]
 
 
 def refund_line_sums(lines, good_units, damaged_units):
@@ -7271,6 +7311,12 @@ def openapi_document():
 # form, calls the operation the API and the commands call (one rule, one place), and renders.
 
 SESSION_COOKIE = "ordering_session"
+#: A page's form body: at most this many bytes and fields (parts, for a file upload), checked
+#: before anything parses it (a body of many tiny parts costs seconds to parse).
+MAX_FORM_BYTES = 1024 * 1024
+MAX_FORM_FIELDS = 1000
+FORM_TOO_LARGE = (f"This form is larger than the server takes: at most "
+                  f"{MAX_FORM_BYTES // 1024} KiB and {MAX_FORM_FIELDS} fields.")
 #: A session's last_seen_at is written at most this often (seconds): not on every page.
 SESSION_TOUCH_SECONDS = 60
 CSRF_REFUSED = ("This form has expired or did not come from this site. Reload the page "
@@ -8136,7 +8182,7 @@ def customer_fields(visit, customer):
     return render('<div class="grid">{n}{c}{t}</div>{notes}',
                   n=visit.field("name", "Name", customer.get("name")),
                   c=visit.field("creditLimit", "Credit limit", "" if credit is None else
-                                f"{credit // 100}.{credit % 100:02d}", inputmode="decimal"),
+                                decimal_text(credit), inputmode="decimal"),
                   t=visit.field("taxRateOverride", f"Tax rate override (0 to {MAX_TAX_RATE})",
                                 customer.get("tax_rate_override"), inputmode="decimal"),
                   notes=visit.field("notes", "Internal notes", customer.get("notes"),
@@ -8271,7 +8317,10 @@ def returns_page(visit):
                     (method, f"{method} ({meaning})") for method, meaning in
                     zip(REFUND_METHODS, ("credit note", "out of band"))]),
                 refund_units_fields(form, per_line),
-                form.field("subtotal", "Subtotal", inputmode="decimal"),
+                form.field("subtotal", "Subtotal (the lines at their prices)" if per_line
+                           else "Subtotal", decimal_text(return_subtotal_cents(
+                               visit.conn, row["id"])) if per_line else "",
+                           inputmode="decimal"),
                 form.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
                 render('<button type="submit">Refund</button>')]), css="refund")
         else:
@@ -8560,6 +8609,28 @@ def update_settings_action(visit):
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
     return redirect("/dashboard/settings")
+
+
+def refuse_greedy_forms():
+    """before_request: a page's POST whose body is over MAX_FORM_BYTES, or has more than
+    MAX_FORM_FIELDS fields, is answered 413 before anything parses it."""
+    request = bottle.request
+    if request.method != "POST" or not request.path.startswith(("/dashboard/", "/store/")):
+        return
+    if request.content_length > MAX_FORM_BYTES:
+        raise bottle.HTTPResponse(FORM_TOO_LARGE, 413, {"Content-Type": "text/plain"})
+    content_type = request.content_type
+    body = request.body.read(MAX_FORM_BYTES + 1)
+    request.body.seek(0)
+    if len(body) > MAX_FORM_BYTES:  # a body sent in chunks has no length to check first
+        raise bottle.HTTPResponse(FORM_TOO_LARGE, 413, {"Content-Type": "text/plain"})
+    if content_type.startswith("multipart/"):
+        boundary = content_type.partition("boundary=")[2].split(";")[0].strip('" ')
+        fields = body.count(b"--" + boundary.encode("latin-1", "replace")) - 1
+    else:
+        fields = body.count(b"&") + 1
+    if fields > MAX_FORM_FIELDS:
+        raise bottle.HTTPResponse(FORM_TOO_LARGE, 413, {"Content-Type": "text/plain"})
 
 
 def install_dashboard(app):
@@ -9288,6 +9359,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
         return document
     app.route("/api/v1/openapi.json", "GET", serve_openapi)
     install_stripe_webhook(app)
+    app.add_hook("before_request", refuse_greedy_forms)
     install_dashboard(app)
     install_storefront(app)
     app.error_handler.update({
@@ -9414,6 +9486,15 @@ def cannot_listen(settings, error):
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
+def raise_open_files_limit(wanted):
+    """The soft limit of open files raised toward wanted, as far as the hard limit allows (a
+    connection costs a descriptor)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, target), hard))
+
+
 def serve(settings, sockets=None):
     """Serve until SIGTERM or SIGINT; on the host and port of settings, or on sockets already
     listening (a worker of serve_workers)."""
@@ -9431,8 +9512,12 @@ def serve(settings, sockets=None):
     # waitress buffers a body before the app sees it: bound that, well above the app's own
     # limit, which answers with the JSON 413.
     try:
+        raise_open_files_limit(settings.connection_limit + 256)
         server = waitress.create_server(access_log, threads=settings.threads, ident="ordering",
                                         max_request_body_size=8 * settings.max_body_bytes,
+                                        connection_limit=settings.connection_limit,
+                                        channel_timeout=settings.idle_timeout,
+                                        cleanup_interval=min(10, settings.idle_timeout),
                                         **where, **proxy)
     except OSError as error:
         app.service.close(grace=0)

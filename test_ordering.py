@@ -4979,7 +4979,7 @@ def test_cli_return_receive_then_refund_prints_and_delivers(quiet_api, quiet_ten
     received = ev_cli_json(db_path, "return-receive", opened["id"])
     assert received["status"] == "RECEIVED"
     refund = ev_cli_json(db_path, "return-refund", opened["id"], "--method", "MANUAL",
-                         "--good-units", "3", "--damaged-units", "1", "--subtotal", "18.00",
+                         "--good-units", "1", "--damaged-units", "1", "--subtotal", "18.00",
                          "--amount", "15.50")
     data = assert_signed(one(receiver, "refund.processed", timeout=2), secret,
                          "refund.processed", db_path)
@@ -4987,7 +4987,7 @@ def test_cli_return_receive_then_refund_prints_and_delivers(quiet_api, quiet_ten
     assert set(data) == {"id", "returnId", "orderId", "customerId", "amount", "method",
                          "breakdown"}
     assert data["amount"] == 15.5 and data["method"] == "MANUAL"
-    assert data["breakdown"] == {"goodUnits": 3, "damagedUnits": 1, "subtotal": 18.0}
+    assert data["breakdown"] == {"goodUnits": 1, "damagedUnits": 1, "subtotal": 18.0}
     assert data["returnId"] == opened["id"] and data["orderId"] == order["id"]
 
 
@@ -7121,7 +7121,11 @@ def session_cookie(response):
 def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, status=303,
                      **environ):
     browser = webtest.TestApp(app, extra_environ=environ)
-    form = browser.get("/dashboard/sign-in").forms[0]
+    page = browser.get("/dashboard/sign-in")
+    # (sent back as it came: a Secure one, behind a proxy that speaks HTTPS, too)
+    name, value = page.headers["Set-Cookie"].split(";")[0].split("=", 1)
+    browser.set_cookie(name, value)
+    form = page.forms[0]
     form["email"], form["password"] = email, password
     return form.submit(status=status)
 
@@ -12927,3 +12931,136 @@ def test_the_refund_form_takes_good_and_damaged_units_per_line(app, api, tenant,
         2, 1, 1000)
     assert (tenant.stock(rice["id"]), tenant.stock(salt["id"])) == (19, 18)
     assert ledger_of(tenant.db, rice["id"])[-1][:2] == ("return", 2)
+
+
+@pytest.mark.parametrize("good, damaged, lines", [(1, 2, False), (0, 0, False), (1, 2, True),
+                                                  (0, 0, True)])
+def test_a_refund_counts_at_least_one_unit_and_at_most_those_that_came_back(
+        app, tenant, database, good, damaged, lines):
+    rice, tea = tenant.product("Rice", stock=10), tenant.product("Tea", stock=10)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": rice["id"], "quantity": 3}, {"productId": tea["id"], "quantity": 3}]})
+        rice_line = order["items"][0]["id"]
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Two bags torn",
+                                      lines={rice_line: 2} if lines else None, item_count=1)
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+    before = {table: tenant.db.conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+              for table in ("refunds", "events", "stock_movements")}
+    with pytest.raises(ordering.ApiError) as refused, tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, opened["id"], "MANUAL", good,
+                               damaged + (4 if good and not lines else 0), 500)
+    came_back = 2 if lines else 6
+    expected = {"field": "goodUnits", "rule": f"good and damaged units together must be from 1 "
+                                              f"to {came_back}, the units that came back"}
+    if lines and good:  # the one line's own bound speaks first
+        expected = {"field": "lines", "rule": "at most 2 units of Rice came back"}
+    assert (refused.value.status, refused.value.details) == (400, [expected])
+    assert {table: tenant.db.conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+            for table in before} == before
+    assert tenant.db.conn.execute("SELECT status FROM returns").fetchone()[0] == "RECEIVED"
+
+
+def test_return_refund_refuses_units_that_never_came_back_and_writes_nothing(db_path):
+    app = build_app(db_path, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    rice, customer = tenant.product("Rice", stock=10), tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"],
+                                                       "items": [{"productId": rice["id"],
+                                                                  "quantity": 2}]})
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Two bags torn",
+                                      lines={order["items"][0]["id"]: 2}, item_count=1)
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+    app.service.close(grace=0)
+    result = run_cli(db_path, "return-refund", opened["id"], "--method", "MANUAL",
+                     "--good-units", "0", "--damaged-units", "0", "--subtotal", "10.00")
+    assert result.returncode != 0 and result.stdout == ""
+    assert "goodUnits: good and damaged units together must be from 1 to 2, the units that " \
+           "came back" in result.stderr
+    db = ordering.Database(str(db_path))
+    assert db.conn.execute("SELECT COUNT(*) FROM refunds").fetchone()[0] == 0
+    db.close()
+
+
+def test_the_refund_form_proposes_the_lines_subtotal_and_shows_their_units(app, tenant,
+                                                                           browser):
+    rice, customer = tenant.product("Rice", price_cents=1250, stock=10), tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"],
+                                                       "items": [{"productId": rice["id"],
+                                                                  "quantity": 3}]})
+        opened = ordering.open_return(conn, tenant.id, order["id"], "Two bags torn",
+                                      lines={order["items"][0]["id"]: 2}, item_count=1)
+        ordering.approve_return(conn, tenant.id, opened["id"])
+        ordering.receive_return(conn, tenant.id, opened["id"])
+    page = browser.get("/dashboard/returns")
+    form = form_to(page, "/refund")
+    assert form["subtotal"].value == "25.00"
+    assert "Rice: good units, back in stock (of 2)" in page.text
+    form["good." + order["items"][0]["id"]] = "1"
+    form["damaged." + order["items"][0]["id"]] = "2"
+    refused = form.submit(status=400)
+    assert "must be from 1 to 2" in refused.text or "at most 2 units of Rice" in refused.text
+    assert app.service.db.conn.execute("SELECT COUNT(*) FROM refunds").fetchone()[0] == 0
+
+
+def test_slow_clients_holding_half_a_request_do_not_stop_the_server(db_path):
+    process, port = start_server(db_path)
+    slow = []
+    try:
+        for _ in range(120):
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+            connection.sendall(b"GET /heal")
+            slow.append(connection)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().status == 200
+        connection.close()
+    finally:
+        for connection in slow:
+            connection.close()
+        stop_server(process)
+
+
+def test_a_form_of_too_many_parts_is_refused_before_it_is_parsed(db_path):
+    app = build_app(db_path, deliver=False)
+    slug = Tenant(app, "Acme Wholesale").company["slug"]
+    app.service.close(grace=0)
+    process, port = start_server(db_path)
+    boundary = "x" * 6
+    part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"a\"\r\n\r\n\r\n").encode()
+    body = part * 131_072 + f"--{boundary}--\r\n".encode()
+    assert 7 * 1024 * 1024 <= len(body) < 8 * 1024 * 1024  # within what the server buffers
+
+    def send(payload):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            connection.request("POST", f"/store/{slug}/register", body=payload, headers={
+                "Content-Type": f"multipart/form-data; boundary={boundary}"})
+            response = connection.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            connection.close()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(send, [body] * 4))
+        assert answers == [(413, "This form is larger than the server takes: at most 1024 KiB "
+                                 "and 1000 fields.")] * 4
+        small = part * 1001 + f"--{boundary}--\r\n".encode()  # under the size, over the fields
+        assert send(small)[0] == 413
+    finally:
+        stop_server(process)
+
+
+def test_forms_within_the_limits_are_read_as_before(app, tenant):
+    page = store_visitor(app).get(store_of(tenant) + "/register")
+    form = main_form(page)
+    form["email"], form["name"], form["password"] = "new@cafe.example", "Cafe", BUYER_PASSWORD
+    assert "Check your email" in form.submit(status=200).text
+    refused = store_visitor(app).post(store_of(tenant) + "/register",
+                                      "&".join(f"f{n}=1" for n in range(1001)), status=413)
+    assert refused.text == ordering.FORM_TOO_LARGE
