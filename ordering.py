@@ -4346,6 +4346,7 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
     body = {"email": email, "name": name} if (name or "").strip() else {"email": email}
     _customer_changes(body)
     check_password(password)
+    record_account_request(conn, company["id"], email, now_ms)
     existing = customer_by_email(conn, company["id"], email)
     if existing is not None:
         hash_password(password)  # what a new account costs
@@ -4387,10 +4388,25 @@ def resend_verification(conn, company_id, customer_id, now_ms):
     return True
 
 
+def record_account_request(conn, company_id, email, now_ms):
+    """A registration or reset request, written whether or not the address has an account, so
+    that both answers take a commit: a stranger timing them cannot tell (what only an account
+    adds, its link and email rows, costs microseconds beside the commit). Requests older than
+    an hour go."""
+    conn.execute("DELETE FROM account_requests WHERE created_at < ?",
+                 (iso(now_ms - 3600 * 1000),))
+    conn.execute("INSERT INTO account_requests (id, company_id, email_key, created_at) "
+                 "VALUES (?, ?, ?, ?)", (new_id("acr"), company_id,
+                                         (email or "").strip().casefold()[:MAX_EMAIL],
+                                         iso(now_ms)))
+
+
 def request_password_reset(conn, store_slug, email, now_ms):
     """A link to set a password, emailed to the store's customer with this email (not blocked,
-    and not past its hourly emails); nothing otherwise. Returns nothing either way."""
+    and not past its hourly emails); nothing otherwise. Returns nothing either way, after the
+    same commit."""
     company = company_by_slug(conn, store_slug)
+    record_account_request(conn, company["id"], email, now_ms)
     customer = customer_by_email(conn, company["id"], email)
     if (customer is None or customer["status"] == "BLOCKED"
             or not account_mail_allowed(conn, company, customer, now_ms)):

@@ -405,6 +405,16 @@ CREATE INDEX IF NOT EXISTS customer_tokens_of_customer ON customer_tokens (custo
 
 -- Failed sign-ins (dashboard and storefronts) and wrong current passwords, per email (within
 -- a store for its buyers) and per client address ("email:..." / "address:...").
+-- Registration and password-reset requests of the last hour, known address or not: each
+-- request commits one, so that its answer takes the same time either way.
+CREATE TABLE IF NOT EXISTS account_requests (
+    id          TEXT PRIMARY KEY,
+    company_id  TEXT NOT NULL REFERENCES companies(id),
+    email_key   TEXT NOT NULL,
+    created_at  TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS account_requests_by_time ON account_requests (created_at);
+
 CREATE TABLE IF NOT EXISTS sign_in_failures (
     subject          TEXT PRIMARY KEY,
     failures         INTEGER NOT NULL,

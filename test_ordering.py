@@ -2956,7 +2956,7 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                 "webhooks": 1, "events": 2,
                 "deliveries": 2, "emails": 0, "email_attempts": 0, "idempotency_keys": 1,
                 "staff": 1, "staff_sessions": 2, "customer_sessions": 1, "customer_tokens": 1,
-                "sign_in_failures": 1, "rate_windows": 0}
+                "account_requests": 0, "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
     assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
     assert list(result["tables"]) == ordering.tables_in_order()
@@ -13064,3 +13064,19 @@ def test_forms_within_the_limits_are_read_as_before(app, tenant):
     refused = store_visitor(app).post(store_of(tenant) + "/register",
                                       "&".join(f"f{n}=1" for n in range(1001)), status=413)
     assert refused.text == ordering.FORM_TOO_LARGE
+
+
+def test_a_reset_request_commits_the_same_write_for_a_known_and_an_unknown_address(app, tenant):
+    store_buyer(app, tenant, "known@cafe.example")
+    db = app.service.db
+    changes = []
+    for address in ("known@cafe.example", "nobody@cafe.example"):
+        before = db.conn.execute("SELECT COUNT(*) FROM account_requests").fetchone()[0]
+        page = store_visitor(app).get(store_of(tenant) + "/reset")
+        form = main_form(page)
+        form["email"] = address
+        answer = form.submit(status=200)
+        changes.append((db.conn.execute("SELECT COUNT(*) FROM account_requests").fetchone()[0]
+                        - before, without_secrets(answer).replace(address, "ADDRESS")))
+    assert changes[0] == changes[1] and changes[0][0] == 1
+    assert [row[:2] for row in account_emails(app)] == [("account_reset", "known@cafe.example")]
