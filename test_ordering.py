@@ -2728,6 +2728,17 @@ def start_server(db_path, *extra, env=None, port=None):
     raise AssertionError("server did not start: " + server_log(db_path))
 
 
+def http_post(port, path, body, headers, timeout=30):
+    """(status, text) of one POST to the server on 127.0.0.1:port."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
 def wait_until(condition, timeout=15):
     """Poll condition until it holds (True) or timeout seconds pass (False)."""
     deadline = time.monotonic() + timeout
@@ -11685,15 +11696,9 @@ def test_buyers_checking_out_the_last_units_at_once_never_oversell(store):
     def check_out_as(token):
         csrf = hmac.new(token.encode(), b"csrf", hashlib.sha256).hexdigest()
         body = urllib.parse.urlencode(dict(BUYER_ADDRESS, csrf=csrf, token=secrets_token())).encode()
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        try:
-            connection.request("POST", "/store/race-foods/checkout", body=body, headers={
-                "Content-Type": "application/x-www-form-urlencoded",
-                "Cookie": f"{ordering.STORE_SESSION_COOKIE}={token}"})
-            response = connection.getresponse()
-            return response.status, response.read().decode()
-        finally:
-            connection.close()
+        return http_post(port, "/store/race-foods/checkout", body, {
+            "Content-Type": "application/x-www-form-urlencoded",
+            "Cookie": f"{ordering.STORE_SESSION_COOKIE}={token}"})
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(check_out_as, sessions))
@@ -12963,18 +12968,21 @@ def test_a_refund_counts_at_least_one_unit_and_at_most_those_that_came_back(
     assert tenant.db.conn.execute("SELECT status FROM returns").fetchone()[0] == "RECEIVED"
 
 
-def test_return_refund_refuses_units_that_never_came_back_and_writes_nothing(db_path):
-    app = build_app(db_path, deliver=False)
-    tenant = Tenant(app, "Acme Wholesale")
-    rice, customer = tenant.product("Rice", stock=10), tenant.customer()
+def rice_return(tenant, ordered, returned):
+    """(order, return): an order of ordered units of Rice at 12.50, whose return of returned
+    of them was received."""
+    rice, customer = tenant.product("Rice", price_cents=1250, stock=10), tenant.customer()
     with tenant.db.write() as conn:
         order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"],
                                                        "items": [{"productId": rice["id"],
-                                                                  "quantity": 2}]})
-        opened = ordering.open_return(conn, tenant.id, order["id"], "Two bags torn",
-                                      lines={order["items"][0]["id"]: 2}, item_count=1)
-        ordering.approve_return(conn, tenant.id, opened["id"])
-        ordering.receive_return(conn, tenant.id, opened["id"])
+                                                                  "quantity": ordered}]})
+    return order, received_return(tenant, order, {order["items"][0]["id"]: returned})
+
+
+def test_return_refund_refuses_units_that_never_came_back_and_writes_nothing(db_path):
+    app = build_app(db_path, deliver=False)
+    tenant = Tenant(app, "Acme Wholesale")
+    order, opened = rice_return(tenant, ordered=2, returned=2)
     app.service.close(grace=0)
     result = run_cli(db_path, "return-refund", opened["id"], "--method", "MANUAL",
                      "--good-units", "0", "--damaged-units", "0", "--subtotal", "10.00")
@@ -12988,15 +12996,7 @@ def test_return_refund_refuses_units_that_never_came_back_and_writes_nothing(db_
 
 def test_the_refund_form_proposes_the_lines_subtotal_and_shows_their_units(app, tenant,
                                                                            browser):
-    rice, customer = tenant.product("Rice", price_cents=1250, stock=10), tenant.customer()
-    with tenant.db.write() as conn:
-        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"],
-                                                       "items": [{"productId": rice["id"],
-                                                                  "quantity": 3}]})
-        opened = ordering.open_return(conn, tenant.id, order["id"], "Two bags torn",
-                                      lines={order["items"][0]["id"]: 2}, item_count=1)
-        ordering.approve_return(conn, tenant.id, opened["id"])
-        ordering.receive_return(conn, tenant.id, opened["id"])
+    order, opened = rice_return(tenant, ordered=3, returned=2)
     page = browser.get("/dashboard/returns")
     form = form_to(page, "/refund")
     assert form["subtotal"].value == "25.00"
@@ -13037,14 +13037,8 @@ def test_a_form_of_too_many_parts_is_refused_before_it_is_parsed(db_path):
     assert 7 * 1024 * 1024 <= len(body) < 8 * 1024 * 1024  # within what the server buffers
 
     def send(payload):
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            connection.request("POST", f"/store/{slug}/register", body=payload, headers={
-                "Content-Type": f"multipart/form-data; boundary={boundary}"})
-            response = connection.getresponse()
-            return response.status, response.read().decode()
-        finally:
-            connection.close()
+        return http_post(port, f"/store/{slug}/register", payload, {
+            "Content-Type": f"multipart/form-data; boundary={boundary}"}, timeout=2)
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(send, [body] * 4))
