@@ -1790,6 +1790,13 @@ STORE_MAIL_SENT = Template("email what", """\
 <div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
 way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
 
+#: A customer's status on its dashboard page, with the buttons that change it.
+CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
+<div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
+{approve}{button}{invite}</div>""")
+#: Where Approve would be, for a customer whose address is not confirmed yet.
+AWAITS_CONFIRMATION = '<span class="muted">Once the email address is confirmed</span>'
+
 #: What a buyer whose address is not confirmed yet sees where ordering would be.
 STORE_UNVERIFIED = Template("email form", """\
 <div class="card" role="status"><p>Confirm your email address before you order: open the link \
@@ -8181,7 +8188,7 @@ def approve_button(visit, customer):
     if customer["status"] != "PENDING":
         return ""
     if not customer["email_verified"]:
-        return render('<span class="muted">Once the email address is confirmed</span>')
+        return render(AWAITS_CONFIRMATION)
     return visit.button(f"/dashboard/customers/{customer['id']}/status", "Approve",
                         status="ACTIVE")
 
@@ -8228,8 +8235,7 @@ def customer_page(visit, customer_id):
     status_path = f"/dashboard/customers/{customer_id}/status"
     invite = "" if blocked else visit.button(
         f"/dashboard/customers/{customer_id}/invite", "Email a set-password link", "secondary")
-    status = render('<div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>'
-                    '{approve}{button}{invite}</div>',
+    status = render(CUSTOMER_STATUS_CARD,
                     tag=status_tag(customer["status"]), approve=approve_button(visit, customer),
                     invite=invite, verified="confirmed" if customer["email_verified"]
                     else "not confirmed yet",
