@@ -7,6 +7,11 @@
 -- table on PostgreSQL); ordering.py migrates older databases.
 -- In products, customers and orders the columns the API shows come first, in the order the
 -- serializers of ordering.py (product_json, customer_json, order_json) read them.
+-- Lists shown newest first read ascending indexes backward: an index whose newest key is its
+-- smallest takes each new row at its left edge, where SQLite rebalances two or three pages for
+-- an insert instead of adding one. The CHECKs of the rows an order writes compare with each
+-- value rather than test IN: SQLite builds a temporary index for an IN list of more than two
+-- values every time it checks a row.
 
 CREATE TABLE IF NOT EXISTS companies (
     id                  TEXT PRIMARY KEY,
@@ -52,14 +57,14 @@ CREATE TABLE IF NOT EXISTS products (
     low_stock_alerted    INTEGER NOT NULL DEFAULT 0   -- product.low_stock fired, not yet re-armed
 );
 CREATE INDEX IF NOT EXISTS products_by_company_newest
-    ON products (company_id, created_at DESC, id DESC);
+    ON products (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS products_by_company_category_newest
-    ON products (company_id, category, created_at DESC, id DESC);
+    ON products (company_id, category, created_at, id);
 CREATE INDEX IF NOT EXISTS products_by_company_active_newest
-    ON products (company_id, is_active, created_at DESC, id DESC);
+    ON products (company_id, is_active, created_at, id);
 CREATE INDEX IF NOT EXISTS products_by_company_sku ON products (company_id, sku);   -- quick order
 CREATE INDEX IF NOT EXISTS products_by_company_active_category_newest  -- the store's catalog
-    ON products (company_id, is_active, category, created_at DESC, id DESC);   -- and categories
+    ON products (company_id, is_active, category, created_at, id);   -- and categories
 
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,
@@ -79,9 +84,9 @@ CREATE TABLE IF NOT EXISTS customers (
 CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
     ON customers (company_id, email_key);
 CREATE INDEX IF NOT EXISTS customers_by_company_newest
-    ON customers (company_id, created_at DESC, id DESC);
+    ON customers (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customers_by_company_status_newest
-    ON customers (company_id, status, created_at DESC, id DESC);
+    ON customers (company_id, status, created_at, id);
 
 -- A customer's own price for a product: storefront and dashboard orders use it; orders placed
 -- through the API never do (the spec).
@@ -121,7 +126,9 @@ CREATE INDEX IF NOT EXISTS addresses_of_customer ON addresses (customer_id, crea
 
 CREATE TABLE IF NOT EXISTS orders (
     id               TEXT PRIMARY KEY,
-    status           TEXT NOT NULL CHECK (status IN ('SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', 'CANCELLED')),
+    status           TEXT NOT NULL CHECK (status = 'SUBMITTED' OR status = 'CONFIRMED' OR
+                                      status = 'SHIPPED' OR status = 'DELIVERED' OR
+                                      status = 'CANCELLED'),
     po_number        TEXT,
     notes            TEXT,
     total_cents      INTEGER NOT NULL,
@@ -132,34 +139,35 @@ CREATE TABLE IF NOT EXISTS orders (
     tracking_number  TEXT,
     tracking_url     TEXT,
     company_id       TEXT NOT NULL REFERENCES companies(id),
-    source           TEXT NOT NULL CHECK (source IN ('api', 'storefront', 'dashboard')),
+    source           TEXT NOT NULL CHECK (source = 'api' OR source = 'storefront' OR
+                                      source = 'dashboard'),
     shipping_address TEXT,              -- JSON: a copy of the address a storefront order ships to
     checkout_token   TEXT               -- the checkout form's, so that a resubmitted form finds its order
 );
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
-    ON orders (company_id, created_at DESC, id DESC);
+    ON orders (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS orders_by_company_status_newest
-    ON orders (company_id, status, created_at DESC, id DESC);
+    ON orders (company_id, status, created_at, id);
 CREATE INDEX IF NOT EXISTS orders_by_company_customer_newest
-    ON orders (company_id, customer_id, created_at DESC, id DESC);
+    ON orders (company_id, customer_id, created_at, id);
 CREATE INDEX IF NOT EXISTS orders_by_company_po_number    -- the dashboard's search
-    ON orders (company_id, po_number COLLATE NOCASE);
-CREATE UNIQUE INDEX IF NOT EXISTS orders_by_checkout ON orders (customer_id, checkout_token);
+    ON orders (company_id, po_number COLLATE NOCASE) WHERE po_number IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS orders_by_checkout ON orders (customer_id, checkout_token)
+    WHERE checkout_token IS NOT NULL;
 
 -- Every status an order has had and where each change came from (api, dashboard or
 -- storefront; null for changes made before this record was kept): the storefront's timeline
 -- and the dashboard's history, whether or not a webhook subscribes to the events.
 CREATE TABLE IF NOT EXISTS order_status_changes (
-    id               TEXT PRIMARY KEY,
+    id               TEXT NOT NULL,
     order_id         TEXT NOT NULL REFERENCES orders(id),
     from_status      TEXT,              -- null: the order was placed
     to_status        TEXT NOT NULL,
     source           TEXT,
     tracking_number  TEXT,              -- the order's tracking number after the change
-    created_at       TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS order_status_changes_of_order
-    ON order_status_changes (order_id, created_at, id);
+    created_at       TEXT NOT NULL,
+    PRIMARY KEY (order_id, created_at, id)
+) WITHOUT ROWID;
 
 CREATE TABLE IF NOT EXISTS order_items (
     id               TEXT PRIMARY KEY,
@@ -183,7 +191,7 @@ CREATE TABLE IF NOT EXISTS returns (
     created_at   TEXT NOT NULL,
     updated_at   TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS returns_by_company_newest ON returns (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS returns_by_company_newest ON returns (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS returns_of_order ON returns (order_id, created_at, id);
 
 -- The lines a return takes back and how many units of each (returns opened before lines were
@@ -214,26 +222,29 @@ CREATE TABLE IF NOT EXISTS refunds (
 -- made it (staff and a staff ID, key and an API key ID, buyer and a customer ID, command, or
 -- system: the program itself, as for the opening movements schema version 6 wrote).
 CREATE TABLE IF NOT EXISTS stock_movements (
-    id           TEXT PRIMARY KEY,
+    id           TEXT NOT NULL,
     company_id   TEXT NOT NULL REFERENCES companies(id),
     product_id   TEXT NOT NULL REFERENCES products(id),
     change       INTEGER NOT NULL,          -- signed: units in (+) or out (-)
     level_after  INTEGER NOT NULL,          -- the product's stock once it was made
-    reason       TEXT NOT NULL CHECK (reason IN ('order', 'adjustment', 'count', 'return',
-                                                 'cancellation', 'import', 'initial')),
+    reason       TEXT NOT NULL CHECK (reason = 'order' OR reason = 'adjustment' OR
+                                      reason = 'count' OR reason = 'return' OR
+                                      reason = 'cancellation' OR reason = 'import' OR
+                                      reason = 'initial'),
     order_id     TEXT REFERENCES orders(id),
     return_id    TEXT REFERENCES returns(id),
     note         TEXT,
-    actor_type   TEXT NOT NULL CHECK (actor_type IN ('staff', 'key', 'buyer', 'command', 'system')),
+    actor_type   TEXT NOT NULL CHECK (actor_type = 'staff' OR actor_type = 'key' OR
+                                      actor_type = 'buyer' OR actor_type = 'command' OR
+                                      actor_type = 'system'),
     actor_id     TEXT,
-    created_at   TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS stock_movements_by_company_newest   -- GET /api/v1/inventory
-    ON stock_movements (company_id, created_at DESC, id DESC);
+    created_at   TEXT NOT NULL,
+    PRIMARY KEY (company_id, created_at, id)    -- GET /api/v1/inventory
+) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS stock_movements_of_product_newest   -- a product's history, productId
-    ON stock_movements (product_id, created_at DESC, id DESC);
+    ON stock_movements (product_id, created_at, id);
 CREATE INDEX IF NOT EXISTS stock_movements_of_order      -- a cancelled order's restock, once
-    ON stock_movements (order_id, reason);
+    ON stock_movements (order_id) WHERE reason = 'cancellation';
 
 CREATE TABLE IF NOT EXISTS invoices (
     id                  TEXT PRIMARY KEY,
@@ -248,7 +259,7 @@ CREATE TABLE IF NOT EXISTS invoices (
     created_at          TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS invoices_by_company_newest    -- the dashboard's Billing page
-    ON invoices (company_id, created_at DESC, id DESC);
+    ON invoices (company_id, created_at, id);
 
 -- Stripe events acted on, by Stripe's event ID, written in the transaction of what they did:
 -- Stripe may send an event more than once, and a repeat finds its ID here.
@@ -330,7 +341,7 @@ CREATE TABLE IF NOT EXISTS emails (
     finished_at      TEXT                   -- when it became sent, failed or unsent
 );
 CREATE INDEX IF NOT EXISTS emails_waiting ON emails (state, next_attempt_at);
-CREATE INDEX IF NOT EXISTS emails_by_company_newest ON emails (company_id, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS emails_by_company_newest ON emails (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS emails_of_company_finished ON emails (company_id, finished_at);  -- retention
 
 -- Every attempt to send an email, with what the server answered.

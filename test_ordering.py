@@ -1028,7 +1028,13 @@ CURSOR_QUERIES = [
     "/api/v1/orders?limit=2&since=2020-01-01&until=2100-01-01",
     "/api/v1/customers?limit=2", "/api/v1/customers?limit=2&status=ACTIVE",
     "/api/v1/customers?limit=2&search=example",
+    "/api/v1/inventory?limit=2", "/api/v1/inventory?limit=2&productId={product}",
+    "/api/v1/inventory?limit=2&reason=order",
 ]
+
+#: The table behind a list, where it is not the list's name; the ledger's company list is its
+#: primary key.
+LIST_TABLES = {"inventory": "stock_movements"}
 
 
 @pytest.mark.sqlite_only
@@ -1041,7 +1047,7 @@ def test_lists_are_served_by_an_index(api, tenant, query):
               customer_id=customer["id"])
         tenant.product(name="Rice", category="Grains")
         tenant.customer()
-    url = query.format(customer=customer["id"])
+    url = query.format(customer=customer["id"], product=product["id"])
     # The statements the list code really runs, first page and a page after a cursor, with
     # their bound values (the trace callback sees the expanded SQL).
     conn, statements = tenant.db.conn, []
@@ -1053,14 +1059,17 @@ def test_lists_are_served_by_an_index(api, tenant, query):
     finally:
         conn.set_trace_callback(None)
     selects = [sql for sql in statements if sql.lstrip().upper().startswith("SELECT")]
-    table = url.split("/")[3].split("?")[0]
+    name = url.split("/")[3].split("?")[0]
+    table = LIST_TABLES.get(name, name)
+    by_company = ("USING PRIMARY KEY" if table == "stock_movements"
+                  else f"USING INDEX {table}_by_company")
     assert any(f"FROM {table} WHERE" in sql for sql in selects), selects
     for sql in selects:
         plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
         assert not any("TEMP B-TREE" in step for step in plan), (sql, plan)
         assert not any(re.fullmatch(r"SCAN \w+", step) for step in plan), (sql, plan)
         if f"FROM {table} WHERE company_id" in sql and "ORDER BY" in sql:
-            assert any(f"USING INDEX {table}_by_company" in step for step in plan), (sql, plan)
+            assert any(by_company in step for step in plan), (sql, plan)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3211,6 +3220,36 @@ def order_rice(api, tenant, rice, customer, quantity=1):
     return api.post_json("/api/v1/orders", {
         "customerId": customer, "items": [{"productId": rice["id"], "quantity": quantity}]},
         headers=tenant.headers, expect_errors=True)
+
+
+def test_many_writers_each_get_their_turn_whether_their_bodies_keep_or_fail(db_path):
+    """Handing the connection on wakes one queued writer at a time: none is left waiting, and
+    every body that kept its work is in the file, whichever batch it joined."""
+    db = ordering.Database(str(db_path))
+    with db.write() as conn:
+        conn.execute("CREATE TABLE marks (n INTEGER PRIMARY KEY)")
+    start = threading.Barrier(12, timeout=120)
+
+    def writer(number):
+        start.wait()
+        for step in range(40):
+            try:
+                with db.write() as conn:
+                    conn.execute("INSERT INTO marks (n) VALUES (?)", (number * 100 + step,))
+                    if step % 3 == 0:
+                        raise ValueError("refused")
+            except ValueError:
+                pass
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            for future in [pool.submit(writer, number) for number in range(12)]:
+                future.result(timeout=120)
+        kept = sorted(row[0] for row in db.conn.execute("SELECT n FROM marks"))
+        assert kept == [number * 100 + step for number in range(12) for step in range(40)
+                        if step % 3]
+    finally:
+        db.close()
 
 
 def test_concurrent_writers_share_one_commit_and_a_refusal_leaves_no_trace(db_path):
@@ -8268,7 +8307,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -10108,7 +10147,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 6
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 7
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -10811,7 +10850,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 6
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 7
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
@@ -10832,7 +10871,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -12208,7 +12247,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 6
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -12222,6 +12261,107 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
         assert [m[:3] for m in ledger_of(db, rice["id"])] == [("initial", 7, 7),
                                                               ("adjustment", 5, 12)]
         assert_ledger_balances(db.conn)
+    finally:
+        db.close()
+
+
+#: The ledger and the status record as version 6 made them, each with an index per list.
+SCHEMA_6_TABLES = {
+    "stock_movements": (
+        "CREATE TABLE stock_movements (id TEXT PRIMARY KEY, company_id TEXT NOT NULL "
+        "REFERENCES companies(id), product_id TEXT NOT NULL REFERENCES products(id), change "
+        "INTEGER NOT NULL, level_after INTEGER NOT NULL, reason TEXT NOT NULL CHECK (reason IN "
+        "('order', 'adjustment', 'count', 'return', 'cancellation', 'import', 'initial')), "
+        "order_id TEXT REFERENCES orders(id), return_id TEXT REFERENCES returns(id), note TEXT, "
+        "actor_type TEXT NOT NULL CHECK (actor_type IN ('staff', 'key', 'buyer', 'command', "
+        "'system')), actor_id TEXT, created_at TEXT NOT NULL)",
+        "CREATE INDEX stock_movements_by_company_newest ON stock_movements "
+        "(company_id, created_at DESC, id DESC)",
+        "CREATE INDEX stock_movements_of_product_newest ON stock_movements "
+        "(product_id, created_at DESC, id DESC)",
+        "CREATE INDEX stock_movements_of_order ON stock_movements (order_id, reason)"),
+    "order_status_changes": (
+        "CREATE TABLE order_status_changes (id TEXT PRIMARY KEY, order_id TEXT NOT NULL "
+        "REFERENCES orders(id), from_status TEXT, to_status TEXT NOT NULL, source TEXT, "
+        "tracking_number TEXT, created_at TEXT NOT NULL)",
+        "CREATE INDEX order_status_changes_of_order ON order_status_changes "
+        "(order_id, created_at, id)"),
+}
+
+
+def back_to_schema_6(conn):
+    """A database as version 6 left it: descending newest-first indexes, whole indexes of PO
+    numbers and checkout forms, the ledger and the status record in tables of their own, and
+    order checks that test IN."""
+    engine = conn.engine
+    for statement in ordering.schema_statements():
+        name = re.search(r"CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+)", statement)
+        if name and (name.group(1).endswith("_newest") or " WHERE " in statement) \
+                and "stock_movements" not in statement:
+            conn.execute(f"DROP INDEX {name.group(1)}")
+            older = statement.replace("created_at, id)", "created_at DESC, id DESC)")
+            conn.execute(engine.translate(re.sub(r"\s+WHERE [^;]*;", ";", older)))
+    for table, statements in SCHEMA_6_TABLES.items():
+        conn.execute(f"CREATE TABLE {table}_rows AS SELECT * FROM {table}")
+        conn.execute(f"DROP TABLE {table}")
+        for statement in statements:
+            conn.execute(engine.translate(statement))
+        conn.execute(f"INSERT INTO {table} SELECT * FROM {table}_rows")
+        conn.execute(f"DROP TABLE {table}_rows")
+    for column, values in (("status", "'SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', "
+                                      "'CANCELLED'"), ("source", "'api', 'storefront', "
+                                                                 "'dashboard'")):
+        engine.replace_check(conn, "orders", column, ordering.column_check("orders", column),
+                             f"CHECK ({column} IN ({values}))")
+    engine.set_schema_version(conn, 6)
+
+
+def schema_objects(conn):
+    """What a database's schema holds: SQLite's schema table; PostgreSQL's columns, indexes
+    and constraints."""
+    if conn.engine is ordering.SQLITE:
+        return sorted(tuple(row) for row in conn.execute(
+            "SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    return sorted(tuple(row) for query in (
+        "SELECT table_name, column_name, ordinal_position::text, data_type, is_nullable "
+        "FROM information_schema.columns WHERE table_schema = 'public'",
+        "SELECT tablename, indexname, indexdef, '', '' FROM pg_indexes "
+        "WHERE schemaname = 'public'",
+        "SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid), '', '' "
+        "FROM pg_constraint WHERE connamespace = 'public'::regnamespace")
+        for row in conn.execute(query))
+
+
+def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, api, tenant,
+                                                                         database):
+    rice = tenant.product("Rice", stock=10)
+    order = place(api, tenant, [{"productId": rice["id"], "quantity": 3}],
+                  poNumber="PO-7").json["data"]
+    api.patch_json(f"/api/v1/orders/{order['id']}", {"status": "CONFIRMED"},
+                   headers=tenant.headers, status=200)
+    with tenant.db.write() as conn:
+        ordering.adjust_stock(conn, tenant.id, rice["id"], 5, "Delivery")
+    read = app.service.db.conn
+    made = schema_objects(read)
+    kept = {table: sorted(tuple(row) for row in read.execute(f"SELECT * FROM {table}"))
+            for table in SCHEMA_6_TABLES}
+    older = []
+
+    def back(conn):
+        back_to_schema_6(conn)
+        older.append(schema_objects(conn))
+
+    db = reopened_from(app, database, back)
+    try:
+        assert older[0] != made
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
+        assert schema_objects(db.conn) == made
+        assert {table: sorted(tuple(row) for row in db.conn.execute(f"SELECT * FROM {table}"))
+                for table in SCHEMA_6_TABLES} == kept
+        assert_ledger_balances(db.conn)
+        with pytest.raises(sqlite3.IntegrityError):
+            with db.write() as conn:
+                conn.execute("UPDATE orders SET status = 'LOST' WHERE id = ?", (order["id"],))
     finally:
         db.close()
 
