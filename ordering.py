@@ -99,6 +99,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
+import warnings
 
 import bottle
 
@@ -6495,8 +6496,11 @@ class Service:
         self.windows.close()
         self.db.close()
 
-    #: The outbox, by its former name (until the next release).
-    sender = property(lambda self: self.outbox)
+    @property
+    def sender(self):
+        """The outbox, by its former name (until the next release)."""
+        warn_former_name("Service.sender", "Service.outbox")
+        return self.outbox
 
     def housekeeping(self):
         """The app's own, run by the outbox's dispatcher about once a minute."""
@@ -10347,10 +10351,30 @@ def main(argv=None):
 
 # Former names --------------------------------------------------------------------------------
 # Kept for one release after a rename; README, Embedding, lists them with their new names.
+# Reading one warns (DeprecationWarning), once per name, saying what replaced it.
 
-hash_staff_password = hash_password
-staff_password_matches = password_matches
-STAFF_PASSWORD_MIN = PASSWORD_MIN
+#: A former name of the module: the name that replaced it.
+FORMER_NAMES = {
+    "hash_staff_password": "hash_password",
+    "staff_password_matches": "password_matches",
+    "STAFF_PASSWORD_MIN": "PASSWORD_MIN",
+}
+_warned = set()
+
+
+def warn_former_name(former, current):
+    if former not in _warned:
+        _warned.add(former)
+        warnings.warn(f"ordering: {former} is now {current}; the former name goes in the next "
+                      "release", DeprecationWarning, stacklevel=3)
+
+
+def __getattr__(name):
+    """A former name (PEP 562: the module's own names never come here)."""
+    if name not in FORMER_NAMES:
+        raise AttributeError(f"module 'ordering' has no attribute {name!r}")
+    warn_former_name(name, FORMER_NAMES[name])
+    return globals()[FORMER_NAMES[name]]
 
 
 if __name__ == "__main__":
