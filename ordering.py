@@ -51,9 +51,9 @@ ones above it.
                    then ordering: catalog, cart and quick order, checkout, orders, returns)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
- 14. Commands      main() and the operator commands (staff-create, demo, backup, copy-to,
-                   company-update, mail-test, ...); former names (kept one release after a
-                   rename)
+ 14. Commands      the operator commands, each declared by @command above its handler
+                   (staff-create, demo, backup, copy-to, ...), and main(); former names
+                   (kept one release after a rename)
 """
 
 import argparse
@@ -106,7 +106,8 @@ import bottle
 __version__ = "0.1.0"
 
 #: What embedders may rely on (see README, Embedding); the rest may change in any release. A
-#: name that moves keeps its former name for one release (see Former names, at the end).
+#: name that moves keeps its former name for one release, outside this list (see Former
+#: names, at the end).
 __all__ = [
     # The app and its settings
     "create_app", "Settings", "serve", "main",
@@ -131,8 +132,6 @@ __all__ = [
     "RETURN_STATUSES", "MOVEMENT_REASONS", "openapi_document",
     # For webhook receivers
     "verify_signature",
-    # Former names, for one release
-    "hash_staff_password", "staff_password_matches", "STAFF_PASSWORD_MIN",
 ]
 
 log = logging.getLogger("ordering")
@@ -9842,11 +9841,50 @@ def _positive(text):
     return value
 
 
+# Commands are declared like routes: @command(name, help, *options) above the handler that
+# runs it, and build_parser makes the parser from the declarations in their order. A handler
+# of (conn, args) runs in one transaction (run_command); one declared alone=True gets
+# (settings, args) and opens what it needs itself. Either returns what main prints as JSON,
+# or None when it has printed its own answer.
+
+Command = collections.namedtuple("Command", "name help options handler alone overrides")
+COMMANDS = []
+
+
+def option(*flags, **settings):
+    """An option of a command, as argparse's add_argument takes it."""
+    return ("option", flags, settings)
+
+
+def one_of(*options):
+    """Options of which a command takes one at most."""
+    return ("one of", options)
+
+
+def command(name, help_text, *options, alone=False, overrides=False):
+    """Declare the command that the decorated function runs. overrides: its options are
+    Settings of the same names (serve's)."""
+    def register(handler):
+        COMMANDS.append(Command(name, help_text, options, handler, alone, overrides))
+        return handler
+    return register
+
+
+def option_dest(flags, settings):
+    """The attribute of args an option sets, as argparse names it."""
+    return settings.get("dest") or flags[0].lstrip("-").replace("-", "_")
+
+
 _PRODUCT_OPTIONS = (("name", "name", str), ("price", "price_cents", _amount),
                     ("stock", "stock", _non_negative), ("category", "category", str),
                     ("sku", "sku", str), ("unit", "unit", str),
                     ("description", "description", str), ("image-url", "image_url", str),
                     ("low-stock-threshold", "low_stock_threshold", _non_negative))
+
+
+def _product_options(creating):
+    return tuple(option("--" + name, type=kind, required=creating and name in ("name", "price"))
+                 for name, _, kind in _PRODUCT_OPTIONS)
 
 
 def _product_fields(args):
@@ -9858,6 +9896,42 @@ def _product_fields(args):
     return fields
 
 
+@command("serve", "serve the API with waitress (the default command)",
+         option("--host", default=None, help="address to listen on (127.0.0.1)"),
+         option("--port", type=_port, default=None, help="port (8080)"),
+         option("--threads", type=_positive, default=None, help="request threads (4)"),
+         option("--workers", type=_positive, default=None,
+                help="server processes sharing the port (1)"),
+         option("--allow-private-webhooks", action="store_true", default=None,
+                help="deliver webhooks to loopback and private addresses too"),
+         option("--ip-rate-limit", type=_non_negative, default=None,
+                help="requests per minute per client address (600; 0 is off)"),
+         option("--trust-proxy", action="store_true", default=None,
+                help="take the client address from X-Forwarded-For"),
+         option("--no-dashboard", dest="dashboard", action="store_false", default=None,
+                help="serve the API only, no /dashboard"),
+         option("--no-storefront", dest="storefront", action="store_false", default=None,
+                help="no storefronts at /store/{slug}"),
+         option("--proxy-address", type=_proxy_address, default=None,
+                help="with --trust-proxy: the proxy's IP address, or * for any peer "
+                     "(127.0.0.1)"),
+         option("--stripe-webhook-secret", dest="stripe_webhook_secrets",
+                type=_stripe_webhook_secrets, default=None, metavar="WHSEC",
+                help="Stripe's webhook signing secret (two, comma-separated, during a roll): "
+                     "serves POST /billing/stripe/webhook"),
+         option("--base-url", type=_base_url, default=None,
+                help="the address people reach this server at, for links in emails "
+                     "(default: $ORDERING_BASE_URL, else http://HOST:PORT)"),
+         alone=True, overrides=True)
+def cmd_serve(settings, args):
+    if settings.workers > 1:
+        serve_workers(settings)
+    else:
+        serve(settings)
+
+
+@command("company-create", "create a company", option("--name", required=True),
+         option("--slug", help="storefront slug (default: from the name)"))
 def cmd_company_create(conn, args):
     return create_company(conn, args.name, args.slug)
 
@@ -9867,6 +9941,19 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                     ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"))
 
 
+@command("company-update", "change a company's settings and print the company",
+         option("id", metavar="COMPANY_ID"),
+         option("--stripe-customer", metavar="CUSTOMER_ID",
+                help="the company's Stripe customer (cus_...), whose paid invoices Stripe's "
+                     "webhook turns into invoice.paid; '' removes it"),
+         option("--mail-name", help="the sender's name on its emails ('' for the company "
+                                    "name)"),
+         option("--reply-to", help="the Reply-To address of its emails ('' for none)"),
+         option("--staff-alerts", metavar="E1,E2",
+                help="addresses that get staff alerts, separated by commas ('' for none)"),
+         option("--storefront-approval", metavar="|".join(STOREFRONT_APPROVALS),
+                help="whether new storefront accounts wait for the staff's approval "
+                     "(required, the default) or are active at once (automatic)"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}
@@ -9875,21 +9962,44 @@ def cmd_company_update(conn, args):
     return company_json(update_company(conn, args.id, changes))
 
 
+@command("mail-test", "send one test email at once through the mail server and print its "
+                      "answer", option("--to", required=True, metavar="ADDRESS", type=_recipient),
+         alone=True)
+def cmd_mail_test(settings, args):
+    reply = send_test_email(settings, args.to)
+    print(f"Sent to {args.to} through {describe_smtp_url(settings.smtp_url)} from "
+          f"{settings.mail_from}. The server answered: {reply}")
+
+
+@command("key-create", "create an API key (printed once)",
+         option("--company", required=True, help="company ID"),
+         option("--scopes", required=True, help="comma-separated, e.g. orders:read,orders:write"),
+         option("--rate-limit", type=_positive, default=DEFAULT_KEY_RATE_LIMIT,
+                help=f"requests per minute ({DEFAULT_KEY_RATE_LIMIT})"),
+         option("--expires-at", type=_moment, help="ISO 8601 expiry (may be in the past)"))
 def cmd_key_create(conn, args):
     scopes = [scope.strip() for scope in args.scopes.split(",") if scope.strip()]
     return create_api_key(conn, args.company, scopes, args.rate_limit, args.expires_at)
 
 
+@command("key-revoke", "revoke an API key", option("key_id", metavar="KEY_ID"))
 def cmd_key_revoke(conn, args):
     return revoke_api_key(conn, company_of(conn, "API key", args.key_id), args.key_id)
 
 
+@command("product-create", "create a product",
+         option("--company", required=True, help="company ID"),
+         option("--inactive", action="store_true", help="create it inactive"),
+         *_product_options(creating=True))
 def cmd_product_create(conn, args):
     fields = _product_fields(args)
     fields["is_active"] = not args.inactive
     return product_json(create_product(conn, args.company, COMMAND, **fields))
 
 
+@command("product-update", "edit a product", option("id", metavar="ID", help="product ID"),
+         option("--active", type=_active_flag, help="true or false"),
+         *_product_options(creating=False))
 def cmd_product_update(conn, args):
     company_id = company_of(conn, "Product", args.id)
     fields = _product_fields(args)
@@ -9898,6 +10008,10 @@ def cmd_product_update(conn, args):
     return product_json(update_product(conn, company_id, args.id, COMMAND, **fields))
 
 
+@command("storefront-register",
+         "register a customer as the storefront does (customer.created, storefront)",
+         option("--store", required=True, help="company slug"),
+         option("--email", required=True), option("--name"), option("--password"))
 def cmd_storefront_register(conn, args):
     return customer_json(storefront_register(conn, args.store, args.email, args.name,
                                              args.password))
@@ -9914,6 +10028,13 @@ def _id_counts(texts, option, shape):
     return pairs
 
 
+@command("storefront-order",
+         "place an order as the storefront does (order.created, storefront shape)",
+         option("--store", required=True, help="company slug"),
+         option("--customer", required=True, help="customer ID"),
+         option("--item", action="append", required=True,
+                help="PRODUCT_ID:QUANTITY, repeat for more lines"),
+         option("--po-number"), option("--notes"))
 def cmd_storefront_order(conn, args):
     items = [{"productId": product_id, "quantity": quantity} for product_id, quantity
              in _id_counts(args.item, "item", "PRODUCT_ID:QUANTITY")]
@@ -9921,16 +10042,35 @@ def cmd_storefront_order(conn, args):
                                   args.notes)
 
 
+_CUSTOMER_PRODUCT = (option("--customer", required=True, help="customer ID"),
+                     option("--product", required=True, help="product ID"))
+
+
+@command("price-set", "set a customer's own price for a product (storefront and dashboard "
+                      "orders use it; API orders never do)", *_CUSTOMER_PRODUCT,
+         option("--price", type=_amount, required=True, help="e.g. 9.50"))
 def cmd_price_set(conn, args):
     return set_customer_price(conn, company_of(conn, "Customer", args.customer), args.customer,
                               args.product, args.price)
 
 
+@command("price-clear", "remove a customer's own price for a product: the catalog price "
+                        "applies again", *_CUSTOMER_PRODUCT)
 def cmd_price_clear(conn, args):
     return clear_customer_price(conn, company_of(conn, "Customer", args.customer),
                                 args.customer, args.product)
 
 
+@command("return-open", "open a return on an order (return.created)",
+         option("--order", required=True, help="order ID"),
+         option("--reason", required=True, help="{} to {} characters".format(
+             *RETURN_REASON_LENGTH)),
+         one_of(option("--line", action="append", metavar="ORDER_ITEM_ID:UNITS",
+                       help="a line and how many of its units go back (recorded with the "
+                            "return); repeat for more lines"),
+                option("--item-count", type=_positive,
+                       help="line items returned, without recording which (default: all)")),
+         option("--staff", action="store_true", help="opened from the dashboard"))
 def cmd_return_open(conn, args):
     lines = None
     if args.line:
@@ -9944,12 +10084,16 @@ def cmd_return_open(conn, args):
     return return_record(conn, company_id, opened["id"])
 
 
+@command("return-approve", "approve a REQUESTED return (return.approved)",
+         option("id", metavar="RETURN_ID"))
 def cmd_return_approve(conn, args):
     company_id = company_of(conn, "Return", args.id)
     approve_return(conn, company_id, args.id)
     return return_record(conn, company_id, args.id)
 
 
+@command("return-receive", "mark an APPROVED return RECEIVED",
+         option("id", metavar="RETURN_ID"))
 def cmd_return_receive(conn, args):
     company_id = company_of(conn, "Return", args.id)
     receive_return(conn, company_id, args.id)
@@ -9969,6 +10113,18 @@ def _refund_lines(texts):
     return lines
 
 
+@command("return-refund", "refund a RECEIVED return (refund.processed)",
+         option("id", metavar="RETURN_ID"),
+         option("--method", required=True, choices=REFUND_METHODS),
+         option("--good-units", type=_non_negative,
+                help="units that came back good (required without --line)"),
+         option("--damaged-units", type=_non_negative,
+                help="units that came back damaged (required without --line)"),
+         option("--subtotal", type=_amount, required=True, help="e.g. 40.00"),
+         option("--amount", type=_amount, help="refunded amount (default: the subtotal)"),
+         option("--line", action="append", metavar="ORDER_ITEM_ID:GOOD:DAMAGED",
+                help="a line of the return and how many of its units came back good (back "
+                     "in stock) and damaged; repeat for more lines"))
 def cmd_return_refund(conn, args):
     if args.line is None and None in (args.good_units, args.damaged_units):
         raise invalid("goodUnits", "--good-units and --damaged-units are required without "
@@ -9979,26 +10135,48 @@ def cmd_return_refund(conn, args):
                          actor=COMMAND)
 
 
+@command("stock-adjust", "change a product's stock by N, saying why (an adjustment movement; "
+                         "product.updated)", option("id", metavar="PRODUCT_ID"),
+         option("--by", type=int, required=True, help="signed units, e.g. -3 or 12"),
+         option("--reason", required=True, help="why, kept as the movement's note"))
 def cmd_stock_adjust(conn, args):
     return adjust_stock(conn, company_of(conn, "Product", args.id), args.id, args.by,
                         args.reason, COMMAND)
 
 
+@command("stock-count", "record a count, the level found on the shelf (a count movement of "
+                        "the difference; product.updated)", option("id", metavar="PRODUCT_ID"),
+         option("--to", type=_non_negative, required=True, help="the level counted"),
+         option("--reason", help="a note kept with the movement"))
 def cmd_stock_count(conn, args):
     return count_stock(conn, company_of(conn, "Product", args.id), args.id, args.to,
                        args.reason, COMMAND)
 
 
+@command("stock-history", "a product's most recent stock movements, newest first",
+         option("id", metavar="PRODUCT_ID"),
+         option("--limit", type=_positive, default=MOVEMENTS_SHOWN,
+                help=f"how many ({MOVEMENTS_SHOWN})"))
 def cmd_stock_history(conn, args):
     return {"data": [movement_json(row) for row in stock_history(
         conn, company_of(conn, "Product", args.id), args.id, args.limit)]}
 
 
+@command("order-restock", "put a cancelled order's units back in stock, once (a cancellation "
+                          "movement per line)", option("id", metavar="ORDER_ID"))
 def cmd_order_restock(conn, args):
     return {"orderId": args.id, "data": restock_order(
         conn, company_of(conn, "Order", args.id), args.id, COMMAND)}
 
 
+@command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",
+         option("--company", required=True, help="company ID"),
+         option("--invoice-id", required=True, help="billing provider's invoice ID"),
+         option("--amount-paid", type=_invoice_amount, required=True,
+                help="in the currency: 49.00 usd, 4900 jpy, 12.345 kwd"),
+         option("--currency", required=True, help="lower-case code, e.g. usd"),
+         option("--hosted-invoice-url", required=True), option("--number", required=True),
+         option("--period-start", required=True), option("--period-end", required=True))
 def cmd_invoice_paid(conn, args):
     currency = args.currency
     check_currency(currency)  # before its decimals are counted
@@ -10011,27 +10189,14 @@ def cmd_invoice_paid(conn, args):
                                args.period_end)
 
 
+@command("webhook-rotate-secret", "give a webhook a new secret (printed once); the old one "
+                                  "signs X-Webhook-Signature-Old during the grace window",
+         option("id", metavar="WEBHOOK_ID"),
+         option("--grace-hours", type=float, default=float(WEBHOOK_SECRET_GRACE_HOURS),
+                help=f"grace window ({WEBHOOK_SECRET_GRACE_HOURS})"))
 def cmd_webhook_rotate_secret(conn, args):
     return rotate_webhook_secret(conn, company_of(conn, "Webhook", args.id), args.id,
                                  args.grace_hours)
-
-
-def read_password(stream):
-    """A password piped on standard input: one line, its line ending not part of it."""
-    return stream.read().rstrip("\r\n")
-
-
-def cmd_staff_create(conn, args):
-    return create_staff(conn, args.company, args.email, read_password(sys.stdin))
-
-
-def cmd_staff_disable(conn, args):
-    return disable_staff(conn, company_of(conn, "Staff account", args.id), args.id)
-
-
-def cmd_deliveries(conn, args):
-    company_of(conn, "Webhook", args.id)
-    return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
 
 
 def demo(settings):
@@ -10063,6 +10228,52 @@ def demo(settings):
     ])
 
 
+@command("demo", "create a demo company, catalog and customers (once) and print a new key "
+                 f"with all {len(SCOPES)} scopes and curl commands to try", alone=True)
+def cmd_demo(settings, args):
+    print(demo(settings))
+
+
+@command("backup", "copy the database to DEST while the server may be running",
+         option("destination", metavar="DEST", type=_non_empty), alone=True)
+def cmd_backup(settings, args):
+    return backup(settings, args.destination)
+
+
+@command("copy-to", "copy every table into TARGET, an empty database (a file or "
+                    "postgresql://...), and verify the copy; stop the server first",
+         option("target", metavar="TARGET", type=_non_empty), alone=True)
+def cmd_copy_to(settings, args):
+    return copy_to(settings, args.target)
+
+
+@command("deliveries", f"the {DELIVERIES_SHOWN} most recent delivery attempts of a webhook",
+         option("id", metavar="WEBHOOK_ID"))
+def cmd_deliveries(conn, args):
+    company_of(conn, "Webhook", args.id)
+    return {"webhookId": args.id, "deliveries": recent_deliveries(conn, args.id)}
+
+
+def read_password(stream):
+    """A password piped on standard input: one line, its line ending not part of it."""
+    return stream.read().rstrip("\r\n")
+
+
+@command("staff-create", "create a dashboard staff account; the password (at least "
+                         f"{PASSWORD_MIN} characters) is read from standard input",
+         option("--company", required=True, help="company ID"), option("--email", required=True),
+         option("--password-stdin", action="store_true", required=True,
+                help="read the password from standard input (required: never a flag)"))
+def cmd_staff_create(conn, args):
+    return create_staff(conn, args.company, args.email, read_password(sys.stdin))
+
+
+@command("staff-disable", "disable a staff account and end its sessions at once",
+         option("id", metavar="STAFF_ID"))
+def cmd_staff_disable(conn, args):
+    return disable_staff(conn, company_of(conn, "Staff account", args.id), args.id)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="ordering",
@@ -10075,208 +10286,17 @@ def build_parser():
                              "prefer it for a password, which a flag shows to ps)")
     parser.add_argument("--version", action="version", version=f"ordering {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def command(name, handler, help_text):
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(handler=handler)
-        return sub
-
-    serve_cmd = command("serve", None, "serve the API with waitress (the default command)")
-    serve_cmd.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
-    serve_cmd.add_argument("--port", type=_port, default=None, help="port (8080)")
-    serve_cmd.add_argument("--threads", type=_positive, default=None, help="request threads (4)")
-    serve_cmd.add_argument("--workers", type=_positive, default=None,
-                           help="server processes sharing the port (1)")
-    serve_cmd.add_argument("--allow-private-webhooks", action="store_true", default=None,
-                           help="deliver webhooks to loopback and private addresses too")
-    serve_cmd.add_argument("--ip-rate-limit", type=_non_negative, default=None,
-                           help="requests per minute per client address (600; 0 is off)")
-    serve_cmd.add_argument("--trust-proxy", action="store_true", default=None,
-                           help="take the client address from X-Forwarded-For")
-    serve_cmd.add_argument("--no-dashboard", dest="dashboard", action="store_false",
-                           default=None, help="serve the API only, no /dashboard")
-    serve_cmd.add_argument("--no-storefront", dest="storefront", action="store_false",
-                           default=None, help="no storefronts at /store/{slug}")
-    serve_cmd.add_argument("--proxy-address", type=_proxy_address, default=None,
-                           help="with --trust-proxy: the proxy's IP address, or * for any "
-                                "peer (127.0.0.1)")
-    serve_cmd.add_argument("--stripe-webhook-secret", dest="stripe_webhook_secrets",
-                           type=_stripe_webhook_secrets, default=None, metavar="WHSEC",
-                           help="Stripe's webhook signing secret (two, comma-separated, during "
-                                "a roll): serves POST /billing/stripe/webhook")
-    serve_cmd.add_argument("--base-url", type=_base_url, default=None,
-                           help="the address people reach this server at, for links in "
-                                "emails (default: $ORDERING_BASE_URL, else http://HOST:PORT)")
-
-    sub = command("company-create", cmd_company_create, "create a company")
-    sub.add_argument("--name", required=True)
-    sub.add_argument("--slug", help="storefront slug (default: from the name)")
-
-    sub = command("company-update", cmd_company_update,
-                  "change a company's settings and print the company")
-    sub.add_argument("id", metavar="COMPANY_ID")
-    sub.add_argument("--stripe-customer", metavar="CUSTOMER_ID",
-                     help="the company's Stripe customer (cus_...), whose paid invoices Stripe's "
-                          "webhook turns into invoice.paid; '' removes it")
-    sub.add_argument("--mail-name", help="the sender's name on its emails ('' for the "
-                                         "company name)")
-    sub.add_argument("--reply-to", help="the Reply-To address of its emails ('' for none)")
-    sub.add_argument("--staff-alerts", metavar="E1,E2",
-                     help="addresses that get staff alerts, separated by commas ('' for none)")
-    sub.add_argument("--storefront-approval", metavar="|".join(STOREFRONT_APPROVALS),
-                     help="whether new storefront accounts wait for the staff's approval "
-                          "(required, the default) or are active at once (automatic)")
-
-    sub = command("mail-test", None, "send one test email at once through the mail server "
-                                     "and print its answer")
-    sub.add_argument("--to", required=True, metavar="ADDRESS", type=_recipient)
-
-    sub = command("key-create", cmd_key_create, "create an API key (printed once)")
-    sub.add_argument("--company", required=True, help="company ID")
-    sub.add_argument("--scopes", required=True, help="comma-separated, e.g. orders:read,orders:write")
-    sub.add_argument("--rate-limit", type=_positive, default=DEFAULT_KEY_RATE_LIMIT,
-                     help=f"requests per minute ({DEFAULT_KEY_RATE_LIMIT})")
-    sub.add_argument("--expires-at", type=_moment, help="ISO 8601 expiry (may be in the past)")
-
-    sub = command("key-revoke", cmd_key_revoke, "revoke an API key")
-    sub.add_argument("key_id", metavar="KEY_ID")
-
-    for name, handler, creating in (("product-create", cmd_product_create, True),
-                                    ("product-update", cmd_product_update, False)):
-        sub = command(name, handler, ("create" if creating else "edit") + " a product")
-        if creating:
-            sub.add_argument("--company", required=True, help="company ID")
-            sub.add_argument("--inactive", action="store_true", help="create it inactive")
-        else:
-            sub.add_argument("id", metavar="ID", help="product ID")
-            sub.add_argument("--active", type=_active_flag, help="true or false")
-        for option, _, kind in _PRODUCT_OPTIONS:
-            sub.add_argument("--" + option, type=kind,
-                             required=creating and option in ("name", "price"))
-
-    sub = command("storefront-register", cmd_storefront_register,
-                  "register a customer as the storefront does (customer.created, storefront)")
-    sub.add_argument("--store", required=True, help="company slug")
-    sub.add_argument("--email", required=True)
-    sub.add_argument("--name")
-    sub.add_argument("--password")
-
-    sub = command("storefront-order", cmd_storefront_order,
-                  "place an order as the storefront does (order.created, storefront shape)")
-    sub.add_argument("--store", required=True, help="company slug")
-    sub.add_argument("--customer", required=True, help="customer ID")
-    sub.add_argument("--item", action="append", required=True,
-                     help="PRODUCT_ID:QUANTITY, repeat for more lines")
-    sub.add_argument("--po-number")
-    sub.add_argument("--notes")
-
-    for name, handler, help_text in (
-            ("price-set", cmd_price_set, "set a customer's own price for a product (storefront "
-                                         "and dashboard orders use it; API orders never do)"),
-            ("price-clear", cmd_price_clear, "remove a customer's own price for a product: "
-                                             "the catalog price applies again")):
-        sub = command(name, handler, help_text)
-        sub.add_argument("--customer", required=True, help="customer ID")
-        sub.add_argument("--product", required=True, help="product ID")
-        if name == "price-set":
-            sub.add_argument("--price", type=_amount, required=True, help="e.g. 9.50")
-
-    sub = command("return-open", cmd_return_open, "open a return on an order (return.created)")
-    sub.add_argument("--order", required=True, help="order ID")
-    sub.add_argument("--reason", required=True,
-                     help="{} to {} characters".format(*RETURN_REASON_LENGTH))
-    returned = sub.add_mutually_exclusive_group()
-    returned.add_argument("--line", action="append", metavar="ORDER_ITEM_ID:UNITS",
-                          help="a line and how many of its units go back (recorded with the "
-                               "return); repeat for more lines")
-    returned.add_argument("--item-count", type=_positive,
-                          help="line items returned, without recording which (default: all)")
-    sub.add_argument("--staff", action="store_true", help="opened from the dashboard")
-
-    for name, handler, help_text in (
-            ("return-approve", cmd_return_approve, "approve a REQUESTED return (return.approved)"),
-            ("return-receive", cmd_return_receive, "mark an APPROVED return RECEIVED")):
-        sub = command(name, handler, help_text)
-        sub.add_argument("id", metavar="RETURN_ID")
-
-    sub = command("return-refund", cmd_return_refund,
-                  "refund a RECEIVED return (refund.processed)")
-    sub.add_argument("id", metavar="RETURN_ID")
-    sub.add_argument("--method", required=True, choices=REFUND_METHODS)
-    sub.add_argument("--good-units", type=_non_negative,
-                     help="units that came back good (required without --line)")
-    sub.add_argument("--damaged-units", type=_non_negative,
-                     help="units that came back damaged (required without --line)")
-    sub.add_argument("--subtotal", type=_amount, required=True, help="e.g. 40.00")
-    sub.add_argument("--amount", type=_amount, help="refunded amount (default: the subtotal)")
-    sub.add_argument("--line", action="append", metavar="ORDER_ITEM_ID:GOOD:DAMAGED",
-                     help="a line of the return and how many of its units came back good (back "
-                          "in stock) and damaged; repeat for more lines")
-
-    sub = command("stock-adjust", cmd_stock_adjust,
-                  "change a product's stock by N, saying why (an adjustment movement; "
-                  "product.updated)")
-    sub.add_argument("id", metavar="PRODUCT_ID")
-    sub.add_argument("--by", type=int, required=True, help="signed units, e.g. -3 or 12")
-    sub.add_argument("--reason", required=True, help="why, kept as the movement's note")
-    sub = command("stock-count", cmd_stock_count,
-                  "record a count, the level found on the shelf (a count movement of the "
-                  "difference; product.updated)")
-    sub.add_argument("id", metavar="PRODUCT_ID")
-    sub.add_argument("--to", type=_non_negative, required=True, help="the level counted")
-    sub.add_argument("--reason", help="a note kept with the movement")
-    sub = command("stock-history", cmd_stock_history,
-                  "a product's most recent stock movements, newest first")
-    sub.add_argument("id", metavar="PRODUCT_ID")
-    sub.add_argument("--limit", type=_positive, default=MOVEMENTS_SHOWN,
-                     help=f"how many ({MOVEMENTS_SHOWN})")
-    sub = command("order-restock", cmd_order_restock,
-                  "put a cancelled order's units back in stock, once (a cancellation "
-                  "movement per line)")
-    sub.add_argument("id", metavar="ORDER_ID")
-
-    sub = command("invoice-paid", cmd_invoice_paid,
-                  "record a paid invoice of the company's subscription (invoice.paid)")
-    sub.add_argument("--company", required=True, help="company ID")
-    sub.add_argument("--invoice-id", required=True, help="billing provider's invoice ID")
-    sub.add_argument("--amount-paid", type=_invoice_amount, required=True,
-                     help="in the currency: 49.00 usd, 4900 jpy, 12.345 kwd")
-    sub.add_argument("--currency", required=True, help="lower-case code, e.g. usd")
-    sub.add_argument("--hosted-invoice-url", required=True)
-    sub.add_argument("--number", required=True)
-    sub.add_argument("--period-start", required=True)
-    sub.add_argument("--period-end", required=True)
-
-    sub = command("webhook-rotate-secret", cmd_webhook_rotate_secret,
-                  "give a webhook a new secret (printed once); the old one signs "
-                  "X-Webhook-Signature-Old during the grace window")
-    sub.add_argument("id", metavar="WEBHOOK_ID")
-    sub.add_argument("--grace-hours", type=float, default=float(WEBHOOK_SECRET_GRACE_HOURS),
-                     help=f"grace window ({WEBHOOK_SECRET_GRACE_HOURS})")
-
-    command("demo", None, "create a demo company, catalog and customers (once) and print a "
-                          f"new key with all {len(SCOPES)} scopes and curl commands to try")
-    sub = command("backup", None, "copy the database to DEST while the server may be running")
-    sub.add_argument("destination", metavar="DEST", type=_non_empty)
-    sub = command("copy-to", None, "copy every table into TARGET, an empty database (a file or "
-                                   "postgresql://...), and verify the copy; stop the server first")
-    sub.add_argument("target", metavar="TARGET", type=_non_empty)
-
-    sub = command("deliveries", cmd_deliveries,
-                  f"the {DELIVERIES_SHOWN} most recent delivery attempts of a webhook")
-    sub.add_argument("id", metavar="WEBHOOK_ID")
-
-    sub = command("staff-create", cmd_staff_create,
-                  "create a dashboard staff account; the password (at least "
-                  f"{PASSWORD_MIN} characters) is read from standard input")
-    sub.add_argument("--company", required=True, help="company ID")
-    sub.add_argument("--email", required=True)
-    sub.add_argument("--password-stdin", action="store_true", required=True,
-                     help="read the password from standard input (required: never a flag)")
-
-    sub = command("staff-disable", cmd_staff_disable,
-                  "disable a staff account and end its sessions at once")
-    sub.add_argument("id", metavar="STAFF_ID")
+    for declared in COMMANDS:
+        sub = commands.add_parser(declared.name, help=declared.help, description=declared.help)
+        sub.set_defaults(declared=declared)
+        for kind, *parts in declared.options:
+            if kind == "one of":
+                group = sub.add_mutually_exclusive_group()
+                for _, flags, settings in parts[0]:
+                    group.add_argument(*flags, **settings)
+            else:
+                flags, settings = parts
+                sub.add_argument(*flags, **settings)
     return parser
 
 
@@ -10304,48 +10324,34 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    declared = getattr(args, "declared", None) or next(
+        declared for declared in COMMANDS if declared.name == "serve")
     overrides = {"db_path": args.db, "smtp_url": args.smtp_url}
-    if args.command in (None, "serve"):
-        for name in ("host", "port", "threads", "workers", "allow_private_webhooks",
-                     "ip_rate_limit", "trust_proxy", "proxy_address", "dashboard", "storefront",
-                     "stripe_webhook_secrets", "base_url"):
+    if declared.overrides:
+        for kind, flags, settings in declared.options:
+            name = option_dest(flags, settings)
             overrides[name] = getattr(args, name, None)
     try:
         settings = Settings.from_environment(**overrides)
     except (ValueError, TypeError) as error:
         parser.error(f"bad setting in the environment: {error}")
     try:
-        if args.command in (None, "serve"):
-            if settings.workers > 1:
-                serve_workers(settings)
-            else:
-                serve(settings)
-            return 0
-        if args.command == "demo":
-            print(demo(settings))
-            return 0
-        if args.command == "mail-test":
-            reply = send_test_email(settings, args.to)
-            print(f"Sent to {args.to} through {describe_smtp_url(settings.smtp_url)} from "
-                  f"{settings.mail_from}. The server answered: {reply}")
-            return 0
-        if args.command == "backup":
-            result = backup(settings, args.destination)
-        elif args.command == "copy-to":
-            result = copy_to(settings, args.target)
+        if declared.alone:
+            result = declared.handler(settings, args)
         else:
-            result = run_command(args.handler, args, settings)
+            result = run_command(declared.handler, args, settings)
     except ApiError as error:
         details = "".join(f"\n  {d['field']}: {d['rule']}" for d in error.details or ())
-        print(f"ordering {args.command}: {error.message}{details}", file=sys.stderr)
+        print(f"ordering {declared.name}: {error.message}{details}", file=sys.stderr)
         return 1
     except sqlite3.Error as error:
-        print(f"ordering {args.command}: database error: {error}", file=sys.stderr)
+        print(f"ordering {declared.name}: database error: {error}", file=sys.stderr)
         return 1
     except MailServerError as error:
-        print(f"ordering {args.command}: {error}", file=sys.stderr)
+        print(f"ordering {declared.name}: {error}", file=sys.stderr)
         return 1
-    print(json.dumps(result, ensure_ascii=False))
+    if result is not None:
+        print(json.dumps(result, ensure_ascii=False))
     return 0
 
 
