@@ -6,53 +6,58 @@ module you can run (``python ordering.py``), vendor, or embed (``create_app()`` 
 names what embedders may rely on). The sections run in dependency order: each uses only the
 ones above it.
 
-  1. Settings      every tunable, read once from flags and environment, checked at start;
-                   mail settings (the mail server URL, sender, base URL, CA file)
-  2. Storage       the database and its write transaction (group commit, savepoints);
-                   schema and migrations; claimers (which process holds a claim, and whether
-                   it lives); shared rate counters; engines (SQLite, PostgreSQL: all that
-                   differs between them, one method each)
+  1. Settings      every tunable, read once from flags and environment, checked at start:
+                   1.1 mail settings (the mail server URL, sender, base URL, CA file);
+                   1.2 the settings
+  2. Storage       2.1 schema and migrations; 2.2 claimers (which process holds a claim, and
+                   whether it lives); 2.3 shared rate counters; 2.4 engines (SQLite,
+                   PostgreSQL: all that differs between them, one method each); 2.5 the
+                   database and its write transaction (group commit, savepoints)
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, key and
-                   password hashes (one scheme, scrypt), JSON text; currencies (amounts in
+                   password hashes (one scheme, scrypt), JSON text; 3.1 currencies (amounts in
                    their minor unit, for billing)
-  4. Text and markup   escaping, Template and render(); templates (pages, the stylesheet);
-                   email templates
-  5. Errors and validation   ApiError; messages, enumerations and limits (the spec's, each
-                   once, and ours); validators
+  4. Text and markup   escaping, Template and render(); 4.1 templates (pages, the
+                   stylesheet); 4.2 email templates
+  5. Errors and validation   ApiError; 5.1 messages, enumerations and limits (the spec's,
+                   each once, and ours); 5.2 validators (and the refusals they raise)
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
-  7. Operations    what the business does, without HTTP: events (the catalog, emit() into
-                   the outbox); email (queue_email(), written like an event); rows and
-                   tenancy (load_row, the one "fetch or 404"); companies (and their
-                   settings); products; stock movements (the ledger: every change of
-                   stock, adjustments, counts); customers; customer prices (a customer's
-                   own, for storefront and dashboard orders); orders (and their status
-                   changes, restocking a cancelled one); returns, refunds and invoices
-                   (returns' lines, the good units a refund puts back);
-                   billing (Stripe's events); webhook subscriptions; emails (what was sent,
-                   sending again); API keys and idempotency; accounts and sessions (any kind
-                   of account); storefront accounts (registration, emailed links, password
-                   reset); queries (the paginator, list filters, lookups); storefront
+  7. Operations    what the business does, without HTTP: 7.1 events (the catalog, emit()
+                   into the outbox); 7.2 email (queue_email(), written like an event);
+                   7.3 rows and tenancy (load_row, the one "fetch or 404"); 7.4 companies (and
+                   their settings); 7.5 stock movements (the ledger's rows: every change of
+                   stock is one); 7.6 products; 7.7 stock changes (adjustments, counts: product
+                   edits); 7.8 customers; 7.9 customer prices (a customer's own, for
+                   storefront and dashboard orders); 7.10 orders (and their status changes,
+                   restocking a cancelled one); 7.11 returns, refunds and invoices (returns'
+                   lines, the good units a refund puts back); 7.12 billing (Stripe's events);
+                   7.13 webhook subscriptions; 7.14 emails (what was sent, sending again);
+                   7.15 API keys and idempotency; 7.16 accounts and sessions (any kind of
+                   account); 7.17 storefront accounts (registration, emailed links, password
+                   reset; a customer's changes, since blocking one ends its sign-ins);
+                   7.18 queries (the paginator, list filters, lookups); 7.19 storefront
                    ordering (catalog, cart, quick order, reorder, addresses, checkout, a
-                   buyer's orders); records as the database writes them (the API's reads of
-                   products and orders); the demo;
-                   copies (backup, copy-to)
+                   buyer's orders); 7.20 records as the database writes them (the API's reads
+                   of products and orders); 7.21 the demo; 7.22 copies (backup, copy-to)
   8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
-                   for any channel; webhooks (signing, address checks, the POST); email (SMTP,
-                   TLS, retries, message building); channels (which ones an app's outbox sends)
-  9. HTTP API      routes (class Api: parse, call an operation, wrap); billing (Stripe's signed
-                   webhook, beside the API); serving the API (the Service: auth, scopes, rate
-                   limits, idempotency, housekeeping, errors)
- 10. OpenAPI       the document built from the route table: event payloads, operations of
-                   the API, responses, headers and parameters every operation shares
+                   for any channel; 8.1 webhooks (signing, address checks, the POST); 8.2 email
+                   (SMTP, TLS, retries, message building); 8.3 channels (which ones an app's
+                   outbox sends)
+  9. HTTP API      9.1 routes (class Api: parse, call an operation, wrap); 9.2 billing
+                   (Stripe's signed webhook, beside the API); 9.3 serving the API (the
+                   Service: auth, scopes, rate limits, idempotency, housekeeping, errors)
+ 10. OpenAPI       the document built from the route table: 10.1 event payloads;
+                   10.2 operations of the API; 10.3 responses, headers and parameters every
+                   operation shares
  11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
-                   Surface: sign-in, sessions and security headers); dashboard (the staff's
-                   pages at /dashboard); billing, emails and settings (the company's own);
-                   storefront (the buyers' pages at /store/{slug}: register, sign in, reset;
-                   then ordering: catalog, cart and quick order, checkout, orders, returns)
+                   Surface: sign-in, sessions and security headers); 11.1 dashboard (the
+                   staff's pages at /dashboard); 11.2 billing, emails and settings (the
+                   company's own); 11.3 storefront (the buyers' pages at /store/{slug}:
+                   register, sign in, reset; then ordering: catalog, cart and quick order,
+                   checkout, orders, returns)
  12. App           create_app() installs every surface
  13. Server        serve and its workers, the access log
  14. Commands      the operator commands, each declared by @command above its handler
-                   (staff-create, demo, backup, copy-to, ...), and main(); former names
+                   (staff-create, demo, backup, copy-to, ...), and main(); 14.1 former names
                    (kept one release after a rename)
 """
 
@@ -164,6 +169,113 @@ DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_E": "https://tracking.carrier-e.example/status?id={number}",
 }
 
+
+# 1.1 Mail settings ---------------------------------------------------------------------------
+
+#: smtp_url's schemes, each with its TLS mode and default port (see README, Mail).
+SMTP_SCHEMES = {"smtp": 25, "smtp+starttls": 587, "smtps": 465}
+
+MailServer = collections.namedtuple("MailServer", "scheme host port user password")
+
+
+def mail_server(url):
+    """smtp_url read as a MailServer; ValueError (its message without the password) when it is
+    not one. User and password may be percent-encoded (an @ in a user name as %40)."""
+    shown = describe_smtp_url(url)
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"the mail server URL {shown!r} is not a URL with a valid port") from None
+    scheme = parts.scheme.lower()
+    if scheme not in SMTP_SCHEMES:
+        raise ValueError(f"the mail server URL must begin with smtp://, smtp+starttls:// or "
+                         f"smtps://, not {shown!r}")
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"the mail server URL must be {scheme}://[user[:password]@]host[:port], "
+                         f"not {shown!r}")
+    user = None if parts.username is None else urllib.parse.unquote(parts.username)
+    password = None if parts.password is None else urllib.parse.unquote(parts.password)
+    if scheme == "smtp" and password and not _loopback(parts.hostname):
+        raise ValueError(f"{shown} would send the password unencrypted over the network; use "
+                         "smtp+starttls:// or smtps:// (plain smtp:// is for a relay that needs "
+                         "no password, or one on this machine)")
+    return MailServer(scheme, parts.hostname, port or SMTP_SCHEMES[scheme], user, password)
+
+
+def _loopback(host):
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def describe_smtp_url(url):
+    """The mail server URL as logs and messages may show it: without its password."""
+    parts = urllib.parse.urlsplit(url.strip())
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        netloc = user.split(":", 1)[0] + (":***" if ":" in user else "") + "@" + host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+_MAIL_ADDRESS = re.compile(r"[^@\s\x00-\x1f\x7f<>(),;:\"\[\]\\]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]{2,}")
+
+
+def check_mail_settings(settings):
+    """Stop a start with bad mail settings with a message, rather than fail at the first
+    email: the URL, the sender address, the base URL and the CA file are checked here."""
+    if settings.smtp_url:
+        mail_server(settings.smtp_url)
+        if not settings.mail_from:
+            raise ValueError("a mail server needs a sender address: set ORDERING_MAIL_FROM "
+                             "(orders@example.com)")
+    if settings.mail_from and not _MAIL_ADDRESS.fullmatch(settings.mail_from):
+        raise ValueError(f"the sender address (ORDERING_MAIL_FROM) must be an address such as "
+                         f"orders@example.com, not {settings.mail_from!r}")
+    if settings.base_url:
+        check_base_url(settings.base_url)
+    if settings.smtp_ca_file:
+        mail_tls_context(settings)
+
+
+def check_base_url(url):
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"the base URL (ORDERING_BASE_URL) must be an http:// or https:// "
+                         f"address such as https://orders.example.com, not {url!r}")
+    return url
+
+
+def mail_tls_context(settings):
+    """The TLS settings for the mail server: certificates verified and the host name checked,
+    against smtp_ca_file when set, else the system's authorities."""
+    try:
+        return ssl.create_default_context(cafile=settings.smtp_ca_file or None)
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) "
+                         f"{settings.smtp_ca_file!r}: {getattr(error, 'strerror', None) or error}"
+                         ) from None
+
+
+def proxy_address(text):
+    """'*' or an IP address, written as the server reports peers (waitress compares text)."""
+    text = text.strip()
+    if text == "*":
+        return text
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise ValueError(f"proxy address must be an IP address or *, not {text!r}") from None
+
+
+# 1.2 The settings ----------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Settings:
@@ -363,335 +475,12 @@ def _positive_float(text):
     return value
 
 
-# Mail settings -------------------------------------------------------------------------------
-
-#: smtp_url's schemes, each with its TLS mode and default port (see README, Mail).
-SMTP_SCHEMES = {"smtp": 25, "smtp+starttls": 587, "smtps": 465}
-
-MailServer = collections.namedtuple("MailServer", "scheme host port user password")
-
-
-def mail_server(url):
-    """smtp_url read as a MailServer; ValueError (its message without the password) when it is
-    not one. User and password may be percent-encoded (an @ in a user name as %40)."""
-    shown = describe_smtp_url(url)
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"the mail server URL {shown!r} is not a URL with a valid port") from None
-    scheme = parts.scheme.lower()
-    if scheme not in SMTP_SCHEMES:
-        raise ValueError(f"the mail server URL must begin with smtp://, smtp+starttls:// or "
-                         f"smtps://, not {shown!r}")
-    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"the mail server URL must be {scheme}://[user[:password]@]host[:port], "
-                         f"not {shown!r}")
-    user = None if parts.username is None else urllib.parse.unquote(parts.username)
-    password = None if parts.password is None else urllib.parse.unquote(parts.password)
-    if scheme == "smtp" and password and not _loopback(parts.hostname):
-        raise ValueError(f"{shown} would send the password unencrypted over the network; use "
-                         "smtp+starttls:// or smtps:// (plain smtp:// is for a relay that needs "
-                         "no password, or one on this machine)")
-    return MailServer(scheme, parts.hostname, port or SMTP_SCHEMES[scheme], user, password)
-
-
-def _loopback(host):
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-def describe_smtp_url(url):
-    """The mail server URL as logs and messages may show it: without its password."""
-    parts = urllib.parse.urlsplit(url.strip())
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, _, host = netloc.rpartition("@")
-        netloc = user.split(":", 1)[0] + (":***" if ":" in user else "") + "@" + host
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-_MAIL_ADDRESS = re.compile(r"[^@\s\x00-\x1f\x7f<>(),;:\"\[\]\\]+@[A-Za-z0-9.-]+\.[A-Za-z0-9-]{2,}")
-
-
-def check_mail_settings(settings):
-    """Stop a start with bad mail settings with a message, rather than fail at the first
-    email: the URL, the sender address, the base URL and the CA file are checked here."""
-    if settings.smtp_url:
-        mail_server(settings.smtp_url)
-        if not settings.mail_from:
-            raise ValueError("a mail server needs a sender address: set ORDERING_MAIL_FROM "
-                             "(orders@example.com)")
-    if settings.mail_from and not _MAIL_ADDRESS.fullmatch(settings.mail_from):
-        raise ValueError(f"the sender address (ORDERING_MAIL_FROM) must be an address such as "
-                         f"orders@example.com, not {settings.mail_from!r}")
-    if settings.base_url:
-        check_base_url(settings.base_url)
-    if settings.smtp_ca_file:
-        mail_tls_context(settings)
-
-
-def check_base_url(url):
-    parts = urllib.parse.urlsplit(url)
-    try:
-        parts.port
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname \
-            or parts.query or parts.fragment or parts.username:
-        raise ValueError(f"the base URL (ORDERING_BASE_URL) must be an http:// or https:// "
-                         f"address such as https://orders.example.com, not {url!r}")
-    return url
-
-
-def mail_tls_context(settings):
-    """The TLS settings for the mail server: certificates verified and the host name checked,
-    against smtp_ca_file when set, else the system's authorities."""
-    try:
-        return ssl.create_default_context(cafile=settings.smtp_ca_file or None)
-    except (OSError, ssl.SSLError) as error:
-        raise ValueError(f"cannot read the mail server's CA file (ORDERING_SMTP_CA_FILE) "
-                         f"{settings.smtp_ca_file!r}: {getattr(error, 'strerror', None) or error}"
-                         ) from None
-
-
-def proxy_address(text):
-    """'*' or an IP address, written as the server reports peers (waitress compares text)."""
-    text = text.strip()
-    if text == "*":
-        return text
-    try:
-        return str(ipaddress.ip_address(text))
-    except ValueError:
-        raise ValueError(f"proxy address must be an IP address or *, not {text!r}") from None
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Storage
 # ---------------------------------------------------------------------------------------------
 
 
-# The database and its write transaction ------------------------------------------------------
-
-class Database:
-    """One database, SQLite or PostgreSQL (see Engines below): a read connection per thread,
-    and write() for every transaction that writes, on one write connection shared by the
-    process's writers.
-
-    Group commit. With durable commits every commit waits for the disk, so writers that
-    arrive while the write connection is busy queue up and then share one transaction and one
-    commit: each write() body runs, one at a time and in the caller's own thread, in a
-    SAVEPOINT of its own; the last body to finish with nobody queued behind it commits the
-    batch. A body that raises rolls back only its savepoint, and no write() returns before
-    the commit that holds its work has completed (so no response is sent before its data is
-    on disk). If that commit fails, every body of the batch fails with it.
-
-    Connections run in autocommit mode so that write() alone decides where a transaction
-    begins (the engine's begin() takes the database's write lock up front: a read-then-write
-    such as a stock check can then never be overtaken by another writer or process) and
-    where it ends.
-    """
-
-    def __init__(self, path, settings=None):
-        self.path = path
-        self.settings = settings or Settings(db_path=path)
-        self.engine = engine_for(path)
-        self._local = threading.local()
-        self._listeners = []
-        #: Commits made on the write connection; each holds one or more write() bodies.
-        self.commits = 0
-        self._writer = None
-        # Writers of this process queue on the condition _turn rather than in the engine's
-        # lock wait (SQLite's busy handler sleeps in growing steps and turns lock contention
-        # into long tails); bodies whose work waits for its commit wait on _done. Two
-        # conditions on one lock, so that handing the connection on wakes one writer, not
-        # every thread that waits for anything.
-        lock = threading.Lock()
-        self._turn = threading.Condition(lock)
-        self._done = threading.Condition(lock)
-        self._busy = False    # a body or a commit is using the write connection
-        self._queued = 0      # writers waiting for the write connection
-        self._batch = None    # the batch whose transaction is open, if any
-        with self.write() as conn:
-            apply_schema(conn)
-
-    def connect(self):
-        return self.engine.connect(self.path, self.settings)
-
-    @property
-    def conn(self):
-        """This thread's connection, for reads outside a transaction."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None or conn.broken:
-            conn = self._local.conn = self.connect()
-        return conn
-
-    def write(self):
-        """A transaction for the body of a with statement, which gets the connection:
-        ``with db.write() as conn: ...``. Raising in the body rolls back only its work."""
-        return _WriteTransaction(self)
-
-    def ping(self):
-        """Read from the database (raises when it does not answer)."""
-        self.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
-
-    def on_commit(self, listener):
-        """Call listener(event_ids) after each commit that emitted events."""
-        self._listeners.append(listener)
-
-    def close(self):
-        """Close this thread's read connection, and the write connection when no write is in
-        progress (it opens again on the next write)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
-        with self._turn:
-            if self._writer is not None and not self._busy and self._batch is None:
-                self._writer.close()
-                self._writer = None
-
-    def _commit(self, conn):
-        conn.execute("COMMIT")
-        self.commits += 1
-
-
-class _Batch:
-    """The write() bodies sharing one transaction."""
-
-    def __init__(self):
-        self.bodies = 0       # bodies run in it, kept or rolled back
-        self.kept = 0         # bodies whose work it holds
-        self.done = False
-        self.error = None     # why its commit failed
-
-
-#: Bodies one batch takes at most, so that a stream of writers cannot postpone its commit.
-GROUP_COMMIT_LIMIT = 64
-
-
-class _WriteTransaction:
-    def __init__(self, db):
-        self.db = db
-        self.batch = None
-
-    def __enter__(self):
-        db = self.db
-        with db._turn:
-            db._queued += 1
-            while db._busy:
-                db._turn.wait()
-            db._queued -= 1
-            db._busy = True
-            if db._batch is None:
-                db._batch = _Batch()
-            self.batch = db._batch
-        try:
-            if db._writer is None or db._writer.broken:
-                db._writer = db.connect()
-            if not db._writer.in_transaction:
-                db.engine.begin(db._writer)
-            db._writer.execute("SAVEPOINT write_body")
-        except BaseException:
-            self._finish(kept=False)
-            raise
-        _emitted.event_ids = []
-        return db._writer
-
-    def __exit__(self, kind, error, tb):
-        conn, batch = self.db._writer, self.batch
-        emitted, _emitted.event_ids = _emitted.event_ids, None
-        kept = kind is None
-        try:
-            if kept:
-                conn.execute("RELEASE write_body")
-            elif conn.in_transaction:  # some errors (a full disk) end the transaction already
-                conn.execute("ROLLBACK TO write_body")
-                conn.execute("RELEASE write_body")
-        except BaseException:
-            try:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-            finally:
-                self._finish(kept=False)
-            raise
-        self._finish(kept)
-        if not kept:
-            return False
-        with self.db._done:
-            while not batch.done:
-                self.db._done.wait()
-        if batch.error is not None:
-            raise type(batch.error)(*batch.error.args) from batch.error
-        if emitted:
-            for listener in self.db._listeners:
-                listener(emitted)
-        return False
-
-    def _finish(self, kept):
-        """Hand the write connection to the next queued writer, or commit the batch when
-        nobody is queued (or the batch is full, or its transaction has ended early)."""
-        db, batch = self.db, self.batch
-        alive = db._writer is not None and db._writer.in_transaction
-        with db._turn:
-            batch.bodies += 1
-            batch.kept += kept
-            if alive and db._queued and batch.bodies < GROUP_COMMIT_LIMIT:
-                db._busy = False
-                db._turn.notify()
-                return
-        error = None
-        try:
-            if not alive:
-                error = sqlite3.OperationalError(
-                    "the transaction was rolled back before its commit")
-            elif batch.kept:
-                db._commit(db._writer)
-            else:
-                db._writer.execute("ROLLBACK")
-        except sqlite3.Error as failure:
-            error = failure
-            if db._writer.in_transaction:
-                db._writer.execute("ROLLBACK")
-        finally:
-            with db._turn:
-                batch.error, batch.done = error, True
-                db._batch = None
-                db._busy = False
-                db._done.notify_all()
-                db._turn.notify()
-
-
-@contextlib.contextmanager
-def savepoint(conn):
-    """A part of the open transaction that is undone alone when its body raises."""
-    conn.execute("SAVEPOINT part")
-    try:
-        yield conn
-    except BaseException:
-        if conn.in_transaction:  # some errors (a full disk) end the transaction already
-            conn.execute("ROLLBACK TO part")
-            conn.execute("RELEASE part")
-        raise
-    conn.execute("RELEASE part")
-
-
-#: Event IDs emitted by the transaction open on this thread (see emit()).
-_emitted = threading.local()
-
-
-def announce(outbox_id):
-    """Count an outbox row (an event, an email) among the IDs the open transaction emitted:
-    after its commit the outbox looks for work at once, and an operator command sends it
-    before it exits."""
-    pending = getattr(_emitted, "event_ids", None)
-    if pending is not None:
-        pending.append(outbox_id)
-
-
-# Schema and migrations -----------------------------------------------------------------------
+# 2.1 Schema and migrations -------------------------------------------------------------------
 
 def apply_schema(conn):
     """Create what is missing, then migrate by the schema version the engine keeps. Tables are
@@ -838,7 +627,7 @@ def tables_in_order():
             for statement in schema_statements() if "CREATE TABLE" in statement]
 
 
-# Claimers ------------------------------------------------------------------------------------
+# 2.2 Claimers --------------------------------------------------------------------------------
 # Work that one process takes on (an outbox row, an Idempotency-Key in progress) is
 # claimed in the database under that process's identity: host, pid and the start time the
 # kernel gave the process, so that a pid reused by a newer process is not taken for the
@@ -900,7 +689,7 @@ def claimer_alive(identity):
     return stat is not None and stat[0] not in ("Z", "X") and stat[1] == start
 
 
-# Shared rate counters ------------------------------------------------------------------------
+# 2.3 Shared rate counters --------------------------------------------------------------------
 # Rate limits are counted per fixed one-minute window. Every counter has hit(client, limit,
 # now=None) -> (allowed, remaining, seconds until the window resets) and close().
 # WindowCounter counts in this process only; SharedWindowCounter counts in a small
@@ -1042,7 +831,7 @@ class TableWindowCounter:
             self._local.conn = None
 
 
-# Engines -------------------------------------------------------------------------------------
+# 2.4 Engines ---------------------------------------------------------------------------------
 # ordering's SQL is written once, in the dialect SQLite and PostgreSQL share, with SQLite's
 # ? and :name parameters. The few places where they differ are the methods of these two
 # classes and nothing else: connecting, the write lock, the schema version, the schema's
@@ -1453,6 +1242,224 @@ SQLITE = SqliteConnection.engine = SqliteEngine()
 POSTGRES = PostgresConnection.engine = PostgresEngine()
 
 
+# 2.5 The database and its write transaction --------------------------------------------------
+
+class Database:
+    """One database, SQLite or PostgreSQL (see Engines below): a read connection per thread,
+    and write() for every transaction that writes, on one write connection shared by the
+    process's writers.
+
+    Group commit. With durable commits every commit waits for the disk, so writers that
+    arrive while the write connection is busy queue up and then share one transaction and one
+    commit: each write() body runs, one at a time and in the caller's own thread, in a
+    SAVEPOINT of its own; the last body to finish with nobody queued behind it commits the
+    batch. A body that raises rolls back only its savepoint, and no write() returns before
+    the commit that holds its work has completed (so no response is sent before its data is
+    on disk). If that commit fails, every body of the batch fails with it.
+
+    Connections run in autocommit mode so that write() alone decides where a transaction
+    begins (the engine's begin() takes the database's write lock up front: a read-then-write
+    such as a stock check can then never be overtaken by another writer or process) and
+    where it ends.
+    """
+
+    def __init__(self, path, settings=None):
+        self.path = path
+        self.settings = settings or Settings(db_path=path)
+        self.engine = engine_for(path)
+        self._local = threading.local()
+        self._listeners = []
+        #: Commits made on the write connection; each holds one or more write() bodies.
+        self.commits = 0
+        self._writer = None
+        # Writers of this process queue on the condition _turn rather than in the engine's
+        # lock wait (SQLite's busy handler sleeps in growing steps and turns lock contention
+        # into long tails); bodies whose work waits for its commit wait on _done. Two
+        # conditions on one lock, so that handing the connection on wakes one writer, not
+        # every thread that waits for anything.
+        lock = threading.Lock()
+        self._turn = threading.Condition(lock)
+        self._done = threading.Condition(lock)
+        self._busy = False    # a body or a commit is using the write connection
+        self._queued = 0      # writers waiting for the write connection
+        self._batch = None    # the batch whose transaction is open, if any
+        with self.write() as conn:
+            apply_schema(conn)
+
+    def connect(self):
+        return self.engine.connect(self.path, self.settings)
+
+    @property
+    def conn(self):
+        """This thread's connection, for reads outside a transaction."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.broken:
+            conn = self._local.conn = self.connect()
+        return conn
+
+    def write(self):
+        """A transaction for the body of a with statement, which gets the connection:
+        ``with db.write() as conn: ...``. Raising in the body rolls back only its work."""
+        return _WriteTransaction(self)
+
+    def ping(self):
+        """Read from the database (raises when it does not answer)."""
+        self.conn.execute("SELECT COUNT(*) FROM companies LIMIT 1").fetchone()
+
+    def on_commit(self, listener):
+        """Call listener(event_ids) after each commit that emitted events."""
+        self._listeners.append(listener)
+
+    def close(self):
+        """Close this thread's read connection, and the write connection when no write is in
+        progress (it opens again on the next write)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+        with self._turn:
+            if self._writer is not None and not self._busy and self._batch is None:
+                self._writer.close()
+                self._writer = None
+
+    def _commit(self, conn):
+        conn.execute("COMMIT")
+        self.commits += 1
+
+
+class _Batch:
+    """The write() bodies sharing one transaction."""
+
+    def __init__(self):
+        self.bodies = 0       # bodies run in it, kept or rolled back
+        self.kept = 0         # bodies whose work it holds
+        self.done = False
+        self.error = None     # why its commit failed
+
+
+#: Bodies one batch takes at most, so that a stream of writers cannot postpone its commit.
+GROUP_COMMIT_LIMIT = 64
+
+
+class _WriteTransaction:
+    def __init__(self, db):
+        self.db = db
+        self.batch = None
+
+    def __enter__(self):
+        db = self.db
+        with db._turn:
+            db._queued += 1
+            while db._busy:
+                db._turn.wait()
+            db._queued -= 1
+            db._busy = True
+            if db._batch is None:
+                db._batch = _Batch()
+            self.batch = db._batch
+        try:
+            if db._writer is None or db._writer.broken:
+                db._writer = db.connect()
+            if not db._writer.in_transaction:
+                db.engine.begin(db._writer)
+            db._writer.execute("SAVEPOINT write_body")
+        except BaseException:
+            self._finish(kept=False)
+            raise
+        _emitted.event_ids = []
+        return db._writer
+
+    def __exit__(self, kind, error, tb):
+        conn, batch = self.db._writer, self.batch
+        emitted, _emitted.event_ids = _emitted.event_ids, None
+        kept = kind is None
+        try:
+            if kept:
+                conn.execute("RELEASE write_body")
+            elif conn.in_transaction:  # some errors (a full disk) end the transaction already
+                conn.execute("ROLLBACK TO write_body")
+                conn.execute("RELEASE write_body")
+        except BaseException:
+            try:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            finally:
+                self._finish(kept=False)
+            raise
+        self._finish(kept)
+        if not kept:
+            return False
+        with self.db._done:
+            while not batch.done:
+                self.db._done.wait()
+        if batch.error is not None:
+            raise type(batch.error)(*batch.error.args) from batch.error
+        if emitted:
+            for listener in self.db._listeners:
+                listener(emitted)
+        return False
+
+    def _finish(self, kept):
+        """Hand the write connection to the next queued writer, or commit the batch when
+        nobody is queued (or the batch is full, or its transaction has ended early)."""
+        db, batch = self.db, self.batch
+        alive = db._writer is not None and db._writer.in_transaction
+        with db._turn:
+            batch.bodies += 1
+            batch.kept += kept
+            if alive and db._queued and batch.bodies < GROUP_COMMIT_LIMIT:
+                db._busy = False
+                db._turn.notify()
+                return
+        error = None
+        try:
+            if not alive:
+                error = sqlite3.OperationalError(
+                    "the transaction was rolled back before its commit")
+            elif batch.kept:
+                db._commit(db._writer)
+            else:
+                db._writer.execute("ROLLBACK")
+        except sqlite3.Error as failure:
+            error = failure
+            if db._writer.in_transaction:
+                db._writer.execute("ROLLBACK")
+        finally:
+            with db._turn:
+                batch.error, batch.done = error, True
+                db._batch = None
+                db._busy = False
+                db._done.notify_all()
+                db._turn.notify()
+
+
+@contextlib.contextmanager
+def savepoint(conn):
+    """A part of the open transaction that is undone alone when its body raises."""
+    conn.execute("SAVEPOINT part")
+    try:
+        yield conn
+    except BaseException:
+        if conn.in_transaction:  # some errors (a full disk) end the transaction already
+            conn.execute("ROLLBACK TO part")
+            conn.execute("RELEASE part")
+        raise
+    conn.execute("RELEASE part")
+
+
+#: Event IDs emitted by the transaction open on this thread (see emit()).
+_emitted = threading.local()
+
+
+def announce(outbox_id):
+    """Count an outbox row (an event, an email) among the IDs the open transaction emitted:
+    after its commit the outbox looks for work at once, and an operator command sends it
+    before it exits."""
+    pending = getattr(_emitted, "event_ids", None)
+    if pending is not None:
+        pending.append(outbox_id)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. Values
 # ---------------------------------------------------------------------------------------------
@@ -1695,7 +1702,7 @@ def json_envelope(data, pagination=None):
     return JsonText('{"data":' + data + ',"pagination":' + _JSON.encode(pagination) + "}")
 
 
-# Currencies ----------------------------------------------------------------------------------
+# 3.1 Currencies ------------------------------------------------------------------------------
 # Stripe counts an amount in its currency's minor unit, and not every currency has two
 # decimals. The lists are Stripe's published ones (docs.stripe.com/currencies); every other
 # currency has two in Stripe's amounts, its special cases ISK, HUF and TWD included.
@@ -1799,6 +1806,10 @@ def amount_text(number):
     return "" if number is None else f"{number:,.2f}"
 
 
+def cents_text(cents):
+    return amount_text(money(cents))
+
+
 def decimal_text(cents):
     """Cents as a form field holds an amount: 1234.50."""
     return f"{cents // 100}.{cents % 100:02d}"
@@ -1816,7 +1827,7 @@ def one_line(value):
     return _LINE_BREAKS.sub(" ", "" if value is None else str(value)).strip()
 
 
-# Templates -----------------------------------------------------------------------------------
+# 4.1 Templates -------------------------------------------------------------------------------
 
 _PAGE = """<!doctype html>
 <html lang="en">
@@ -2043,7 +2054,7 @@ fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12
 """
 
 
-# Email templates -----------------------------------------------------------------------------
+# 4.2 Email templates -------------------------------------------------------------------------
 # Each kind of email the service sends: a subject, a plain-text body and an HTML body, filled
 # from the data its operation recorded with queue_email() (a JSON object of text and numbers).
 # In the subject and the text every value is put on one line, so that a line break in a name
@@ -2209,23 +2220,11 @@ class ApiError(Exception):
 VALIDATION_FAILED = "Validation failed."
 
 
-class StockShortage(ApiError):
-    """INSUFFICIENT_STOCK, with the product's name for the pages that show no counts."""
-
-    def __init__(self, name, available, requested):
-        super().__init__(400, INSUFFICIENT_STOCK.format(name=name, N=available, M=requested))
-        self.product_name = name
-
-
 def invalid(field, rule):
     return ApiError(400, VALIDATION_FAILED, details=[{"field": field, "rule": rule}])
 
 
-def not_found(resource):
-    return ApiError(404, NOT_FOUND.format(resource=resource))
-
-
-# Messages, enumerations and limits -----------------------------------------------------------
+# 5.1 Messages, enumerations and limits -------------------------------------------------------
 
 # Each message appears here once, character for character as the spec gives it, and is used
 # by the validators, the OpenAPI document and the pages alike. {Placeholders} are filled in
@@ -2394,7 +2393,19 @@ STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email 
                         "separated by commas.")
 
 
-# Validators ----------------------------------------------------------------------------------
+# 5.2 Validators ------------------------------------------------------------------------------
+
+class StockShortage(ApiError):
+    """INSUFFICIENT_STOCK, with the product's name for the pages that show no counts."""
+
+    def __init__(self, name, available, requested):
+        super().__init__(400, INSUFFICIENT_STOCK.format(name=name, N=available, M=requested))
+        self.product_name = name
+
+
+def not_found(resource):
+    return ApiError(404, NOT_FOUND.format(resource=resource))
+
 
 def is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -2661,7 +2672,7 @@ def orders_json(order_rows, item_rows):
 # one), checks tenancy through load_row, emits its events, and returns one kind of thing.
 
 
-# Events --------------------------------------------------------------------------------------
+# 7.1 Events ----------------------------------------------------------------------------------
 
 EVENT_CATALOG = (
     "order.created", "order.status_changed", "order.shipped", "order.cancelled",
@@ -2691,7 +2702,7 @@ def emit(conn, company_id, name, data):
     return event_id
 
 
-# Email ---------------------------------------------------------------------------------------
+# 7.2 Email -----------------------------------------------------------------------------------
 # An email is written like an event, in the caller's transaction, to one recipient; the
 # outbox's email channel sends it after the commit (see Outbox, Email). Its ID joins the
 # transaction's emitted IDs, so that an operator command sends its emails before it exits as
@@ -2710,9 +2721,7 @@ def queue_email(conn, company_id, kind, to_address, data, to_name=None):
     return email_id
 
 
-
-
-# Rows and tenancy ----------------------------------------------------------------------------
+# 7.3 Rows and tenancy ------------------------------------------------------------------------
 
 def insert_row(conn, table, row):
     """INSERT one row given as {column: value} (column names come from this module only)."""
@@ -2757,7 +2766,7 @@ def company_of(conn, resource, row_id):
     return row["company_id"]
 
 
-# Companies -----------------------------------------------------------------------------------
+# 7.4 Companies -------------------------------------------------------------------------------
 
 def load_company(conn, company_id):
     row = conn.execute("SELECT * FROM companies WHERE id = ?", (company_id,)).fetchone()
@@ -2857,7 +2866,36 @@ def company_by_slug(conn, store_slug):
     return row
 
 
-# Products ------------------------------------------------------------------------------------
+# 7.5 Stock movements -------------------------------------------------------------------------
+# Every change of a product's stock is a movement, written in the transaction that changes the
+# stock, so that the sum of a product's movements is its stock (the write lock makes each
+# read of a level and the write after it one step). Order placement writes its own (all
+# its lines at once); every other change is a product edit and goes through
+# move_stock: product.updated, and product.low_stock (triggeringOrderId null) when the level
+# reaches the threshold, re-armed when it rises above it.
+
+#: Who made a change: a type of ACTOR_TYPES and, for staff, a key or a buyer, its ID.
+Actor = collections.namedtuple("Actor", "type id")
+SYSTEM = Actor("system", None)
+COMMAND = Actor("command", None)
+
+MOVEMENT_COLUMNS = ("id", "company_id", "product_id", "change", "level_after", "reason",
+                    "order_id", "return_id", "note", "actor_type", "actor_id", "created_at")
+_INSERT_MOVEMENT = (f"INSERT INTO stock_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES "
+                    f"({', '.join('?' * len(MOVEMENT_COLUMNS))})")
+
+
+def record_movements(conn, company_id, movements, at):
+    """Write movements, (product ID, change, level after, reason, order ID, return ID, note,
+    actor) each; returns their rows (values in MOVEMENT_COLUMNS order)."""
+    rows = [(new_id("mov"), company_id, product_id, change, level, reason, order_id,
+             return_id, note, actor.type, actor.id, at)
+            for product_id, change, level, reason, order_id, return_id, note, actor in movements]
+    conn.executemany(_INSERT_MOVEMENT, rows)
+    return rows
+
+
+# 7.6 Products --------------------------------------------------------------------------------
 # Written by the dashboard and the operator commands; read-only over the API.
 
 def load_product(conn, company_id, product_id):
@@ -2963,36 +3001,9 @@ def check_low_stock(conn, company_id, product, triggering_order_id):
         conn.execute("UPDATE products SET low_stock_alerted = 0 WHERE id = ?", (product["id"],))
 
 
-# Stock movements -----------------------------------------------------------------------------
-# Every change of a product's stock is a movement, written in the transaction that changes the
-# stock, so that the sum of a product's movements is its stock (the write lock makes each
-# read of a level and the write after it one step). Order placement writes its own (one
-# INSERT for all its lines); every other change is a product edit and goes through
-# move_stock: product.updated, and product.low_stock (triggeringOrderId null) when the level
-# reaches the threshold, re-armed when it rises above it.
-
-#: Who made a change: a type of ACTOR_TYPES and, for staff, a key or a buyer, its ID.
-Actor = collections.namedtuple("Actor", "type id")
-SYSTEM = Actor("system", None)
-COMMAND = Actor("command", None)
-
-MOVEMENT_COLUMNS = ("id", "company_id", "product_id", "change", "level_after", "reason",
-                    "order_id", "return_id", "note", "actor_type", "actor_id", "created_at")
-_INSERT_MOVEMENT = (f"INSERT INTO stock_movements ({', '.join(MOVEMENT_COLUMNS)}) VALUES "
-                    f"({', '.join('?' * len(MOVEMENT_COLUMNS))})")
-
-
-def record_movements(conn, company_id, movements, at):
-    """Write movements, (product ID, change, level after, reason, order ID, return ID, note,
-    actor) each; returns their rows (values in MOVEMENT_COLUMNS order)."""
-    rows = [(new_id("mov"), company_id, product_id, change, level, reason, order_id,
-             return_id, note, actor.type, actor.id, at)
-            for product_id, change, level, reason, order_id, return_id, note, actor in movements]
-    # executemany, not one INSERT of many rows: SQLite runs a multi-row VALUES as a
-    # co-routine, which costs more per row than the one prepared statement run again.
-    conn.executemany(_INSERT_MOVEMENT, rows)
-    return rows
-
+# 7.7 Stock changes ---------------------------------------------------------------------------
+# Every change of stock that is not an order's placement is a product edit (see Stock
+# movements, above Products).
 
 def move_stock(conn, company_id, changes, reason, actor, note=None, order_id=None,
                return_id=None):
@@ -3062,7 +3073,7 @@ def stock_history(conn, company_id, product_id, limit=MOVEMENTS_SHOWN):
                         "ORDER BY created_at DESC, id DESC LIMIT ?", (product_id, limit)).fetchall()
 
 
-# Customers -----------------------------------------------------------------------------------
+# 7.8 Customers -------------------------------------------------------------------------------
 
 def load_customer(conn, company_id, customer_id):
     return load_row(conn, "customers", "Customer", company_id, customer_id)
@@ -3086,15 +3097,6 @@ def require_signed_in_buyer(conn, company_id, customer_id):
     if not customer["email_verified"]:
         raise ApiError(403, CUSTOMER_UNVERIFIED)
     return customer
-
-
-def set_customer_status(conn, company_id, customer_id, status):
-    """Staff's approval, block and unblock: as PATCH, except that a customer awaiting approval
-    is approved only once its address is confirmed (the API keeps the spec's rule)."""
-    customer = load_customer(conn, company_id, customer_id)
-    if customer["status"] == "PENDING" and status == "ACTIVE" and not customer["email_verified"]:
-        raise ApiError(409, APPROVE_UNVERIFIED)
-    return update_customer(conn, company_id, customer_id, {"status": status})
 
 
 def _customer_changes(body):
@@ -3158,29 +3160,6 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
     return customer
 
 
-def update_customer(conn, company_id, customer_id, body):
-    require_object(body)
-    if "email" in body:
-        raise invalid("email", "cannot be changed")
-    changes = _customer_changes(body)
-    before = load_customer(conn, company_id, customer_id)
-    changed = update_changed(conn, "customers", before, changes)
-    if not changed:
-        return before
-    after = load_customer(conn, company_id, customer_id)
-    payload = {"id": after["id"], "email": after["email"], "name": after["name"],
-               "status": after["status"]}
-    if "status" in changed:
-        payload["previousStatus"] = before["status"]
-    emit(conn, company_id, "customer.updated", payload)
-    if changed.get("status") == "BLOCKED":  # a blocked customer cannot sign in (spec)
-        end_sessions(conn, CUSTOMERS, customer_id)
-        end_account_links(conn, customer_id, ("verify", "reset"))
-    if before["status"] == "PENDING" and after["status"] == "ACTIVE":
-        queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
-    return after
-
-
 def storefront_register(conn, store_slug, email, name=None, password=None):
     """The operator's registration of a buyer (storefront-register): customer.created with
     source storefront, the address counted as confirmed (the operator vouches for it)."""
@@ -3190,7 +3169,7 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
                            store_slug=store_slug, password=password, email_verified=True)
 
 
-# Customer prices -----------------------------------------------------------------------------
+# 7.9 Customer prices -------------------------------------------------------------------------
 # A customer's own price for a product, set by staff (the dashboard's customer page, price-set
 # and price-clear). Storefront and dashboard orders use it; API orders use the catalog price,
 # as the spec says.
@@ -3237,7 +3216,7 @@ def price_list(conn, company_id, customer_id):
         "c.product_id WHERE c.customer_id = ? ORDER BY p.name, p.id", (customer_id,)).fetchall()
 
 
-# Orders --------------------------------------------------------------------------------------
+# 7.10 Orders ---------------------------------------------------------------------------------
 
 #: The dashboard's stricter workflow; the API itself enforces only the CANCELLED lock.
 DASHBOARD_TRANSITIONS = {
@@ -3571,7 +3550,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
     return update_order_status(conn, company_id, order_id, status, tracking, "dashboard")
 
 
-# Returns, refunds and invoices ---------------------------------------------------------------
+# 7.11 Returns, refunds and invoices ----------------------------------------------------------
 
 def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
@@ -3874,7 +3853,7 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
     return payload
 
 
-# Billing -------------------------------------------------------------------------------------
+# 7.12 Billing --------------------------------------------------------------------------------
 # An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
 # transaction: an invoice.paid of a company's Stripe customer is recorded through
 # record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
@@ -3976,7 +3955,7 @@ def _subscription_lines(invoice):
             yield line, bool(line.get("proration"))
 
 
-# Webhook subscriptions -----------------------------------------------------------------------
+# 7.13 Webhook subscriptions ------------------------------------------------------------------
 
 def load_webhook(conn, company_id, webhook_id):
     return load_row(conn, "webhooks", "Webhook", company_id, webhook_id)
@@ -4070,7 +4049,7 @@ def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
         "LIMIT ?", (webhook_id, count))]
 
 
-# Emails --------------------------------------------------------------------------------------
+# 7.14 Emails ---------------------------------------------------------------------------------
 # What the staff see of the mail outbox, and sending a failed email again.
 
 #: The states an email can be sent again from: it was not delivered, and nothing is trying.
@@ -4101,7 +4080,7 @@ def send_email_again(conn, company_id, email_id):
     return load_email(conn, company_id, email_id)
 
 
-# API keys and idempotency --------------------------------------------------------------------
+# 7.15 API keys and idempotency ---------------------------------------------------------------
 
 def key_expired(expires_at, now):
     """A key with an expiry is refused from that moment on (now: ISO text)."""
@@ -4186,7 +4165,7 @@ def company_api_keys(conn, company_id):
                         (company_id,)).fetchall()
 
 
-# Accounts and sessions -----------------------------------------------------------------------
+# 7.16 Accounts and sessions ------------------------------------------------------------------
 
 #: Failed sign-ins per email and per address that cost nothing; then each further try waits
 #: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on a
@@ -4371,7 +4350,7 @@ def staff_account(conn, company_id, email):
                         (company_id, email.strip().casefold())).fetchone()
 
 
-# Storefront accounts -------------------------------------------------------------------------
+# 7.17 Storefront accounts --------------------------------------------------------------------
 # Buyers register, sign in and set their passwords at their store (see Web pages, Storefront).
 # What a visitor is shown never depends on whether an address has an account: the difference
 # is in the emails, which only the address's owner reads. An emailed link carries a random
@@ -4545,7 +4524,42 @@ def change_customer_password(conn, company_id, customer_id, current, password):
                         "/reset")
 
 
-# Queries -------------------------------------------------------------------------------------
+# A customer's changes end here, after the accounts: blocking one ends its sessions and
+# emailed links, and approving one emails it.
+
+def update_customer(conn, company_id, customer_id, body):
+    require_object(body)
+    if "email" in body:
+        raise invalid("email", "cannot be changed")
+    changes = _customer_changes(body)
+    before = load_customer(conn, company_id, customer_id)
+    changed = update_changed(conn, "customers", before, changes)
+    if not changed:
+        return before
+    after = load_customer(conn, company_id, customer_id)
+    payload = {"id": after["id"], "email": after["email"], "name": after["name"],
+               "status": after["status"]}
+    if "status" in changed:
+        payload["previousStatus"] = before["status"]
+    emit(conn, company_id, "customer.updated", payload)
+    if changed.get("status") == "BLOCKED":  # a blocked customer cannot sign in (spec)
+        end_sessions(conn, CUSTOMERS, customer_id)
+        end_account_links(conn, customer_id, ("verify", "reset"))
+    if before["status"] == "PENDING" and after["status"] == "ACTIVE":
+        queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
+    return after
+
+
+def set_customer_status(conn, company_id, customer_id, status):
+    """Staff's approval, block and unblock: as PATCH, except that a customer awaiting approval
+    is approved only once its address is confirmed (the API keeps the spec's rule)."""
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["status"] == "PENDING" and status == "ACTIVE" and not customer["email_verified"]:
+        raise ApiError(409, APPROVE_UNVERIFIED)
+    return update_customer(conn, company_id, customer_id, {"status": status})
+
+
+# 7.18 Queries --------------------------------------------------------------------------------
 # What lists and pages read: one paginator, the lists' filters, the dashboard's lookups.
 
 def page_limit(text):
@@ -4746,7 +4760,7 @@ def order_search(conn, company_id, text):
             [text, text + chr(0x10FFFF)])
 
 
-# Storefront ordering -------------------------------------------------------------------------
+# 7.19 Storefront ordering --------------------------------------------------------------------
 # What a signed-in buyer does at the store (see Web pages, Storefront): the catalog at their
 # own prices, a cart kept on the server, quick order by SKU, reorder, saved addresses, checkout
 # (one order per checkout form, however often it is sent), their orders and returns. Only an
@@ -5016,7 +5030,7 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
     return order
 
 
-# Records as the database writes them ---------------------------------------------------------
+# 7.20 Records as the database writes them ----------------------------------------------------
 # The API's reads of products and orders have the database write each record's JSON text (in
 # C, on either engine: see the engines' json_object), rather than reading every column into
 # Python, building dicts and encoding them: the same bytes as the Records section's
@@ -5115,7 +5129,7 @@ def api_orders(conn, company_id, query):
     return dict(page, data=records_json(conn, company_id, "orders", page["data"]))
 
 
-# The demo ------------------------------------------------------------------------------------
+# 7.21 The demo -------------------------------------------------------------------------------
 
 DEMO_SLUG = "demo-wholesale"
 DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
@@ -5180,7 +5194,7 @@ def prepare_demo(conn):
             "customerId": customer["id"], "productId": product["id"]}
 
 
-# Copies --------------------------------------------------------------------------------------
+# 7.22 Copies ---------------------------------------------------------------------------------
 # backup and copy-to, for the operator commands.
 
 def backup(settings, destination):
@@ -5525,7 +5539,7 @@ class Outbox:
                 self.wake.set()
 
 
-# Webhooks ------------------------------------------------------------------------------------
+# 8.1 Webhooks --------------------------------------------------------------------------------
 # One attempt per delivery, as the spec says: the outbox's claims make sure an attempt is
 # never forgotten, and receivers dedupe a repeat on X-Webhook-Id.
 
@@ -5740,7 +5754,7 @@ class WebhookChannel:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
-# Email ---------------------------------------------------------------------------------------
+# 8.2 Email -----------------------------------------------------------------------------------
 # Emails go to the one mail server of the settings (smtp_url), in batches: one connection
 # carries up to MAIL_BATCH emails, each recorded as it is answered (so a crash repeats at most
 # the one in flight, under the same Message-ID). Unlike webhooks, email is retried: a
@@ -6184,7 +6198,7 @@ def send_test_email(settings, to_address):
     return reply
 
 
-# Channels ------------------------------------------------------------------------------------
+# 8.3 Channels --------------------------------------------------------------------------------
 
 def outbox_channels(settings):
     """The channels an app's outbox sends, in the order it claims from them (email only with
@@ -6274,7 +6288,7 @@ def parse_json_body(raw):
     return value
 
 
-# Routes --------------------------------------------------------------------------------------
+# 9.1 Routes ----------------------------------------------------------------------------------
 # Each parses, calls an operation and wraps the result. They are the functions of a class only
 # so that each can carry the name the OpenAPI document publishes as its operationId
 # (create_customer) while the operation of that name stays the module's: inside a function,
@@ -6403,7 +6417,7 @@ class Api:
         return {"data": return_record(call.conn, call.company_id, return_id)}
 
 
-# Billing -------------------------------------------------------------------------------------
+# 9.2 Billing ---------------------------------------------------------------------------------
 # POST /billing/stripe/webhook lives beside the API, not in it: no API key (Stripe signs every
 # body instead), no rate limit, not in ROUTES or the OpenAPI document, and no route at all (a
 # 404) unless a Stripe webhook secret is set. The raw body is verified before it is parsed.
@@ -6470,7 +6484,17 @@ def install_stripe_webhook(app):
         app.route(STRIPE_WEBHOOK_PATH, "POST", lambda: stripe_webhook(service))
 
 
-# Serving the API -----------------------------------------------------------------------------
+# 9.3 Serving the API -------------------------------------------------------------------------
+
+_warned = set()
+
+
+def warn_former_name(former, current):
+    if former not in _warned:
+        _warned.add(former)
+        warnings.warn(f"ordering: {former} is now {current}; the former name goes in the next "
+                      "release", DeprecationWarning, stacklevel=3)
+
 
 class Service:
     """The running pieces behind one app: the database, the outbox, the rate-limit counter
@@ -6953,7 +6977,7 @@ COMPONENT_SCHEMAS = {
 }
 
 
-# Event payloads ------------------------------------------------------------------------------
+# 10.1 Event payloads -------------------------------------------------------------------------
 # The `data` of each event, exactly as emit() is given it.
 
 def _order_summary(**more):
@@ -7025,7 +7049,7 @@ def event_schema_name(event):
     return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
 
 
-# Operations of the API -----------------------------------------------------------------------
+# 10.2 Operations of the API ------------------------------------------------------------------
 
 def single(schema):
     """{data: record}"""
@@ -7191,7 +7215,7 @@ OPERATIONS = {
 }
 
 
-# Responses, headers and parameters every operation shares ------------------------------------
+# 10.3 Responses, headers and parameters every operation shares -------------------------------
 
 ERROR_RESPONSES = {
     400: ("BadRequest", f"Malformed JSON, failed validation ({VALIDATION_FAILED} with details), "
@@ -7922,7 +7946,7 @@ class Surface:
         return STYLESHEET
 
 
-# Dashboard -----------------------------------------------------------------------------------
+# 11.1 Dashboard ------------------------------------------------------------------------------
 # The staff's pages, under /dashboard on the same app.
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
@@ -8597,7 +8621,7 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
-# Billing, emails and settings ----------------------------------------------------------------
+# 11.2 Billing, emails and settings -----------------------------------------------------------
 # The company's own subscription to the service (its paid invoices), the emails the service
 # wrote for it, and the Settings page (the settings of update_company: mail and Stripe).
 
@@ -8752,7 +8776,7 @@ def install_dashboard(app):
     app.route("/", "GET", lambda: redirect("/dashboard"))
 
 
-# Storefront ----------------------------------------------------------------------------------
+# 11.3 Storefront -----------------------------------------------------------------------------
 # Every company's store, at /store/{slug}, where its buyers (customers, the second kind of
 # account) register, sign in, and set their passwords through emailed links. One StoreSurface
 # serves every store: its prefix, cookie path and accounts are those of the slug in the request
@@ -9084,10 +9108,6 @@ def buyer_page(method, path, refused=None):
         page(method, path, refused)(for_buyers)
         return handler
     return register
-
-
-def cents_text(cents):
-    return amount_text(money(cents))
 
 
 def when_text(timestamp):
@@ -10355,7 +10375,7 @@ def main(argv=None):
     return 0
 
 
-# Former names --------------------------------------------------------------------------------
+# 14.1 Former names ---------------------------------------------------------------------------
 # Kept for one release after a rename; README, Embedding, lists them with their new names.
 # Reading one warns (DeprecationWarning), once per name, saying what replaced it.
 
@@ -10365,16 +10385,6 @@ FORMER_NAMES = {
     "staff_password_matches": "password_matches",
     "STAFF_PASSWORD_MIN": "PASSWORD_MIN",
 }
-_warned = set()
-
-
-def warn_former_name(former, current):
-    if former not in _warned:
-        _warned.add(former)
-        warnings.warn(f"ordering: {former} is now {current}; the former name goes in the next "
-                      "release", DeprecationWarning, stacklevel=3)
-
-
 def __getattr__(name):
     """A former name (PEP 562: the module's own names never come here)."""
     if name not in FORMER_NAMES:

@@ -4,6 +4,7 @@ throwaway server the tests start; webhooks against a real HTTP receiver on 127.0
 command line and many-process set-ups through subprocess."""
 
 import argparse
+import ast
 import base64
 import collections
 import email
@@ -9208,10 +9209,60 @@ def test_the_table_of_contents_matches_the_banners():
     sections = module_sections()
     assert [(int(n), title) for n, title, _ in contents] == \
         [(number, title) for number, title, _, _ in sections]
-    for (_, _, text), (_, title, subs, _) in zip(contents, sections):
+    for (_, _, text), (number, title, subs, _) in zip(contents, sections):
         described = " ".join(text.split()).lower()
+        assert [sub.split(" ", 1)[0] for sub in subs] == [
+            f"{number}.{place}" for place in range(1, len(subs) + 1)], title
         for sub in subs:
             assert sub.lower() in described, f"{title}: {sub!r} is not in the table of contents"
+
+
+def module_definitions(tree):
+    """{name: (section, sub-section)} of every top-level name ordering.py defines, by the
+    banners above it (0 for the part of a section before its first sub-banner)."""
+    starts = []
+    for number, title, subs, lines in module_sections():
+        starts.append((lines[0][0] - 1, (number, 0)))
+        starts += [(line_number, (number, int(line.split()[1].split(".")[1])))
+                   for line_number, line in lines if re.fullmatch(r"# \d+\.\d+ .* -{3,}", line)]
+
+    def place(line_number):
+        return max((start for start in starts if start[0] <= line_number),
+                   default=(0, (0, 0)))[1]
+
+    defined = {}
+    for node in tree.body:
+        targets = [node] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else \
+            getattr(node, "targets", [getattr(node, "target", None)])
+        for target in targets:
+            for name in ([target.name] if isinstance(target, (ast.FunctionDef, ast.ClassDef))
+                         else [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+                         if target is not None else []):
+                defined.setdefault(name, place(node.lineno))
+    return defined, place
+
+
+def test_no_function_or_class_reaches_forward_to_a_later_section_or_sub_section():
+    tree = ast.parse(MODULE_SOURCE)
+    defined, place = module_definitions(tree)
+    forward = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        local = {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)} | {
+            n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)} | {
+            n.name for n in ast.walk(node)
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.ExceptHandler)) and n is not node
+            and n.name}
+        here = place(node.lineno)
+        forward += sorted({(node.name, n.id) for n in ast.walk(node)
+                           if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                           and n.id in defined and n.id not in local and defined[n.id] > here})
+    assert forward == []
+    # and the check finds what it looks for
+    assert defined["update_customer"] > defined["load_customer"]
+    assert place(MODULE_SOURCE[:MODULE_SOURCE.index("\nclass Service:")].count("\n") + 2) \
+        == defined["Service"]
 
 
 SQL_TEXT = re.compile(r"""["'](SELECT|INSERT INTO|UPDATE \w+ SET|DELETE FROM|SAVEPOINT|RELEASE|"""
