@@ -21,43 +21,47 @@ ones above it.
   5. Errors and validation   ApiError; 5.1 messages, enumerations and limits (the spec's,
                    each once, and ours); 5.2 validators (and the refusals they raise)
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
-  7. Operations    what the business does, without HTTP: 7.1 events (the catalog, emit()
-                   into the outbox); 7.2 email (queue_email(), written like an event);
-                   7.3 rows and tenancy (load_row, the one "fetch or 404"); 7.4 companies (and
-                   their settings); 7.5 stock movements (the ledger's rows: every change of
-                   stock is one); 7.6 products; 7.7 stock changes (adjustments, counts: product
-                   edits); 7.8 customers; 7.9 customer prices (a customer's own, for
-                   storefront and dashboard orders); 7.10 orders (and their status changes,
-                   restocking a cancelled one); 7.11 returns, refunds and invoices (returns'
-                   lines, the good units a refund puts back); 7.12 billing (Stripe's events);
-                   7.13 webhook subscriptions; 7.14 emails (what was sent, sending again);
-                   7.15 API keys and idempotency; 7.16 accounts and sessions (any kind of
-                   account); 7.17 storefront accounts (registration, emailed links, password
-                   reset; a customer's changes, since blocking one ends its sign-ins);
-                   7.18 queries (the paginator, list filters, lookups); 7.19 storefront
-                   ordering (catalog, cart, quick order, reorder, addresses, checkout, a
-                   buyer's orders); 7.20 records as the database writes them (the API's reads
-                   of products and orders); 7.21 the demo; 7.22 copies (backup, copy-to)
-  8. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
-                   for any channel; 8.1 webhooks (signing, address checks, the POST); 8.2 email
-                   (SMTP, TLS, retries, message building); 8.3 channels (which ones an app's
+  7. Events and tenancy   the operations begin (sections 7 to 12: what the business
+                   does, without HTTP): 7.1 events (the catalog, emit() into the outbox);
+                   7.2 email (queue_email(), written like an event); 7.3 rows and tenancy
+                   (load_row, the one "fetch or 404")
+  8. Catalog and customers   8.1 companies (and their settings); 8.2 stock movements (the
+                   ledger's rows: every change of stock is one); 8.3 products; 8.4 stock
+                   changes (adjustments, counts: product edits); 8.5 customers; 8.6 customer
+                   prices (a customer's own, for storefront and dashboard orders)
+  9. Orders, returns and billing   9.1 orders (and their status changes, restocking a
+                   cancelled one); 9.2 returns, refunds and invoices (returns' lines, the good
+                   units a refund puts back); 9.3 billing (Stripe's events)
+ 10. Integrations and accounts   10.1 webhook subscriptions; 10.2 emails (what was sent,
+                   sending again); 10.3 API keys and idempotency; 10.4 accounts and sessions
+                   (any kind of account); 10.5 storefront accounts (registration, emailed
+                   links, password reset; a customer's changes, since blocking one ends its
+                   sign-ins)
+ 11. Queries and storefront ordering   11.1 queries (the paginator, list filters, lookups);
+                   11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
+                   checkout, a buyer's orders); 11.3 records as the database writes them (the
+                   API's reads of products and orders)
+ 12. The demo and copies   12.1 the demo; 12.2 copies (backup, copy-to)
+ 13. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
+                   for any channel; 13.1 webhooks (signing, address checks, the POST); 13.2 email
+                   (SMTP, TLS, retries, message building); 13.3 channels (which ones an app's
                    outbox sends)
-  9. HTTP API      9.1 routes (class Api: parse, call an operation, wrap); 9.2 billing
-                   (Stripe's signed webhook, beside the API); 9.3 serving the API (the
+ 14. HTTP API      14.1 routes (class Api: parse, call an operation, wrap); 14.2 billing
+                   (Stripe's signed webhook, beside the API); 14.3 serving the API (the
                    Service: auth, scopes, rate limits, idempotency, housekeeping, errors)
- 10. OpenAPI       the document built from the route table: 10.1 event payloads;
-                   10.2 operations of the API; 10.3 responses, headers and parameters every
+ 15. OpenAPI       the document built from the route table: 15.1 event payloads;
+                   15.2 operations of the API; 15.3 responses, headers and parameters every
                    operation shares
- 11. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
-                   Surface: sign-in, sessions and security headers); 11.1 dashboard (the
-                   staff's pages at /dashboard); 11.2 billing, emails and settings (the
-                   company's own); 11.3 storefront (the buyers' pages at /store/{slug}:
+ 16. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
+                   Surface: sign-in, sessions and security headers); 16.1 dashboard (the
+                   staff's pages at /dashboard); 16.2 billing, emails and settings (the
+                   company's own); 16.3 storefront (the buyers' pages at /store/{slug}:
                    register, sign in, reset; then ordering: catalog, cart and quick order,
                    checkout, orders, returns)
- 12. App           create_app() installs every surface
- 13. Server        serve and its workers, the access log
- 14. Commands      the operator commands, each declared by @command above its handler
-                   (staff-create, demo, backup, copy-to, ...), and main(); 14.1 former names
+ 17. App           create_app() installs every surface
+ 18. Server        serve and its workers, the access log
+ 19. Commands      the operator commands, each declared by @command above its handler
+                   (staff-create, demo, backup, copy-to, ...), and main(); 19.1 former names
                    (kept one release after a rename)
 """
 
@@ -2508,7 +2512,7 @@ def valid_http_url(url):
 # 6. Records
 # ---------------------------------------------------------------------------------------------
 # product_json and order_json have twins that the database runs for the API's reads (see
-# "Records as the database writes them" under Operations): change a field in both, and the
+# 11.3, "Records as the database writes them"): change a field in both, and the
 # byte-for-byte test of the reads tells whether they still agree.
 
 def product_json(row):
@@ -2665,11 +2669,12 @@ def orders_json(order_rows, item_rows):
 
 
 # ---------------------------------------------------------------------------------------------
-# 7. Operations
+# 7. Events and tenancy
 # ---------------------------------------------------------------------------------------------
-# What the business does, callable without HTTP. Each takes a connection inside a write
-# transaction that its caller opened (so a route can store its idempotency record in the same
-# one), checks tenancy through load_row, emits its events, and returns one kind of thing.
+# Sections 7 to 12 are the operations: what the business does, callable without HTTP. Each
+# takes a connection inside a write transaction that its caller opened (so a route can store
+# its idempotency record in the same one), checks tenancy through load_row, emits its events,
+# and returns one kind of thing. They are peers: none reaches forward to a later one.
 
 
 # 7.1 Events ----------------------------------------------------------------------------------
@@ -2766,7 +2771,11 @@ def company_of(conn, resource, row_id):
     return row["company_id"]
 
 
-# 7.4 Companies -------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# 8. Catalog and customers
+# ---------------------------------------------------------------------------------------------
+
+# 8.1 Companies -------------------------------------------------------------------------------
 
 def load_company(conn, company_id):
     row = conn.execute("SELECT * FROM companies WHERE id = ?", (company_id,)).fetchone()
@@ -2866,7 +2875,7 @@ def company_by_slug(conn, store_slug):
     return row
 
 
-# 7.5 Stock movements -------------------------------------------------------------------------
+# 8.2 Stock movements -------------------------------------------------------------------------
 # Every change of a product's stock is a movement, written in the transaction that changes the
 # stock, so that the sum of a product's movements is its stock (the write lock makes each
 # read of a level and the write after it one step). Order placement writes its own (all
@@ -2895,7 +2904,7 @@ def record_movements(conn, company_id, movements, at):
     return rows
 
 
-# 7.6 Products --------------------------------------------------------------------------------
+# 8.3 Products --------------------------------------------------------------------------------
 # Written by the dashboard and the operator commands; read-only over the API.
 
 def load_product(conn, company_id, product_id):
@@ -3001,7 +3010,7 @@ def check_low_stock(conn, company_id, product, triggering_order_id):
         conn.execute("UPDATE products SET low_stock_alerted = 0 WHERE id = ?", (product["id"],))
 
 
-# 7.7 Stock changes ---------------------------------------------------------------------------
+# 8.4 Stock changes ---------------------------------------------------------------------------
 # Every change of stock that is not an order's placement is a product edit (see Stock
 # movements, above Products).
 
@@ -3073,7 +3082,7 @@ def stock_history(conn, company_id, product_id, limit=MOVEMENTS_SHOWN):
                         "ORDER BY created_at DESC, id DESC LIMIT ?", (product_id, limit)).fetchall()
 
 
-# 7.8 Customers -------------------------------------------------------------------------------
+# 8.5 Customers -------------------------------------------------------------------------------
 
 def load_customer(conn, company_id, customer_id):
     return load_row(conn, "customers", "Customer", company_id, customer_id)
@@ -3169,7 +3178,7 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
                            store_slug=store_slug, password=password, email_verified=True)
 
 
-# 7.9 Customer prices -------------------------------------------------------------------------
+# 8.6 Customer prices -------------------------------------------------------------------------
 # A customer's own price for a product, set by staff (the dashboard's customer page, price-set
 # and price-clear). Storefront and dashboard orders use it; API orders use the catalog price,
 # as the spec says.
@@ -3216,7 +3225,11 @@ def price_list(conn, company_id, customer_id):
         "c.product_id WHERE c.customer_id = ? ORDER BY p.name, p.id", (customer_id,)).fetchall()
 
 
-# 7.10 Orders ---------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# 9. Orders, returns and billing
+# ---------------------------------------------------------------------------------------------
+
+# 9.1 Orders ----------------------------------------------------------------------------------
 
 #: The dashboard's stricter workflow; the API itself enforces only the CANCELLED lock.
 DASHBOARD_TRANSITIONS = {
@@ -3550,7 +3563,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
     return update_order_status(conn, company_id, order_id, status, tracking, "dashboard")
 
 
-# 7.11 Returns, refunds and invoices ----------------------------------------------------------
+# 9.2 Returns, refunds and invoices -----------------------------------------------------------
 
 def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
@@ -3853,7 +3866,7 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
     return payload
 
 
-# 7.12 Billing --------------------------------------------------------------------------------
+# 9.3 Billing ---------------------------------------------------------------------------------
 # An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
 # transaction: an invoice.paid of a company's Stripe customer is recorded through
 # record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
@@ -3955,7 +3968,11 @@ def _subscription_lines(invoice):
             yield line, bool(line.get("proration"))
 
 
-# 7.13 Webhook subscriptions ------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# 10. Integrations and accounts
+# ---------------------------------------------------------------------------------------------
+
+# 10.1 Webhook subscriptions ------------------------------------------------------------------
 
 def load_webhook(conn, company_id, webhook_id):
     return load_row(conn, "webhooks", "Webhook", company_id, webhook_id)
@@ -4049,7 +4066,7 @@ def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
         "LIMIT ?", (webhook_id, count))]
 
 
-# 7.14 Emails ---------------------------------------------------------------------------------
+# 10.2 Emails ---------------------------------------------------------------------------------
 # What the staff see of the mail outbox, and sending a failed email again.
 
 #: The states an email can be sent again from: it was not delivered, and nothing is trying.
@@ -4080,7 +4097,7 @@ def send_email_again(conn, company_id, email_id):
     return load_email(conn, company_id, email_id)
 
 
-# 7.15 API keys and idempotency ---------------------------------------------------------------
+# 10.3 API keys and idempotency ---------------------------------------------------------------
 
 def key_expired(expires_at, now):
     """A key with an expiry is refused from that moment on (now: ISO text)."""
@@ -4165,7 +4182,7 @@ def company_api_keys(conn, company_id):
                         (company_id,)).fetchall()
 
 
-# 7.16 Accounts and sessions ------------------------------------------------------------------
+# 10.4 Accounts and sessions ------------------------------------------------------------------
 
 #: Failed sign-ins per email and per address that cost nothing; then each further try waits
 #: twice as long as the one before (2, 4, ... 128 seconds), and from the lockout count on a
@@ -4350,7 +4367,7 @@ def staff_account(conn, company_id, email):
                         (company_id, email.strip().casefold())).fetchone()
 
 
-# 7.17 Storefront accounts --------------------------------------------------------------------
+# 10.5 Storefront accounts --------------------------------------------------------------------
 # Buyers register, sign in and set their passwords at their store (see Web pages, Storefront).
 # What a visitor is shown never depends on whether an address has an account: the difference
 # is in the emails, which only the address's owner reads. An emailed link carries a random
@@ -4559,7 +4576,11 @@ def set_customer_status(conn, company_id, customer_id, status):
     return update_customer(conn, company_id, customer_id, {"status": status})
 
 
-# 7.18 Queries --------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# 11. Queries and storefront ordering
+# ---------------------------------------------------------------------------------------------
+
+# 11.1 Queries --------------------------------------------------------------------------------
 # What lists and pages read: one paginator, the lists' filters, the dashboard's lookups.
 
 def page_limit(text):
@@ -4760,7 +4781,7 @@ def order_search(conn, company_id, text):
             [text, text + chr(0x10FFFF)])
 
 
-# 7.19 Storefront ordering --------------------------------------------------------------------
+# 11.2 Storefront ordering --------------------------------------------------------------------
 # What a signed-in buyer does at the store (see Web pages, Storefront): the catalog at their
 # own prices, a cart kept on the server, quick order by SKU, reorder, saved addresses, checkout
 # (one order per checkout form, however often it is sent), their orders and returns. Only an
@@ -5030,7 +5051,7 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
     return order
 
 
-# 7.20 Records as the database writes them ----------------------------------------------------
+# 11.3 Records as the database writes them ----------------------------------------------------
 # The API's reads of products and orders have the database write each record's JSON text (in
 # C, on either engine: see the engines' json_object), rather than reading every column into
 # Python, building dicts and encoding them: the same bytes as the Records section's
@@ -5129,7 +5150,11 @@ def api_orders(conn, company_id, query):
     return dict(page, data=records_json(conn, company_id, "orders", page["data"]))
 
 
-# 7.21 The demo -------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# 12. The demo and copies
+# ---------------------------------------------------------------------------------------------
+
+# 12.1 The demo -------------------------------------------------------------------------------
 
 DEMO_SLUG = "demo-wholesale"
 DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
@@ -5194,7 +5219,7 @@ def prepare_demo(conn):
             "customerId": customer["id"], "productId": product["id"]}
 
 
-# 7.22 Copies ---------------------------------------------------------------------------------
+# 12.2 Copies ---------------------------------------------------------------------------------
 # backup and copy-to, for the operator commands.
 
 def backup(settings, destination):
@@ -5295,7 +5320,7 @@ def _table_digest(db, table, columns):
 
 
 # ---------------------------------------------------------------------------------------------
-# 8. Outbox
+# 13. Outbox
 # ---------------------------------------------------------------------------------------------
 # Work that must reach someone outside (a webhook delivery, and any other channel) is written
 # as outbox rows in the transaction of the change that caused it, and sent afterwards by a
@@ -5539,7 +5564,7 @@ class Outbox:
                 self.wake.set()
 
 
-# 8.1 Webhooks --------------------------------------------------------------------------------
+# 13.1 Webhooks -------------------------------------------------------------------------------
 # One attempt per delivery, as the spec says: the outbox's claims make sure an attempt is
 # never forgotten, and receivers dedupe a repeat on X-Webhook-Id.
 
@@ -5754,7 +5779,7 @@ class WebhookChannel:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
-# 8.2 Email -----------------------------------------------------------------------------------
+# 13.2 Email ----------------------------------------------------------------------------------
 # Emails go to the one mail server of the settings (smtp_url), in batches: one connection
 # carries up to MAIL_BATCH emails, each recorded as it is answered (so a crash repeats at most
 # the one in flight, under the same Message-ID). Unlike webhooks, email is retried: a
@@ -6198,7 +6223,7 @@ def send_test_email(settings, to_address):
     return reply
 
 
-# 8.3 Channels --------------------------------------------------------------------------------
+# 13.3 Channels -------------------------------------------------------------------------------
 
 def outbox_channels(settings):
     """The channels an app's outbox sends, in the order it claims from them (email only with
@@ -6210,7 +6235,7 @@ def outbox_channels(settings):
 
 
 # ---------------------------------------------------------------------------------------------
-# 9. HTTP API
+# 14. HTTP API
 # ---------------------------------------------------------------------------------------------
 
 Route = collections.namedtuple("Route", "method path scope status handler summary")
@@ -6288,7 +6313,7 @@ def parse_json_body(raw):
     return value
 
 
-# 9.1 Routes ----------------------------------------------------------------------------------
+# 14.1 Routes ---------------------------------------------------------------------------------
 # Each parses, calls an operation and wraps the result. They are the functions of a class only
 # so that each can carry the name the OpenAPI document publishes as its operationId
 # (create_customer) while the operation of that name stays the module's: inside a function,
@@ -6417,7 +6442,7 @@ class Api:
         return {"data": return_record(call.conn, call.company_id, return_id)}
 
 
-# 9.2 Billing ---------------------------------------------------------------------------------
+# 14.2 Billing --------------------------------------------------------------------------------
 # POST /billing/stripe/webhook lives beside the API, not in it: no API key (Stripe signs every
 # body instead), no rate limit, not in ROUTES or the OpenAPI document, and no route at all (a
 # 404) unless a Stripe webhook secret is set. The raw body is verified before it is parsed.
@@ -6484,7 +6509,7 @@ def install_stripe_webhook(app):
         app.route(STRIPE_WEBHOOK_PATH, "POST", lambda: stripe_webhook(service))
 
 
-# 9.3 Serving the API -------------------------------------------------------------------------
+# 14.3 Serving the API ------------------------------------------------------------------------
 
 _warned = set()
 
@@ -6718,7 +6743,7 @@ def _internal_error_page(error):
 
 
 # ---------------------------------------------------------------------------------------------
-# 10. OpenAPI
+# 15. OpenAPI
 # ---------------------------------------------------------------------------------------------
 # OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
 # and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
@@ -6977,7 +7002,7 @@ COMPONENT_SCHEMAS = {
 }
 
 
-# 10.1 Event payloads -------------------------------------------------------------------------
+# 15.1 Event payloads -------------------------------------------------------------------------
 # The `data` of each event, exactly as emit() is given it.
 
 def _order_summary(**more):
@@ -7049,7 +7074,7 @@ def event_schema_name(event):
     return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
 
 
-# 10.2 Operations of the API ------------------------------------------------------------------
+# 15.2 Operations of the API ------------------------------------------------------------------
 
 def single(schema):
     """{data: record}"""
@@ -7215,7 +7240,7 @@ OPERATIONS = {
 }
 
 
-# 10.3 Responses, headers and parameters every operation shares -------------------------------
+# 15.3 Responses, headers and parameters every operation shares -------------------------------
 
 ERROR_RESPONSES = {
     400: ("BadRequest", f"Malformed JSON, failed validation ({VALIDATION_FAILED} with details), "
@@ -7439,7 +7464,7 @@ def openapi_document():
 
 
 # ---------------------------------------------------------------------------------------------
-# 11. Web pages
+# 16. Web pages
 # ---------------------------------------------------------------------------------------------
 # The kit every HTML surface shares: the page registry, forms and their fields, CSRF, the
 # session cookie and the sign-in throttle, the security headers. A page is thin: it parses a
@@ -7946,7 +7971,7 @@ class Surface:
         return STYLESHEET
 
 
-# 11.1 Dashboard ------------------------------------------------------------------------------
+# 16.1 Dashboard ------------------------------------------------------------------------------
 # The staff's pages, under /dashboard on the same app.
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
@@ -8621,7 +8646,7 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
-# 11.2 Billing, emails and settings -----------------------------------------------------------
+# 16.2 Billing, emails and settings -----------------------------------------------------------
 # The company's own subscription to the service (its paid invoices), the emails the service
 # wrote for it, and the Settings page (the settings of update_company: mail and Stripe).
 
@@ -8776,7 +8801,7 @@ def install_dashboard(app):
     app.route("/", "GET", lambda: redirect("/dashboard"))
 
 
-# 11.3 Storefront -----------------------------------------------------------------------------
+# 16.3 Storefront -----------------------------------------------------------------------------
 # Every company's store, at /store/{slug}, where its buyers (customers, the second kind of
 # account) register, sign in, and set their passwords through emailed links. One StoreSurface
 # serves every store: its prefix, cookie path and accounts are those of the slug in the request
@@ -9448,7 +9473,7 @@ def install_storefront(app):
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. App
+# 17. App
 # ---------------------------------------------------------------------------------------------
 
 def create_app(db_path=None, settings=None, deliver=True, **overrides):
@@ -9501,7 +9526,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# 13. Server
+# 18. Server
 # ---------------------------------------------------------------------------------------------
 
 class OverloadLog:
@@ -9772,7 +9797,7 @@ def _wait_status(status):
 
 
 # ---------------------------------------------------------------------------------------------
-# 14. Commands
+# 19. Commands
 # ---------------------------------------------------------------------------------------------
 
 def _active_flag(text):
@@ -10375,7 +10400,7 @@ def main(argv=None):
     return 0
 
 
-# 14.1 Former names ---------------------------------------------------------------------------
+# 19.1 Former names ---------------------------------------------------------------------------
 # Kept for one release after a rename; README, Embedding, lists them with their new names.
 # Reading one warns (DeprecationWarning), once per name, saying what replaced it.
 
