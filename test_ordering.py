@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import http.client
 import http.server
+import inspect
 import io
 import json
 import logging
@@ -9332,10 +9333,102 @@ def test_the_declared_public_surface_and_the_readme_agree():
         warnings.simplefilter("ignore", DeprecationWarning)  # the former names, tested below
         assert all(hasattr(ordering, name) for name in ordering.__all__)
     readme = pathlib.Path(HERE, "README.md").read_text(encoding="utf-8")
-    embedding = readme[readme.index("## Embedding"):]
-    used = set(re.findall(r"\bordering\.([A-Za-z]\w*)", embedding))
-    assert used and used <= set(ordering.__all__)
+    start = readme.index("## Embedding")
+    end = readme.find("\n## ", start)
+    for embedding in (pathlib.Path(HERE, "docs", "embedding.md").read_text(encoding="utf-8"),
+                      readme[start:end if end != -1 else None]):
+        used = set(re.findall(r"\bordering\.([A-Za-z]\w*)", embedding))
+        assert used and used <= set(ordering.__all__)
     assert not set(ordering.FORMER_NAMES) & set(ordering.__all__)
+
+
+def docs_pages():
+    """{name: text} of every page of docs/."""
+    return {path.name: path.read_text(encoding="utf-8")
+            for path in sorted(pathlib.Path(HERE, "docs").glob("*.md"))}
+
+
+FENCED = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def code_of(markdown):
+    """What a Markdown text shows as code: its fenced blocks and its inline code spans."""
+    return "\n".join(FENCED.findall(markdown)
+                     + re.findall(r"`([^`]+)`", FENCED.sub("", markdown)))
+
+
+def test_docs_name_every_command_setting_public_name_event_and_page(tmp_path):
+    pages = docs_pages()
+    code = "\n".join(code_of(text) for text in pages.values())
+
+    def unnamed(names, pattern=re.escape, code=code):
+        return sorted(name for name in set(names)
+                      if not re.search(rf"(?<![\w/-]){pattern(name)}(?![\w/-])", code))
+
+    read = []
+
+    class Environ(dict):  # records each variable the settings look up
+        def get(self, name, default=None):
+            read.append(name)
+            return default
+
+    ordering.Settings.from_environment(Environ())
+    variables = set(read)
+    assert variables == set(re.findall(
+        r"\bORDERING_\w+", inspect.getsource(ordering.Settings.from_environment)))
+    assert "ORDERING_DB" in variables and "ORDERING_SMTP_URL" in variables
+
+    app = ordering.create_app(str(tmp_path / "pages.db"), deliver=False)
+    app.service.close()
+    paths = {route.rule for route in app.routes
+             if route.rule == "/dashboard" or route.rule.startswith(("/dashboard/", "/store/"))}
+    assert {path for _, path, _, _ in ordering.PAGES} <= paths
+    assert {"/dashboard/sign-in", "/store/<slug>", "/store/<slug>/register"} <= paths
+
+    def path_pattern(path):  # /store/<slug>/orders/<order_id> as docs write it: {slug}, {id}
+        return "".join(r"\{\w+\}" if part.startswith("<") else re.escape(part)
+                       for part in re.split(r"(<\w+>)", path))
+
+    missing = {
+        "operator commands": unnamed(declared.name for declared in ordering.COMMANDS),
+        "environment variables": unnamed(variables),
+        "public names (ordering.__all__)": unnamed(ordering.__all__),
+        "events (ordering.EVENT_CATALOG)": unnamed(ordering.EVENT_CATALOG),
+        "dashboard and storefront paths": unnamed(paths, path_pattern),
+        # The names embedders may rely on are listed together, where the page says they are.
+        "public names not listed in docs/embedding.md": unnamed(
+            ordering.__all__, code=code_of(pages["embedding.md"])),
+    }
+    missing = {kind: names for kind, names in missing.items() if names}
+    assert not missing, f"docs/*.md do not name these (as code): {missing}"
+
+
+def test_the_readme_is_a_short_front_door_and_every_relative_link_leads_somewhere():
+    readme = pathlib.Path(HERE, "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    first, second = [block.split("\n")[1:-1] for block in FENCED.findall(readme)[:2]]
+    assert first == ["python -m pip install . && python ordering.py demo && python ordering.py"]
+    assert second == ["python -m pip install -e '.[test]' && python -m pytest -q"]
+    assert second[0] in pathlib.Path(HERE, ".ci", "run").read_text(encoding="utf-8").splitlines()
+
+    def anchors(path):  # the anchors a Markdown page's headings get, as GitHub makes them
+        text = FENCED.sub("", path.read_text(encoding="utf-8"))
+        return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+                for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+
+    broken = []
+    files = [pathlib.Path(HERE, name) for name in ("README.md", "CHANGELOG.md", "bench/README.md")]
+    files += sorted(pathlib.Path(HERE, "docs").glob("*.md"))
+    for page in files:
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCED.sub("", page.read_text("utf-8"))):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue  # http:, https:, mailto:
+            path, _, anchor = target.partition("#")
+            found = (page.parent / path).resolve() if path else page
+            if not found.is_file() or (anchor and found.suffix == ".md"
+                                       and anchor not in anchors(found)):
+                broken.append(f"{page.relative_to(HERE)}: {target}")
+    assert not broken, f"links that lead nowhere: {broken}"
 
 
 def test_a_former_name_warns_once_and_says_what_replaced_it(monkeypatch, app):
