@@ -114,7 +114,7 @@ import bottle
 
 __version__ = "0.1.0"
 
-#: What embedders may rely on (see README, Embedding); the rest may change in any release. A
+#: What embedders may rely on (see docs/embedding.md); the rest may change in any release. A
 #: name that moves keeps its former name for one release, outside this list (see Former
 #: names, at the end).
 __all__ = [
@@ -176,7 +176,7 @@ DEFAULT_TRACKING_URL_TEMPLATES = {
 
 # 1.1 Mail settings ---------------------------------------------------------------------------
 
-#: smtp_url's schemes, each with its TLS mode and default port (see README, Mail).
+#: smtp_url's schemes, each with its TLS mode and default port (see docs/mail.md).
 SMTP_SCHEMES = {"smtp": 25, "smtp+starttls": 587, "smtps": 465}
 
 MailServer = collections.namedtuple("MailServer", "scheme host port user password")
@@ -284,7 +284,7 @@ def proxy_address(text):
 @dataclasses.dataclass
 class Settings:
     #: Path of the SQLite database file (created if missing), or a postgresql:// URL of an
-    #: existing PostgreSQL database (see README, PostgreSQL).
+    #: existing PostgreSQL database (see docs/operations.md, PostgreSQL).
     db_path: str = "ordering.db"
     #: Address and port the server listens on.
     host: str = "127.0.0.1"
@@ -300,7 +300,7 @@ class Settings:
     #: Server processes sharing the port (serve --workers); a parent starts and stops them.
     workers: int = 1
     #: SQLite PRAGMA synchronous: FULL puts every commit on disk before it is acknowledged;
-    #: NORMAL survives a process crash but not an OS crash or power cut (see README).
+    #: NORMAL survives a process crash but not an OS crash or power cut (see docs/operations.md).
     synchronous: str = "FULL"
     #: Milliseconds a writer waits for the database lock before giving up.
     busy_timeout_ms: int = 10000
@@ -351,7 +351,7 @@ class Settings:
     #: Seconds a Stripe-Signature timestamp stays acceptable (Stripe's own libraries: 300).
     stripe_webhook_tolerance: int = 300
     #: The mail server outgoing email goes through: smtp://, smtp+starttls:// or smtps://, with
-    #: an optional user:password@ (see README, Mail); empty: none, and email waits unsent.
+    #: an optional user:password@ (see docs/mail.md); empty: none, and email waits unsent.
     #: Kept out of repr(), which would show the password.
     smtp_url: str = dataclasses.field(default="", repr=False)
     #: A PEM file of the certificate authorities trusted for the mail server, in place of the
@@ -429,7 +429,7 @@ class Settings:
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
 
 
-#: The PRAGMA synchronous levels accepted; see README, Storage and durability.
+#: The PRAGMA synchronous levels accepted; see docs/operations.md, Storage and durability.
 SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
 
 
@@ -1048,7 +1048,7 @@ def _postgres_sql(sql):
 def _postgres_params(params):
     """PostgreSQL text cannot hold U+0000, which SQLite keeps: it becomes U+FFFD, so that a
     lookup by such a value finds nothing (no ID holds either) and stored text keeps its
-    place (see README, PostgreSQL)."""
+    place (see docs/operations.md, PostgreSQL)."""
     if isinstance(params, dict):
         if any(isinstance(value, str) and "\x00" in value for value in params.values()):
             return {name: _without_nul(value) for name, value in params.items()}
@@ -1660,7 +1660,7 @@ def hash_password(password, salt=None):
 def password_matches(password, stored):
     """Whether password is the one stored. Anything but a scrypt hash matches nothing: a
     customer's hash from an earlier release (PBKDF2, which nothing ever read) is no password,
-    and its customer sets one through the storefront's reset flow (see README)."""
+    and its customer sets one through the storefront's reset flow (see docs/storefront.md)."""
     if not stored or not stored.startswith("scrypt$"):
         # The same work as a real hash, or a stranger could tell such accounts by the time.
         password_matches(password, _stand_in_hash())
@@ -2281,7 +2281,7 @@ SETTABLE_CUSTOMER_STATUSES = ("ACTIVE", "BLOCKED")
 REFUND_METHODS = ("CREDIT", "MANUAL")
 RETURN_STATUSES = ("REQUESTED", "APPROVED", "RECEIVED", "REFUNDED")
 INVALID_RETURN_STATUS = "Invalid return status."
-#: Why a product's stock moved (README, Stock, says what each means).
+#: Why a product's stock moved (docs/stock.md says what each means).
 MOVEMENT_REASONS = ("order", "adjustment", "count", "return", "cancellation", "import",
                     "initial")
 INVALID_MOVEMENT_REASON = "Invalid movement reason."
@@ -5786,8 +5786,8 @@ class WebhookChannel:
 # connection that fails (refused, timed out, TLS, login), a dropped connection and any 4xx
 # reply back off and try again until MAIL_RETRY_SECONDS after the email began to wait; a 5xx
 # reply (a refused recipient among them) fails it at once. Without a mail server the channel
-# is not listed: emails wait, and the dashboard shows them as not sent and why (see README,
-# Mail).
+# is not listed: emails wait, and the dashboard shows them as not sent and why (see
+# docs/mail.md).
 
 #: Seconds from an attempt that failed for now to the next: growing, then every eight hours.
 MAIL_RETRY_DELAYS = (60, 5 * 60, 15 * 60, 30 * 60, 3600, 2 * 3600, 4 * 3600, 8 * 3600)
@@ -10401,7 +10401,7 @@ def main(argv=None):
 
 
 # 19.1 Former names ---------------------------------------------------------------------------
-# Kept for one release after a rename; README, Embedding, lists them with their new names.
+# Kept for one release after a rename; CHANGELOG.md lists them with their new names.
 # Reading one warns (DeprecationWarning), once per name, saying what replaced it.
 
 #: A former name of the module: the name that replaced it.

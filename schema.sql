@@ -220,7 +220,7 @@ CREATE TABLE IF NOT EXISTS refunds (
 
 -- The stock ledger: every change of a product's stock, written in the transaction that makes
 -- it, so that for every product the sum of change over its movements is its stock. reason says
--- why (see README, Stock), order_id or return_id what it belongs to, actor_type and actor_id who
+-- why (see docs/stock.md), order_id or return_id what it belongs to, actor_type and actor_id who
 -- made it (staff and a staff ID, key and an API key ID, buyer and a customer ID, command, or
 -- system: the program itself, as for the opening movements schema version 6 wrote).
 CREATE TABLE IF NOT EXISTS stock_movements (
@@ -321,7 +321,7 @@ CREATE INDEX IF NOT EXISTS deliveries_of_event ON deliveries (event_id);
 -- The mail outbox: an email is written in the transaction of the change that causes it, one
 -- recipient each. It waits (pending until next_attempt_at, then sending: claimed by the process
 -- claimed_by until lease_until) until it is sent, failed (a 5xx reply, a refused recipient, or
--- no success before retries end) or unsent (never tried: see README, Mail). Its id is also its
+-- no success before retries end) or unsent (never tried: see docs/mail.md). Its id is also its
 -- Message-ID's, the same on every attempt.
 CREATE TABLE IF NOT EXISTS emails (
     id               TEXT PRIMARY KEY,
