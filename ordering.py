@@ -2515,40 +2515,38 @@ def valid_http_url(url):
 # 11.3, "Records as the database writes them"): change a field in both, and the
 # byte-for-byte test of the reads tells whether they still agree.
 
+#: A record's fields as the API shows them, in order: (API name, column, kind), kind one of
+#: "value" (as stored), "money" (cents, shown as money()) or "flag" (0 or 1, shown as a
+#: boolean). The record's function here and the SQL that has the database write the same
+#: JSON (11.3) are both made from its table: a field is one line.
+PRODUCT_FIELDS = (
+    ("id", "id", "value"), ("name", "name", "value"), ("sku", "sku", "value"),
+    ("description", "description", "value"), ("category", "category", "value"),
+    ("unit", "unit", "value"), ("price", "price_cents", "money"), ("stock", "stock", "value"),
+    ("imageUrl", "image_url", "value"), ("isActive", "is_active", "flag"),
+    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"))
+CUSTOMER_FIELDS = (
+    ("id", "id", "value"), ("email", "email", "value"), ("name", "name", "value"),
+    ("status", "status", "value"), ("notes", "notes", "value"),
+    ("creditLimit", "credit_limit_cents", "money"),
+    ("taxRateOverride", "tax_rate_override", "value"),
+    ("emailVerified", "email_verified", "flag"), ("createdAt", "created_at", "value"),
+    ("updatedAt", "updated_at", "value"))
+
+_SHOWN_AS = {"value": lambda value: value, "money": money, "flag": bool}
+
+
+def record_json(fields, row):
+    """A row, read by column name, as the record its field table describes."""
+    return {name: _SHOWN_AS[kind](row[column]) for name, column, kind in fields}
+
+
 def product_json(row):
-    (product_id, name, sku, description, category, unit, price_cents, stock, image_url,
-     is_active, created_at, updated_at) = row[:12]
-    return {
-        "id": product_id,
-        "name": name,
-        "sku": sku,
-        "description": description,
-        "category": category,
-        "unit": unit,
-        "price": money(price_cents),
-        "stock": stock,
-        "imageUrl": image_url,
-        "isActive": bool(is_active),
-        "createdAt": created_at,
-        "updatedAt": updated_at,
-    }
+    return record_json(PRODUCT_FIELDS, row)
 
 
 def customer_json(row):
-    (customer_id, email, name, status, notes, credit_limit_cents, tax_rate_override,
-     email_verified, created_at, updated_at) = row[:10]
-    return {
-        "id": customer_id,
-        "email": email,
-        "name": name,
-        "status": status,
-        "notes": notes,
-        "creditLimit": money(credit_limit_cents),
-        "taxRateOverride": tax_rate_override,
-        "emailVerified": bool(email_verified),
-        "createdAt": created_at,
-        "updatedAt": updated_at,
-    }
+    return record_json(CUSTOMER_FIELDS, row)
 
 
 def order_item_json(row):
@@ -5064,12 +5062,6 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
 #: prices, and so unit prices, stop at MAX_AMOUNT_CENTS.
 EXACT_MONEY_CENTS = 10 ** 15
 
-_PRODUCT_FIELDS_JSON = (
-    ("id", "id", "value"), ("name", "name", "value"), ("sku", "sku", "value"),
-    ("description", "description", "value"), ("category", "category", "value"),
-    ("unit", "unit", "value"), ("price", "price_cents", "money"), ("stock", "stock", "value"),
-    ("imageUrl", "image_url", "value"), ("isActive", "is_active", "flag"),
-    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"))
 _ORDER_ITEM_FIELDS_JSON = (
     ("id", "id", "value"), ("quantity", "quantity", "value"),
     ("unitPrice", "unit_price_cents", "money"), ("productId", "product_id", "value"),
@@ -5087,7 +5079,7 @@ def record_json_sql(engine, table):
     """SQL for the JSON text of a row of products or orders as the API shows it; NULL where
     its money is not the database's to write (see EXACT_MONEY_CENTS)."""
     if table == "products":
-        fields = _PRODUCT_FIELDS_JSON
+        fields = PRODUCT_FIELDS
     else:
         tracking = engine.json_object(_TRACKING_FIELDS_JSON)
         items = engine.json_array(engine.json_object(_ORDER_ITEM_FIELDS_JSON),

@@ -9468,6 +9468,28 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
                for _, flags, settings in serve.options)
 
 
+def test_a_field_added_to_a_records_table_shows_in_both_of_its_writers(api, tenant,
+                                                                       monkeypatch):
+    """A record's field table makes both its Python function and the SQL with which the
+    database writes the API's reads: one line adds a field to both."""
+    product = tenant.product("Rice", stock=5)
+    monkeypatch.setattr(ordering, "PRODUCT_FIELDS", ordering.PRODUCT_FIELDS + (
+        ("lowStockThreshold", "low_stock_threshold", "value"),))
+    ordering.record_json_sql.cache_clear()
+    try:
+        fetched = api.get(f"/api/v1/products/{product['id']}", headers=tenant.headers,
+                          status=200).json["data"]
+        written = ordering.product_json(tenant.db.conn.execute(
+            "SELECT * FROM products WHERE id = ?", (product["id"],)).fetchone())
+        assert fetched == written
+        assert list(fetched)[-1] == "lowStockThreshold"
+    finally:
+        monkeypatch.undo()
+        ordering.record_json_sql.cache_clear()
+    assert "lowStockThreshold" not in api.get(f"/api/v1/products/{product['id']}",
+                                              headers=tenant.headers).json["data"]
+
+
 def test_operation_ids_are_the_route_functions_named_as_operations():
     document = ordering.openapi_document()
     ids = sorted(operation["operationId"] for path in document["paths"].values()
