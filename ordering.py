@@ -2532,6 +2532,19 @@ CUSTOMER_FIELDS = (
     ("taxRateOverride", "tax_rate_override", "value"),
     ("emailVerified", "email_verified", "flag"), ("createdAt", "created_at", "value"),
     ("updatedAt", "updated_at", "value"))
+ORDER_ITEM_FIELDS = (
+    ("id", "id", "value"), ("quantity", "quantity", "value"),
+    ("unitPrice", "unit_price_cents", "money"), ("productId", "product_id", "value"),
+    ("productName", "product_name", "value"), ("productSku", "product_sku", "value"))
+#: An order's own fields; its tracking (TRACKING_FIELDS, or null without a carrier) and
+#: its items follow them.
+ORDER_FIELDS = (
+    ("id", "id", "value"), ("status", "status", "value"), ("poNumber", "po_number", "value"),
+    ("notes", "notes", "value"), ("total", "total_cents", "money"),
+    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"),
+    ("customerId", "customer_id", "value"))
+TRACKING_FIELDS = (("carrier", "tracking_carrier", "value"),
+                   ("number", "tracking_number", "value"), ("url", "tracking_url", "value"))
 
 _SHOWN_AS = {"value": lambda value: value, "money": money, "flag": bool}
 
@@ -2550,16 +2563,9 @@ def customer_json(row):
 
 
 def order_item_json(row):
-    """row: id, quantity, unit_price_cents, product_id, product name, product sku."""
-    item_id, quantity, unit_price_cents, product_id, product_name, product_sku = row[:6]
-    return {
-        "id": item_id,
-        "quantity": quantity,
-        "unitPrice": money(unit_price_cents),
-        "productId": product_id,
-        "productName": product_name,
-        "productSku": product_sku,
-    }
+    """row: an order item's columns and its product's name and SKU (product_name,
+    product_sku)."""
+    return record_json(ORDER_ITEM_FIELDS, row)
 
 
 def line_total_cents(item):
@@ -2568,21 +2574,11 @@ def line_total_cents(item):
 
 
 def order_json(row, items):
-    (order_id, status, po_number, notes, total_cents, created_at, updated_at, customer_id,
-     tracking_carrier, tracking_number, tracking_url) = row[:11]
-    return {
-        "id": order_id,
-        "status": status,
-        "poNumber": po_number,
-        "notes": notes,
-        "total": money(total_cents),
-        "createdAt": created_at,
-        "updatedAt": updated_at,
-        "customerId": customer_id,
-        "tracking": None if tracking_carrier is None else {
-            "carrier": tracking_carrier, "number": tracking_number, "url": tracking_url},
-        "items": [order_item_json(item) for item in items],
-    }
+    record = record_json(ORDER_FIELDS, row)
+    record["tracking"] = None if row["tracking_carrier"] is None else record_json(
+        TRACKING_FIELDS, row)
+    record["items"] = [order_item_json(item) for item in items]
+    return record
 
 
 def webhook_json(row, with_secret=False, at=None):
@@ -2662,8 +2658,8 @@ def orders_json(order_rows, item_rows):
     order's ID, in order."""
     items = collections.defaultdict(list)
     for item in item_rows:
-        items[item[6]].append(item)
-    return [order_json(row, items[row[0]]) for row in order_rows]
+        items[item["order_id"]].append(item)
+    return [order_json(row, items[row["id"]]) for row in order_rows]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3252,7 +3248,8 @@ def buyer_order(conn, company_id, customer_id, order_id):
 
 
 _ITEMS_OF_ORDERS = """
-    SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name, p.sku, i.order_id
+    SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name AS product_name,
+           p.sku AS product_sku, i.order_id
     FROM order_items i JOIN products p ON p.id = i.product_id
     WHERE i.order_id IN ({})
     ORDER BY i.order_id, i.position"""
@@ -3356,15 +3353,14 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
         "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source,
          shipping_address and json_text(shipping_address), checkout_token, at, at))
-    items = [(new_id("oi"), quantity, prices[product_id], product_id,
-              products[product_id]["name"], products[product_id]["sku"])
-             for product_id, quantity in lines]
+    items = [{"id": new_id("oi"), "quantity": quantity, "unit_price_cents": prices[product_id],
+              "product_id": product_id, "product_name": products[product_id]["name"],
+              "product_sku": products[product_id]["sku"]} for product_id, quantity in lines]
     conn.executemany(
         "INSERT INTO order_items (id, order_id, position, product_id, quantity, "
         "unit_price_cents) VALUES (?, ?, ?, ?, ?, ?)",
-        [(item_id, order_id, position, product_id, quantity, unit_price_cents)
-         for position, (item_id, quantity, unit_price_cents, product_id, _, _)
-         in enumerate(items)])
+        [(item["id"], order_id, position, item["product_id"], item["quantity"],
+          item["unit_price_cents"]) for position, item in enumerate(items)])
     conn.executemany("UPDATE products SET stock = stock - ?, updated_at = ? WHERE id = ?",
                      [(quantity, at, product_id) for product_id, quantity in wanted.items()])
     if actor is None:
@@ -3377,8 +3373,10 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
                           None, actor))
     record_movements(conn, company_id, movements, at)
     record_status_change(conn, order_id, None, "SUBMITTED", source, None, at)
-    order = order_json((order_id, "SUBMITTED", po_number, notes, total, at, at, customer_id,
-                        None, None, None), items)
+    order = order_json({"id": order_id, "status": "SUBMITTED", "po_number": po_number,
+                        "notes": notes, "total_cents": total, "created_at": at,
+                        "updated_at": at, "customer_id": customer_id,
+                        "tracking_carrier": None}, items)
     if source == "api":
         emit(conn, company_id, "order.created",
              {k: v for k, v in order.items() if k != "tracking"})
@@ -5062,12 +5060,6 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
 #: prices, and so unit prices, stop at MAX_AMOUNT_CENTS.
 EXACT_MONEY_CENTS = 10 ** 15
 
-_ORDER_ITEM_FIELDS_JSON = (
-    ("id", "id", "value"), ("quantity", "quantity", "value"),
-    ("unitPrice", "unit_price_cents", "money"), ("productId", "product_id", "value"),
-    ("productName", "product_name", "value"), ("productSku", "product_sku", "value"))
-_TRACKING_FIELDS_JSON = (("carrier", "tracking_carrier", "value"),
-                         ("number", "tracking_number", "value"), ("url", "tracking_url", "value"))
 _ITEM_ROWS_OF_ORDER = (
     "SELECT i.id, i.quantity, i.unit_price_cents, i.product_id, p.name AS product_name, "
     "p.sku AS product_sku, i.position FROM order_items i JOIN products p ON p.id = i.product_id "
@@ -5081,16 +5073,13 @@ def record_json_sql(engine, table):
     if table == "products":
         fields = PRODUCT_FIELDS
     else:
-        tracking = engine.json_object(_TRACKING_FIELDS_JSON)
-        items = engine.json_array(engine.json_object(_ORDER_ITEM_FIELDS_JSON),
+        tracking = engine.json_object(TRACKING_FIELDS)
+        items = engine.json_array(engine.json_object(ORDER_ITEM_FIELDS),
                                   _ITEM_ROWS_OF_ORDER, "position")
-        fields = (("id", "id", "value"), ("status", "status", "value"),
-                  ("poNumber", "po_number", "value"), ("notes", "notes", "value"),
-                  ("total", "total_cents", "money"), ("createdAt", "created_at", "value"),
-                  ("updatedAt", "updated_at", "value"), ("customerId", "customer_id", "value"),
-                  ("tracking", f"CASE WHEN tracking_carrier IS NULL THEN NULL ELSE {tracking} END",
-                   "json"),
-                  ("items", items, "json"))
+        fields = ORDER_FIELDS + (
+            ("tracking", f"CASE WHEN tracking_carrier IS NULL THEN NULL ELSE {tracking} END",
+             "json"),
+            ("items", items, "json"))
     exact = " AND ".join(f"({column} % 100 = 0 OR {column} < {EXACT_MONEY_CENTS})"
                          for _, column, kind in fields if kind == "money")
     return f"CASE WHEN {exact} THEN {engine.json_object(fields)} END"
