@@ -8932,6 +8932,22 @@ def require_browser():
         pytest.skip(reason)
 
 
+def chromium(metrics=None):
+    """A headless Chromium under its driver (the browser tests' one setup), waiting up to 5
+    seconds for an element to appear; metrics: a device to emulate (PHONE)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    if metrics:
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    driver.implicitly_wait(5)
+    return driver
+
+
 def test_a_missing_browser_skips_but_fails_under_ci(monkeypatch, tmp_path):
     monkeypatch.setitem(globals(), "CHROMIUM", str(tmp_path / "chromium"))
     monkeypatch.delenv("CI", raising=False)
@@ -8947,8 +8963,6 @@ class Served:
     by `ordering.py serve --allow-private-webhooks` and visited by one Chromium."""
 
     def __init__(self, tmp, receiver):
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
         self.path = tmp / "served.db"
         self.receiver = receiver
         self.db = ordering.Database(str(self.path))
@@ -8961,16 +8975,11 @@ class Served:
             self.key = ordering.create_api_key(conn, self.company["id"], ALL_SCOPES)
         self.process, self.port = start_server(self.path, "--allow-private-webhooks")
         self.base = f"http://127.0.0.1:{self.port}"
-        options = webdriver.ChromeOptions()
-        options.binary_location = CHROMIUM
-        for flag in CHROMIUM_FLAGS:
-            options.add_argument(flag)
         try:
-            self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+            self.driver = chromium()
         except Exception:
             self.process.terminate()
             raise
-        self.driver.implicitly_wait(5)
 
     def close(self):
         try:
@@ -11106,8 +11115,6 @@ def emailed_link(mail, count, address, base):
 def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in_chromium(
         tmp_path):
     require_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     mail = MailServer()
     path = tmp_path / "store.db"
     db = ordering.Database(str(path))
@@ -11122,12 +11129,7 @@ def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in
     base = f"http://127.0.0.1:{port}"
     process, _ = start_server(path, "--base-url", base, port=port, env={
         "ORDERING_SMTP_URL": mail.url, "ORDERING_MAIL_FROM": MAIL_FROM})
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.implicitly_wait(5)
+    driver = chromium()
     browser = Served.__new__(Served)  # its page helpers, on this server and driver
     browser.driver, browser.base = driver, base
     store = "/store/chromium-foods"
@@ -11972,8 +11974,6 @@ PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 1, "mobile": False}
 def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chromium(
         tmp_path, receiver):
     require_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     mail = MailServer()
     path = tmp_path / "store.db"
     db = ordering.Database(str(path))
@@ -11997,13 +11997,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
     process, _ = start_server(path, "--allow-private-webhooks", "--base-url", base, port=port,
                               env={"ORDERING_SMTP_URL": mail.url,
                                    "ORDERING_MAIL_FROM": MAIL_FROM})
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
-    driver.implicitly_wait(5)
+    driver = chromium(PHONE)
     browser = Served.__new__(Served)  # its page helpers, on this server and driver
     browser.driver, browser.base, browser.receiver = driver, base, receiver
     store = "/store/phone-foods"
