@@ -543,17 +543,20 @@ def column_check(table, column):
     raise ValueError(f"{table}.{column}: unbalanced CHECK in schema.sql")
 
 
-def rebuild_table(table, columns):
+def rebuild_table(table, statements=None):
     """A migration step for a change that ALTER TABLE cannot make (a new primary key): the
-    table made again by schema.sql's statement (its indexes after the migrations, as always),
-    its rows copied across. The rows wait in a bare table, so that no name of the old table's
-    indexes or constraints is still taken when the new one is made."""
+    table made again by statements (schema.sql's, unless given; its indexes come after the
+    migrations, as always), every column of its rows copied across by name. The rows wait in
+    a bare table, so that no name of the old table's indexes or constraints is still taken
+    when the new one is made."""
     def rebuild(conn):
-        listed = ", ".join(columns)
-        conn.execute(f"CREATE TABLE {table}_rows AS SELECT {listed} FROM {table}")
+        conn.execute(f"CREATE TABLE {table}_rows AS SELECT * FROM {table}")
+        columns = ", ".join(column[0] for column in conn.execute(
+            f"SELECT * FROM {table}_rows LIMIT 0").description)
         conn.execute(f"DROP TABLE {table}")
-        conn.execute(conn.engine.translate(table_statement(table)))
-        conn.execute(f"INSERT INTO {table} ({listed}) SELECT {listed} FROM {table}_rows")
+        for statement in statements or (table_statement(table),):
+            conn.execute(conn.engine.translate(statement))
+        conn.execute(f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table}_rows")
         conn.execute(f"DROP TABLE {table}_rows")
     return rebuild
 
@@ -613,11 +616,7 @@ MIGRATIONS = {
         "orders_by_company_customer_newest", "orders_by_company_po_number",
         "orders_by_checkout", "returns_by_company_newest", "invoices_by_company_newest",
         "emails_by_company_newest")) + (
-        rebuild_table("stock_movements", ("id", "company_id", "product_id", "change",
-                                          "level_after", "reason", "order_id", "return_id",
-                                          "note", "actor_type", "actor_id", "created_at")),
-        rebuild_table("order_status_changes", ("id", "order_id", "from_status", "to_status",
-                                               "source", "tracking_number", "created_at")),
+        rebuild_table("stock_movements"), rebuild_table("order_status_changes"),
         rewrite_check("orders", "status", "CHECK (status IN ('SUBMITTED', 'CONFIRMED', "
                                           "'SHIPPED', 'DELIVERED', 'CANCELLED'))"),
         rewrite_check("orders", "source", "CHECK (source IN ('api', 'storefront', "
