@@ -1874,6 +1874,83 @@ SIGN_IN_FORM = Template("prefix error email csrf", """\
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
 
+#: A link of the header's navigation (current: CURRENT on the page it leads to).
+NAV_LINK = Template("href current text", '<li><a href="{href}"{current}>{text}</a></li>')
+CURRENT = Markup(' aria-current="page"')
+#: What a page says once a form is saved (or a link emailed), above its body.
+NOTICE = Template("message", '<div class="notice" role="status">{message}</div>')
+#: Why a form was not saved, above its body, when no field it shows has the message.
+FORM_ALERT = Template("message", '<div class="alert" role="alert">{message}</div>')
+#: A page's refusal, alone on it (not found, refused, too many requests).
+ALERT = Template("message", '<p class="alert" role="alert">{message}</p>')
+#: A refused field's message, under the field.
+FIELD_ERROR = Template("message", '<p class="error" role="alert">{message}</p>')
+
+#: A labelled form field: control is INPUT, TEXTAREA or SELECT.
+FIELD = Template("id label control error",
+                 '<div><label for="{id}">{label}</label>{control}{error}</div>')
+INPUT = Template("id name kind value extra",
+                 '<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>')
+TEXTAREA = Template("id name extra value",
+                    '<textarea id="{id}" name="{name}"{extra}>{value}</textarea>')
+SELECT = Template("id name options", '<select id="{id}" name="{name}">{options}</select>')
+OPTION = Template("value selected text", '<option value="{value}"{selected}>{text}</option>')
+#: One more attribute of a field (min, maxlength, autocomplete ...).
+ATTRIBUTE = Template("name value", ' {name}="{value}"')
+SELECTED, CHECKED = Markup(" selected"), Markup(" checked")
+INVALID = Markup(' aria-invalid="true"')
+#: Checkboxes of one name, one for each of its values.
+CHECKS = Template("name boxes error", '<fieldset><legend>{name}</legend>{boxes}{error}</fieldset>')
+CHECK = Template("name value checked", '<label class="check"><input type="checkbox" '
+                 'name="{name}" value="{value}"{checked}> {value}</label>')
+#: The one checkbox of a form that sends isActive=on.
+ACTIVE_CHECK = Template("checked", '<label class="check"><input type="checkbox" '
+                        'name="isActive" value="on"{checked}> Active</label>')
+HIDDEN = Template("name value", '<input type="hidden" name="{name}" value="{value}">')
+#: A form that changes something (enctype: MULTIPART for one that may carry a file).
+FORM = Template("css action enctype csrf body",
+                '<form class="{css}" method="post" action="{action}"{enctype}>'
+                '<input type="hidden" name="csrf" value="{csrf}">{body}</form>')
+MULTIPART = Markup(' enctype="multipart/form-data"')
+SUBMIT = Template("css text", '<button type="submit" class="{css}">{text}</button>')
+#: A form's submit button below its fields.
+SAVE = Template("text", '<div><button type="submit">{text}</button></div>')
+#: A search or filter form (GET): its fields, then the button and a link that clears them.
+FILTERS = Template("path fields button",
+                   '<form class="card filters" method="get" action="{path}">{fields}<div>'
+                   '<button type="submit">{button}</button> <a href="{path}">Clear</a></div>'
+                   '</form>')
+NEXT_PAGE = Template("path query",
+                     '<p class="pager"><a class="button" href="{path}?{query}">Next page</a></p>')
+NEW_RECORD = Template("path noun", '<p><a class="button" href="{path}/new">New {noun}</a></p>')
+
+TABLE = Template("head body", '<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
+                 '<tbody>{body}</tbody></table></div>')
+HEADING_CELL = Template("numeric text", "<th{numeric}>{text}</th>")
+CELL = Template("numeric text", "<td{numeric}>{text}</td>")
+ROW = Template("cells", "<tr>{cells}</tr>")
+NUMERIC = Markup(' class="num"')
+NO_ROWS = Template("columns",
+                   '<tr><td colspan="{columns}" class="muted">Nothing here yet.</td></tr>')
+#: The last row of a table of lines: their total.
+TOTAL_CELL = Template("text", "<strong>{text}</strong>")
+
+LINK = Template("href text", '<a href="{href}">{text}</a>')
+#: A link to another site (a tracking page, a hosted invoice): no Referer goes with it.
+OUTSIDE_LINK = Template("href text", '<a href="{href}" rel="noreferrer">{text}</a>')
+STATUS_TAG = Template("style text", '<span class="status status-{style}">{text}</span>')
+MUTED = Template("text", '<span class="muted">{text}</span>')
+NOTE = Template("text", '<p class="muted">{text}</p>')
+PARAGRAPH = Template("text", "<p>{text}</p>")
+CODE = Template("text", "<code>{text}</code>")
+HEADING = Template("text", "<h2>{text}</h2>")
+SUBHEADING = Template("text", "<h3>{text}</h3>")
+CARD = Template("body", '<div class="card">{body}</div>')
+GRID = Template("cells", '<div class="grid">{cells}</div>')
+LIST = Template("items", "<ul>{items}</ul>")
+LIST_ITEM = Template("text", "<li>{text}</li>")
+LINE_BREAK = Markup("<br>")
+
 #: The storefront's header for a visitor who is not signed in: the store's name, and the way in.
 STORE_BAR = Template("store prefix", """\
 <nav aria-label="Store"><a class="brand" href="{prefix}">{store}</a><ul>\
@@ -7558,75 +7635,61 @@ class Visit:
         return "" if default is None else default
 
     def field(self, name, label, default="", kind="text", **attributes):
-        extra = join(render(' {name}="{value}"', name=key.replace("_", "-"), value=value)
+        extra = join(render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
                      for key, value in attributes.items())
-        # A refused form shows again what was sent, never a password.
-        control = render('<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>',
-                         id=name + self.id_suffix, name=name, kind=kind,
-                         value="" if kind == "password" else self.value(name, default),
-                         extra=extra)
+        field_id = name + self.id_suffix
         if kind == "textarea":
-            control = render('<textarea id="{id}" name="{name}"{extra}>{value}</textarea>',
-                             id=name + self.id_suffix, name=name,
-                             value=self.value(name, default), extra=extra)
-        return render('<div><label for="{id}">{label}</label>{control}{error}</div>',
-                      id=name + self.id_suffix, label=label, control=control,
-                      error=self.error(name))
+            control = render(TEXTAREA, id=field_id, name=name, extra=extra,
+                             value=self.value(name, default))
+        else:  # a refused form shows again what was sent, never a password
+            control = render(INPUT, id=field_id, name=name, kind=kind, extra=extra,
+                             value="" if kind == "password" else self.value(name, default))
+        return render(FIELD, id=field_id, label=label, control=control, error=self.error(name))
 
     def select(self, name, label, options, default=""):
-        chosen = self.value(name, default)
-        return render('<div><label for="{id}">{label}</label><select id="{id}" name="{name}">'
-                      '{options}</select>{error}</div>', id=name + self.id_suffix, name=name,
-                      label=label,
-                      error=self.error(name), options=join(
-                          render('<option value="{v}"{s}>{t}</option>', v=value, t=text,
-                                 s=Markup(" selected") if str(value) == str(chosen) else "")
-                          for value, text in options))
+        chosen = str(self.value(name, default))
+        options = join(render(OPTION, value=value, text=text,
+                              selected=SELECTED if str(value) == chosen else "")
+                       for value, text in options)
+        return render(FIELD, id=name + self.id_suffix, label=label, error=self.error(name),
+                      control=render(SELECT, id=name + self.id_suffix, name=name,
+                                     options=options))
 
     def checks(self, name, values, chosen):
         chosen = set(self.form.getall(name)) if self.errors and self.form else set(chosen)
-        return render('<fieldset><legend>{name}</legend>{boxes}{error}</fieldset>', name=name,
-                      error=self.error(name), boxes=join(
-                          render('<label class="check"><input type="checkbox" name="{n}" '
-                                 'value="{v}"{c}> {v}</label>', n=name, v=value,
-                                 c=Markup(" checked") if value in chosen else "")
-                          for value in values))
+        return render(CHECKS, name=name, error=self.error(name), boxes=join(
+            render(CHECK, name=name, value=value, checked=CHECKED if value in chosen else "")
+            for value in values))
 
     def error(self, name):
         self.shown.add(name)
         message = self.errors.get(name)
-        return render('<p class="error" role="alert">{m}</p>', m=message) if message else ""
+        return render(FIELD_ERROR, message=message) if message else ""
 
     def form_tag(self, action, body, css="card", files=False):
         """A form that changes something (files: it may carry a file, as multipart)."""
-        return render('<form class="{css}" method="post" action="{action}"{enctype}>'
-                      '<input type="hidden" name="csrf" value="{csrf}">{body}</form>',
-                      css=css, action=action, csrf=self.csrf, body=body,
-                      enctype=Markup(' enctype="multipart/form-data"') if files else "")
+        return render(FORM, css=css, action=action, csrf=self.csrf, body=body,
+                      enctype=MULTIPART if files else "")
 
     def button(self, action, text, css="", **hidden):
-        fields = join(render('<input type="hidden" name="{n}" value="{v}">', n=n, v=v)
-                      for n, v in hidden.items())
-        return self.form_tag(action, render('{fields}<button type="submit" class="{css}">{t}'
-                                            '</button>', fields=fields, css=css, t=text),
+        fields = join(render(HIDDEN, name=name, value=value) for name, value in hidden.items())
+        return self.form_tag(action, join([fields, render(SUBMIT, css=css, text=text)]),
                              css="inline")
 
     def page(self, title, body, status=200):
         here = bottle.request.path
-        links = join(render('<li><a href="{href}"{current}>{text}</a></li>', href=href, text=text,
-                            current=Markup(' aria-current="page"') if here.startswith(href)
-                            else "") for text, href in self.surface.navigation_of(self))
+        links = join(render(NAV_LINK, href=href, text=text,
+                            current=CURRENT if here.startswith(href) else "")
+                     for text, href in self.surface.navigation_of(self))
         header = render(HEADER, company=self.session["company_name"], links=links,
                         email=self.session["email"], prefix=self.surface.prefix,
-                        csrf=render('<input type="hidden" name="csrf" value="{c}">', c=self.csrf))
-        notice = render('<div class="notice" role="status">{n}</div>', n=self.notice) \
-            if self.notice else ""
+                        csrf=render(HIDDEN, name="csrf", value=self.csrf))
+        notice = render(NOTICE, message=self.notice) if self.notice else ""
         if self.errors:  # a message that belongs to no field the page shows is shown here
             elsewhere = [message for field, message in self.errors.items()
                          if field not in self.shown and field != "form"]
             message = self.errors.get("form") or " ".join(elsewhere) or "see the messages below."
-            notice = join([notice, render('<div class="alert" role="alert">Not saved: {m}</div>',
-                                          m=message)])
+            notice = join([notice, render(FORM_ALERT, message="Not saved: " + message)])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
                       site=self.surface.site(), header=header, notice=notice, body=body)
@@ -7634,8 +7697,7 @@ class Visit:
     def refusal(self, error):
         self.errors = {}  # the page says why alone, whatever a form sent before
         title = "Not found" if error.status == 404 else "Refused"
-        return self.page(title, render('<p class="alert" role="alert">{m}</p>',
-                                       m=error.message), error.status)
+        return self.page(title, render(ALERT, message=error.message), error.status)
 
 
 def redirect(location):
@@ -7660,40 +7722,35 @@ def pager(visit, result, path):
     if not cursor:
         return ""
     query = dict(visit.filters(), cursor=cursor)
-    return render('<p class="pager"><a class="button" href="{path}?{q}">Next page</a></p>',
-                  path=path, q=urllib.parse.urlencode(query))
+    return render(NEXT_PAGE, path=path, query=urllib.parse.urlencode(query))
 
 
 def listing(visit, title, noun, filter_fields, listed, result):
     """A list page: a button for a new record, the filters, the table and the next page."""
     path = bottle.request.path
     return visit.page(title, join([
-        render('<p><a class="button" href="{p}/new">New {n}</a></p>', p=path, n=noun),
-        render('<form class="card filters" method="get" action="{p}">{f}<div><button '
-               'type="submit">Filter</button> <a href="{p}">Clear</a></div></form>',
-               p=path, f=join(filter_fields)),
+        render(NEW_RECORD, path=path, noun=noun),
+        render(FILTERS, path=path, fields=join(filter_fields), button="Filter"),
         listed, pager(visit, result, path)]))
 
 
 def table(headings, rows, numeric=()):
     """A table of rows, each its cells or (a long list's, rendered from one template per row)
     its <tr> as Markup already."""
-    head = join(render('<th{c}>{h}</th>', h=h, c=Markup(' class="num"') if h in numeric else "")
+    head = join(render(HEADING_CELL, text=h, numeric=NUMERIC if h in numeric else "")
                 for h in headings)
-    body = join(row if isinstance(row, Markup) else render("<tr>{cells}</tr>", cells=join(
-        render("<td{c}>{v}</td>", v=v, c=Markup(' class="num"') if h in numeric else "")
+    body = join(row if isinstance(row, Markup) else render(ROW, cells=join(
+        render(CELL, text=v, numeric=NUMERIC if h in numeric else "")
         for h, v in zip(headings, row))) for row in rows)
     if not rows:
-        body = render('<tr><td colspan="{n}" class="muted">Nothing here yet.</td></tr>',
-                      n=len(headings))
-    return render('<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
-                  '<tbody>{body}</tbody></table></div>', head=head, body=body)
+        body = render(NO_ROWS, columns=len(headings))
+    return render(TABLE, head=head, body=body)
 
 
 def address_lines(address):
     """A shipping address's fields that are filled, a line each."""
-    return Markup("<br>".join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
-                              if address[name]))
+    return Markup(LINE_BREAK.join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
+                                  if address[name]))
 
 
 def form_units(form, prefix):
@@ -7704,11 +7761,11 @@ def form_units(form, prefix):
 
 
 def link(href, text):
-    return render('<a href="{h}">{t}</a>', h=href, t=text)
+    return render(LINK, href=href, text=text)
 
 
 def status_tag(status):
-    return render('<span class="status status-{s}">{s}</span>', s=status)
+    return render(STATUS_TAG, style=status, text=status)
 
 
 def form_int(form, field, required=True):
@@ -7834,7 +7891,7 @@ class Surface:
             return redirect(self.prefix + "/sign-in")
         visit = Visit(self, found, token)
         if bottle.request.method == "POST" and not visit.csrf_matches():
-            return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED), 403)
+            return visit.page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
         try:
             return handler(visit, **url_args)
         except ApiError as error:
@@ -7865,7 +7922,7 @@ class Surface:
         self.headers()
         return self.bare_page("Sign in", render(
             SIGN_IN_FORM, prefix=self.prefix, email=email, csrf=self.form_token(),
-            error=render('<p class="alert" role="alert">{e}</p>', e=error) if error else ""))
+            error=render(ALERT, message=error) if error else ""))
 
     def throttle_subjects(self, email):
         """The sign-in throttle's subjects of this email from this browser's address (see
@@ -7894,8 +7951,7 @@ class Surface:
     def refused_form(self):
         self.headers()
         bottle.response.status = 403
-        return self.bare_page("Refused", render('<p class="alert" role="alert">{m}</p>',
-                                                m=CSRF_REFUSED))
+        return self.bare_page("Refused", render(ALERT, message=CSRF_REFUSED))
 
     def sign_in(self):
         if not self.form_matches():  # no other site may sign a browser in to its account
@@ -7938,8 +7994,7 @@ class Surface:
             visit = Visit(self, found, token)
             if not visit.csrf_matches():
                 self.headers()
-                return visit.page("Refused", render('<p class="alert">{m}</p>', m=CSRF_REFUSED),
-                                  403)
+                return visit.page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
             with self.service.db.write() as conn:
                 end_session(conn, self.accounts, found["token_hash"])
         self.set_session_cookie("", max_age=0)
