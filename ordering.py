@@ -1912,9 +1912,11 @@ FORM = Template("css action enctype csrf body",
                 '<form class="{css}" method="post" action="{action}"{enctype}>'
                 '<input type="hidden" name="csrf" value="{csrf}">{body}</form>')
 MULTIPART = Markup(' enctype="multipart/form-data"')
-SUBMIT = Template("css text", '<button type="submit" class="{css}">{text}</button>')
-#: A form's submit button below its fields.
+SUBMIT = Template("text", '<button type="submit">{text}</button>')
+#: A form's submit button on a line of its own, below its fields.
 SAVE = Template("text", '<div><button type="submit">{text}</button></div>')
+#: A form that is one button (Visit.button), styled: "secondary", "danger" or "".
+BUTTON = Template("css text", '<button type="submit" class="{css}">{text}</button>')
 #: A search or filter form (GET): its fields, then the button and a link that clears them.
 FILTERS = Template("path fields button",
                    '<form class="card filters" method="get" action="{path}">{fields}<div>'
@@ -1950,103 +1952,6 @@ GRID = Template("cells", '<div class="grid">{cells}</div>')
 LIST = Template("items", "<ul>{items}</ul>")
 LIST_ITEM = Template("text", "<li>{text}</li>")
 LINE_BREAK = Markup("<br>")
-
-#: The storefront's header for a visitor who is not signed in: the store's name, and the way in.
-STORE_BAR = Template("store prefix", """\
-<nav aria-label="Store"><a class="brand" href="{prefix}">{store}</a><ul>\
-<li><a href="{prefix}/sign-in">Sign in</a></li><li><a href="{prefix}/register">Register</a></li>\
-</ul></nav>""")
-
-#: The storefront's ways on from its sign-in form.
-STORE_SIGN_IN_LINKS = Template("prefix", """\
-<p class="narrow"><a href="{prefix}/reset">Forgot your password?</a> &middot; \
-<a href="{prefix}/register">Register a new account</a></p>""")
-
-#: What a storefront form that sends an email answers, whoever the address belongs to.
-STORE_MAIL_SENT = Template("email what", """\
-<div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
-way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
-
-#: A customer's status on its dashboard page, with the buttons that change it.
-CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
-<div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
-{approve}{button}{invite}</div>""")
-#: Where Approve would be, for a customer whose address is not confirmed yet.
-AWAITS_CONFIRMATION = '<span class="muted">Once the email address is confirmed</span>'
-
-#: What a buyer whose address is not confirmed yet sees where ordering would be.
-STORE_UNVERIFIED = Template("email form", """\
-<div class="card" role="status"><p>Confirm your email address before you order: open the link \
-we sent to {email}. It works for an hour; if it has expired, ask for a new one.</p>{form}</div>""")
-
-#: What a buyer awaiting approval sees where prices and ordering would be.
-STORE_AWAITING = Template("store", """\
-<div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
-when it is approved; until then prices and ordering stay closed.</p></div>""")
-
-_ADD_FORM = """\
-<form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
-value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
-name="quantity" type="number" min="1" max="{most}" value="1" aria-label="Quantity"> \
-<button type="submit">Add to cart</button></form>"""
-
-#: The form that puts a product in the cart (POST cart: productId, quantity).
-STORE_ADD_FORM = Template("cart csrf id most", _ADD_FORM)
-
-#: A product's row in the storefront's catalog, with its form: one template a row, for a page
-#: of many (see Template.partial).
-STORE_CATALOG_ROW = Template("href name sku unit price level cart csrf id most", """\
-<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span></td>\
-<td class="num">{price}</td><td>{level}</td><td>""" + _ADD_FORM + "</td></tr>")
-
-#: A product of the storefront's catalog, with the form that puts it in the cart.
-STORE_PRODUCT = Template("sku category unit price level description add", """\
-<div class="card"><dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
-<dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Availability</dt>\
-<dd>{level}</dd></dl>{description}</div>{add}""")
-
-#: A storefront order's facts, for its buyer.
-STORE_ORDER_FACTS = Template("status placed po notes total", """\
-<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Placed</dt>\
-<dd>{placed}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
-<dd>{total}</dd></dl></div>""")
-
-#: The tracking card of a shipped order, as its buyer sees it.
-STORE_TRACKING = Template("carrier number track", """\
-<section class="card tracking" aria-labelledby="tracking"><h2 id="tracking">Tracking</h2>\
-<dl class="facts"><dt>Carrier</dt><dd>{carrier}</dd><dt>Tracking number</dt><dd>{number}</dd></dl>\
-{track}</section>""")
-
-#: One return of an order, as its buyer sees it.
-STORE_RETURN = Template("opened status lines reason refund", """\
-<section class="card"><p>Opened {opened} &middot; {status}{refund}</p>{lines}\
-<p class="muted">Reason: {reason}</p></section>""")
-
-ORDER_FACTS = Template("status customer po notes created updated tracking", """\
-<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
-<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
-<dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
-<dd>{tracking}</dd></dl></div>""")
-
-PRODUCT_STOCK = Template("level link movements", """\
-<h2>Stock</h2><div class="card"><p>{level} in stock. {link}</p></div>\
-<h3>Recent movements</h3>{movements}""")
-
-CANCEL_FORM = Template("", """\
-<input type="hidden" name="status" value="CANCELLED"><label class="check">\
-<input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
-<button type="submit" class="danger">Mark CANCELLED</button>""")
-
-REFUND_LINE_FIELDS = Template("good damaged", '<div class="grid">{good}{damaged}</div>')
-
-STOCK_FORMS = Template("level adjust count movements", """\
-<div class="card"><p>{level} in stock now. An adjustment changes it by an amount, saying why; \
-a count records the level found on the shelf (the difference is the movement).</p></div>\
-<div class="grid">{adjust}{count}</div><h2>Recent movements</h2>{movements}""")
-
-WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
-<section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}\
-<p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>""")
 
 STYLESHEET = """\
 :root { --ink: #1d2430; --muted: #5b6575; --line: #d7dce3; --paper: #ffffff;
@@ -2271,6 +2176,225 @@ def email_bodies(kind, data, link_base, sender):
     html = render(EMAIL_LAYOUT, subject=plain(template.subject, **data), sender=sender,
                   body=render(template.html, **html_values))
     return str(text), str(html)
+
+
+# 4.3 Dashboard pages -------------------------------------------------------------------------
+
+ORDER_PAGE = Template("facts ships_to actions lines history returns open_return", """\
+{facts}{ships_to}<h2>Status</h2><div class="card">{actions}</div><h2>Lines</h2>{lines}\
+<h2>History</h2>{history}<h2>Returns</h2>{returns}{open_return}""")
+
+ORDER_FACTS = Template("status customer po notes created updated tracking", """\
+<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
+<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
+<dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
+<dd>{tracking}</dd></dl></div>""")
+ORDER_TRACKING = Template("carrier number url",
+                          '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>')
+SHIPS_TO = Template("address", '<h2>Ships to</h2><address class="card">{address}</address>')
+
+NEW_ORDER = Template("customer lines error po notes", """\
+<p class="muted">Orders created here emit no order.created. Each line takes the customer's own \
+price where one is set (on the customer's page), else the catalog price.</p>\
+{customer}{lines}{error}{po}{notes}<button type="submit">Create order</button>""")
+
+SHIP_FORM = Template("carrier number url", """\
+<h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
+<div class="grid">{carrier}{number}{url}</div><button type="submit">Mark SHIPPED</button>""")
+CANCEL_FORM = Template("", """\
+<input type="hidden" name="status" value="CANCELLED"><label class="check">\
+<input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
+<button type="submit" class="danger">Mark CANCELLED</button>""")
+FINAL_STATUS = Template("status", '<p class="muted">{status} is final: no further status.</p>')
+RESTOCKED = Template("", '<p class="muted">Its units are back in stock.</p>')
+
+OPEN_RETURN_FORM = Template("reason units error", """\
+<h3>Open a return</h3>{reason}<div class="grid">{units}</div>{error}\
+<button type="submit" class="secondary">Open return</button>""")
+#: A return's line as a cell of the returns' tables shows it, one a line.
+RETURN_LINE = Template("name sku units", "{name} ({sku}): {units}<br>")
+REFUND_FORM = Template("method units subtotal amount", """\
+{method}{units}{subtotal}{amount}<button type="submit">Refund</button>""")
+RETURNS_FOOT = Template("", '<p class="muted">Open a return from its order\'s page.</p>')
+
+PRODUCT_STOCK = Template("level link movements", """\
+<h2>Stock</h2><div class="card"><p>{level} in stock. {link}</p></div>\
+<h3>Recent movements</h3>{movements}""")
+STOCK_FORMS = Template("level adjust count movements", """\
+<div class="card"><p>{level} in stock now. An adjustment changes it by an amount, saying why; \
+a count records the level found on the shelf (the difference is the movement).</p></div>\
+<div class="grid">{adjust}{count}</div><h2>Recent movements</h2>{movements}""")
+#: A form of a few fields under its own heading (Adjust, Count, Set a price).
+TITLED_FORM = Template("title fields button",
+                       '<h3>{title}</h3>{fields}<button type="submit">{button}</button>')
+
+#: A customer's status on its dashboard page, with the buttons that change it.
+CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
+<div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
+{approve}{button}{invite}</div>""")
+#: Where Approve would be, for a customer whose address is not confirmed yet.
+AWAITS_CONFIRMATION = Template("", '<span class="muted">Once the email address is confirmed</span>')
+CUSTOMER_PRICES = Template("prices form", """\
+<h2 id="prices">Prices</h2><p class="muted">This customer's own prices: orders placed at the \
+storefront and here in the dashboard use them; orders placed through the API always use the \
+catalog price.</p>{prices}{form}""")
+
+WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
+<section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}\
+<p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>""")
+WEBHOOK_GRACE = Template("until", """\
+<p class="muted">Old secret still signs X-Webhook-Signature-Old until {until}.</p>""")
+NEW_WEBHOOK = Template("url events active", """\
+<h2>New webhook</h2>{url}{events}{active}<div><button type="submit">Create webhook</button></div>""")
+WEBHOOK_CREATED = Template("secret", """\
+Webhook created. Its signing secret, shown this once: <code>{secret}</code>""")
+SECRET_ROTATED = Template("secret until", """\
+New signing secret, shown this once: <code>{secret}</code>. Until {until} deliveries also \
+carry X-Webhook-Signature-Old.""")
+
+NEW_KEY = Template("scopes limit expires", """\
+<h2>New key</h2>{scopes}<div class="grid">{limit}{expires}</div>\
+<div><button type="submit">Create key</button></div>""")
+KEY_CREATED = Template("id key", "Key {id} created. The key, shown this once: <code>{key}</code>")
+
+BILLING_FOOT = Template("", """\
+<p class="muted">The paid invoices of the company's subscription, newest first, as Stripe \
+reports them (invoice.paid). Stripe finds the company by its Stripe customer ID: see \
+<a href="/dashboard/settings">Settings</a>.</p>""")
+EMAIL_FACTS = Template("to subject state written next why again", """\
+<div class="card"><dl class="facts"><dt>Recipient</dt><dd>{to}</dd><dt>Subject</dt>\
+<dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>\
+<dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
+</dl>{again}</div>""")
+SETTINGS_FORM = Template("server mail_name reply_to alerts approval stripe", """\
+<h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}\
+<h2>Storefront</h2>{approval}<h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
+<p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
+become invoice.paid and are listed under Billing. The operator of the service maps it \
+(company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
+customer receives that customer's invoices.</p><div><button type="submit">Save</button></div>""")
+
+
+# 4.4 Storefront pages ------------------------------------------------------------------------
+
+#: The storefront's header for a visitor who is not signed in: the store's name, and the way in.
+STORE_BAR = Template("store prefix", """\
+<nav aria-label="Store"><a class="brand" href="{prefix}">{store}</a><ul>\
+<li><a href="{prefix}/sign-in">Sign in</a></li><li><a href="{prefix}/register">Register</a></li>\
+</ul></nav>""")
+
+#: The storefront's ways on from its sign-in form.
+STORE_SIGN_IN_LINKS = Template("prefix", """\
+<p class="narrow"><a href="{prefix}/reset">Forgot your password?</a> &middot; \
+<a href="{prefix}/register">Register a new account</a></p>""")
+
+#: What a storefront form that sends an email answers, whoever the address belongs to.
+STORE_MAIL_SENT = Template("email what", """\
+<div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
+way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
+
+#: What a buyer whose address is not confirmed yet sees where ordering would be.
+STORE_UNVERIFIED = Template("email form", """\
+<div class="card" role="status"><p>Confirm your email address before you order: open the link \
+we sent to {email}. It works for an hour; if it has expired, ask for a new one.</p>{form}</div>""")
+
+#: What a buyer awaiting approval sees where prices and ordering would be.
+STORE_AWAITING = Template("store", """\
+<div class="card" role="status"><p>Your account awaits approval by {store}. We will email you \
+when it is approved; until then prices and ordering stay closed.</p></div>""")
+
+_ADD_FORM = """\
+<form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
+value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
+name="quantity" type="number" min="1" max="{most}" value="1" aria-label="Quantity"> \
+<button type="submit">Add to cart</button></form>"""
+
+#: The form that puts a product in the cart (POST cart: productId, quantity).
+STORE_ADD_FORM = Template("cart csrf id most", _ADD_FORM)
+
+#: A product's row in the storefront's catalog, with its form: one template a row, for a page
+#: of many (see Template.partial).
+STORE_CATALOG_ROW = Template("href name sku unit price level cart csrf id most", """\
+<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span></td>\
+<td class="num">{price}</td><td>{level}</td><td>""" + _ADD_FORM + "</td></tr>")
+
+#: A product of the storefront's catalog, with the form that puts it in the cart.
+STORE_PRODUCT = Template("sku category unit price level description add", """\
+<div class="card"><dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
+<dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Availability</dt>\
+<dd>{level}</dd></dl>{description}</div>{add}""")
+
+#: A storefront order's facts, for its buyer.
+STORE_ORDER_FACTS = Template("status placed po notes total", """\
+<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Placed</dt>\
+<dd>{placed}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
+<dd>{total}</dd></dl></div>""")
+
+#: The tracking card of a shipped order, as its buyer sees it.
+STORE_TRACKING = Template("carrier number track", """\
+<section class="card tracking" aria-labelledby="tracking"><h2 id="tracking">Tracking</h2>\
+<dl class="facts"><dt>Carrier</dt><dd>{carrier}</dd><dt>Tracking number</dt><dd>{number}</dd></dl>\
+{track}</section>""")
+
+#: One return of an order, as its buyer sees it.
+STORE_RETURN = Template("opened status lines reason refund", """\
+<section class="card"><p>Opened {opened} &middot; {status}{refund}</p>{lines}\
+<p class="muted">Reason: {reason}</p></section>""")
+
+#: The page of a store address that has no store.
+NO_STORE = Template("message", '<p class="card narrow">{message}</p>')
+#: A signed-out form of the storefront (register, sign in, reset): its fields, one button.
+STORE_FORM_FIELD = Template("name label kind auto value invalid error", """\
+<div><label for="{name}">{label}</label><input id="{name}" name="{name}" type="{kind}" \
+autocomplete="{auto}" value="{value}"{invalid}>{error}</div>""")
+STORE_WELCOME = Template("store prefix", """\
+<div class="card"><p>Welcome to the wholesale store of {store}. Sign in to see prices and order, \
+or register an account.</p><p><a class="button" href="{prefix}/sign-in">Sign in</a> \
+<a href="{prefix}/register">Register</a></p></div>""")
+STORE_REGISTER_LINKS = Template("prefix", """\
+<p class="narrow">Have an account? <a href="{prefix}/sign-in">Sign in</a>.</p>""")
+
+ACCOUNT_STATUS = Template("tag", '<div class="card"><p>Status: {tag}</p></div>')
+PASSWORD_FORM = Template("current new", """\
+<h2>Password</h2>{current}{new}<button type="submit">Change password</button>""")
+ADDRESS_CARD = Template("address remove", '<div class="card"><p>{address}</p>{remove}</div>')
+NO_ADDRESSES = Template("", """\
+<p class="muted">None yet: checkout saves each new address you ship to.</p>""")
+
+LEVEL_TAG = Template("style level", '<span class="status level-{style}">{level}</span>')
+#: What a quick order or a reorder put in the cart.
+ADDED = Template("items", "<p>Added to your cart:</p><ul>{items}</ul>")
+NOTHING_ADDED = Template("", "<p>Nothing was added to your cart.</p>")
+
+NO_LONGER_SOLD = Template("name", '{name} <span class="status level-out">No longer sold</span>')
+CART_QUANTITY = Template("most quantity name error", """\
+<input class="qty" name="quantity" type="number" min="0" max="{most}" value="{quantity}" \
+aria-label="Quantity of {name}"> <button type="submit" class="secondary">Update</button>{error}""")
+CHECK_OUT = Template("prefix", '<p><a class="button" href="{prefix}/checkout">Check out</a></p>')
+CART_EMPTY_CARD = Template("message prefix", """\
+<div class="card"><p>{message}</p><p><a href="{prefix}/products">Browse the catalog</a></p></div>""")
+QUICK_ORDER_FORM = Template("lines file", """\
+<h2>Quick order</h2><p class="muted">One SKU and quantity a line, such as \
+<code>GR-RICE-25 3</code>, or a CSV file of the same.</p>{lines}{file}\
+<button type="submit">Add to cart</button>""")
+
+CHECKOUT_FORM = Template("token ship_to new_address po notes", """\
+<input type="hidden" name="token" value="{token}">{ship_to}{new_address}{po}{notes}\
+<button type="submit">Place order</button>""")
+NEW_ADDRESS = Template("fields", """\
+<fieldset class="address"><legend>New address (saved for next time)</legend>{fields}</fieldset>""")
+
+STORE_ORDER_PAGE = Template("facts tracking ship_to lines again timeline returns", """\
+{facts}{tracking}{ship_to}<h2>Lines</h2>{lines}<p>{again}</p>{timeline}{returns}""")
+TRACK_PARCEL = Template("url", """\
+<p><a class="button" href="{url}" rel="noreferrer">Track the parcel</a></p>""")
+SHIP_TO = Template("address", '<h2>Ship to</h2><p class="card">{address}</p>')
+TIMELINE = Template("steps", '<h2>Status</h2><ol class="card timeline">{steps}</ol>')
+TIMELINE_STEP = Template("tag at", '<li>{tag} <span class="muted">{at}</span></li>')
+REFUNDED = Template("amount", " &middot; refunded {amount}")
+RETURN_FORM = Template("units error reason", """\
+<h3>Return goods</h3><p class="muted">How many units of each line go back (0: none of that \
+line).</p>{units}{error}{reason}<button type="submit">Request a return</button>""")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -7673,7 +7797,7 @@ class Visit:
 
     def button(self, action, text, css="", **hidden):
         fields = join(render(HIDDEN, name=name, value=value) for name, value in hidden.items())
-        return self.form_tag(action, join([fields, render(SUBMIT, css=css, text=text)]),
+        return self.form_tag(action, join([fields, render(BUTTON, css=css, text=text)]),
                              css="inline")
 
     def page(self, title, body, status=200):
@@ -8048,19 +8172,14 @@ def new_order_page(visit):
     products = [("", "(none)")] + [
         (product_id, f"{name} ({sku or '-'}, stock {stock})")
         for product_id, name, sku, stock in product_choices(visit.conn, visit.company_id)]
-    lines = join(render('<div class="grid">{product}{quantity}</div>',
-                        product=visit.select(f"productId{n}", f"Product {n + 1}", products),
-                        quantity=visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "",
-                                             kind="number", min="1"))
-                 for n in range(LINES_ON_NEW_ORDER))
-    body = visit.form_tag("/dashboard/orders", join([
-        render('<p class="muted">Orders created here emit no order.created. Each line takes '
-               'the customer\'s own price where one is set (on the customer\'s page), else '
-               'the catalog price.</p>'),
-        visit.select("customerId", "Customer", customers), lines, visit.error("items"),
-        visit.field("poNumber", "PO number"), visit.field("notes", "Notes", kind="textarea"),
-        render('<button type="submit">Create order</button>')]))
-    return visit.page("New order", body)
+    lines = join(render(GRID, cells=join([
+        visit.select(f"productId{n}", f"Product {n + 1}", products),
+        visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "", kind="number", min="1")]))
+        for n in range(LINES_ON_NEW_ORDER))
+    return visit.page("New order", visit.form_tag("/dashboard/orders", render(
+        NEW_ORDER, customer=visit.select("customerId", "Customer", customers), lines=lines,
+        error=visit.error("items"), po=visit.field("poNumber", "PO number"),
+        notes=visit.field("notes", "Notes", kind="textarea"))))
 
 
 @page("POST", "/dashboard/orders", refused=new_order_page)
@@ -8081,79 +8200,92 @@ def create_order_action(visit):
 def order_page(visit, order_id):
     row = load_order(visit.conn, visit.company_id, order_id)
     order = orders_with_items(visit.conn, [row])[0]
+    address = shipping_address_of(row)
+    return visit.page(f"Order {order_id}", render(
+        ORDER_PAGE, facts=order_facts(visit, order),
+        ships_to=render(SHIPS_TO, address=address_lines(address)) if address else "",
+        actions=join(order_actions(visit, order)), lines=order_lines(order),
+        history=order_history(visit, order_id), returns=order_returns(visit, order_id),
+        open_return=open_return_form(visit, order_id)))
+
+
+def order_facts(visit, order):
     customer = order["customerId"] and load_customer(visit.conn, visit.company_id,
                                                      order["customerId"])
-    facts = render(
+    return render(
         ORDER_FACTS, status=status_tag(order["status"]),
         customer=link(f"/dashboard/customers/{customer['id']}",
                       f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
-        updated=order["updatedAt"], tracking=render(
-            '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>',
-            **order["tracking"]) if order["tracking"] else "none")
-    lines = table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
-                  [(item["productName"], item["productSku"] or "", item["quantity"],
-                    amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
-                   for item in order["items"]] +
-                  [("", "", "", render("<strong>Total</strong>"),
-                    render("<strong>{t}</strong>", t=amount_text(order["total"])))],
-                  numeric=("Quantity", "Unit price", "Line total"))
-    history = table(("When (UTC)", "From", "To", "By", "Tracking"),
-                    [(change["created_at"], change["from_status"] or "", change["to_status"],
-                      change["source"] or render('<span class="muted">not recorded</span>'),
-                      change["tracking_number"] or "")
-                     for change in status_changes(visit.conn, visit.company_id, order_id)])
-    actions = []
-    for status in DASHBOARD_TRANSITIONS[order["status"]]:
-        action = f"/dashboard/orders/{order_id}/status"
-        if status == "SHIPPED":
-            actions.append(visit.form_tag(action, join([
-                render('<h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">'),
-                render('<div class="grid">{c}{n}{u}</div>', c=visit.select(
-                    "tracking.carrier", "Carrier", CARRIER_CHOICES), n=visit.field(
-                    "tracking.number", "Tracking number", required="required"), u=visit.field(
-                    "tracking.url", "Tracking URL (OTHER carrier, or to override)", kind="url")),
-                render('<button type="submit">Mark SHIPPED</button>')])))
-        elif status == "CANCELLED":
-            actions.append(visit.form_tag(action, render(CANCEL_FORM), css="inline"))
-        else:
-            actions.append(visit.button(action, f"Mark {status}", "", status=status))
+        updated=order["updatedAt"],
+        tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
+
+
+def order_lines(order):
+    return table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
+                 [(item["productName"], item["productSku"] or "", item["quantity"],
+                   amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
+                  for item in order["items"]] +
+                 [("", "", "", render(TOTAL_CELL, text="Total"),
+                   render(TOTAL_CELL, text=amount_text(order["total"])))],
+                 numeric=("Quantity", "Unit price", "Line total"))
+
+
+def order_history(visit, order_id):
+    return table(("When (UTC)", "From", "To", "By", "Tracking"),
+                 [(change["created_at"], change["from_status"] or "", change["to_status"],
+                   change["source"] or render(MUTED, text="not recorded"),
+                   change["tracking_number"] or "")
+                  for change in status_changes(visit.conn, visit.company_id, order_id)])
+
+
+def status_form(visit, action, status):
+    """The form that moves an order on to status: shipping asks for the tracking, cancelling
+    whether to put the units back."""
+    if status == "SHIPPED":
+        return visit.form_tag(action, render(
+            SHIP_FORM, carrier=visit.select("tracking.carrier", "Carrier", CARRIER_CHOICES),
+            number=visit.field("tracking.number", "Tracking number", required="required"),
+            url=visit.field("tracking.url", "Tracking URL (OTHER carrier, or to override)",
+                            kind="url")))
+    if status == "CANCELLED":
+        return visit.form_tag(action, render(CANCEL_FORM), css="inline")
+    return visit.button(action, f"Mark {status}", "", status=status)
+
+
+def order_actions(visit, order):
+    """What can be done with the order: its next statuses, or putting a cancelled one's units
+    back."""
+    order_id = order["id"]
+    actions = [status_form(visit, f"/dashboard/orders/{order_id}/status", status)
+               for status in DASHBOARD_TRANSITIONS[order["status"]]]
     if not actions:
-        actions.append(render('<p class="muted">{s} is final: no further status.</p>',
-                              s=order["status"]))
+        actions.append(render(FINAL_STATUS, status=order["status"]))
     if order["status"] == "CANCELLED":
-        actions.append(render('<p class="muted">Its units are back in stock.</p>')
-                       if order_restocked(visit.conn, order_id) else
+        actions.append(render(RESTOCKED) if order_restocked(visit.conn, order_id) else
                        visit.button(f"/dashboard/orders/{order_id}/restock",
                                     "Put its units back in stock"))
+    return actions
+
+
+def open_return_form(visit, order_id):
     returnable = returnable_units(visit.conn, order_id)
-    open_return = visit.form_tag(f"/dashboard/orders/{order_id}/returns", join([
-        render("<h3>Open a return</h3>"),
-        visit.field("reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
-                    kind="textarea"),
-        render('<div class="grid">{units}</div>', units=join(
-            visit.field(f"units.{item_id}", f"{name}: units going back (at most {left})",
-                        left, kind="number", min="0", max=left)
-            for item_id, (name, left) in returnable.items())),
-        visit.error("lines"),
-        render('<button type="submit" class="secondary">Open return</button>')]))
-    address = shipping_address_of(row)
-    ships_to = render('<h2>Ships to</h2><address class="card">{a}</address>',
-                      a=address_lines(address)) if address else ""
-    body = join([facts, ships_to, render("<h2>Status</h2>"),
-                 render('<div class="card">{a}</div>', a=join(actions)),
-                 render("<h2>Lines</h2>"), lines, render("<h2>History</h2>"), history,
-                 render("<h2>Returns</h2>"), order_returns(visit, order_id), open_return])
-    return visit.page(f"Order {order_id}", body)
+    return visit.form_tag(f"/dashboard/orders/{order_id}/returns", render(
+        OPEN_RETURN_FORM, reason=visit.field(
+            "reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
+            kind="textarea"),
+        units=join(visit.field(f"units.{item_id}", f"{name}: units going back (at most {left})",
+                               left, kind="number", min="0", max=left)
+                   for item_id, (name, left) in returnable.items()),
+        error=visit.error("lines")))
 
 
 def return_lines_text(lines, item_count):
     """A return's lines as a cell shows them: product (SKU) and units, one a line; a return
     opened before lines were recorded shows how many line items it named."""
     if not lines:
-        return render('<span class="muted">{n} line item(s), units not recorded</span>',
-                      n=item_count)
-    return join(render("{name} ({sku}): {units}<br>", name=name, sku=sku or "-", units=units)
+        return render(MUTED, text=f"{item_count} line item(s), units not recorded")
+    return join(render(RETURN_LINE, name=name, sku=sku or "-", units=units)
                 for name, sku, units in lines)
 
 
@@ -8206,26 +8338,23 @@ def products_page(visit):
 
 def product_form(visit, action, product=None):
     product = product or {}
-    threshold = product.get("low_stock_threshold")
-    price = product.get("price_cents")
+    threshold, price = product.get("low_stock_threshold"), product.get("price_cents")
+    fields = [
+        visit.field("name", "Name", product.get("name"), required="required"),
+        visit.field("sku", "SKU", product.get("sku")),
+        visit.field("category", "Category", product.get("category")),
+        visit.field("unit", "Unit", product.get("unit", "each")),
+        visit.field("price", "Price", "" if price is None else decimal_text(price),
+                    inputmode="decimal"),
+        visit.field("stock", "Stock", product.get("stock", 0), kind="number"),
+        visit.field("lowStockThreshold", "Low-stock threshold",
+                    "" if threshold is None else threshold, kind="number", min="0"),
+        visit.field("imageUrl", "Image URL", product.get("image_url"), kind="url")]
+    active = "isActive" in visit.form if visit.errors else product.get("is_active", 1)
     return visit.form_tag(action, join([
-        render('<div class="grid">{a}{b}{c}{d}{e}{f}{g}{h}</div>',
-               a=visit.field("name", "Name", product.get("name"), required="required"),
-               b=visit.field("sku", "SKU", product.get("sku")),
-               c=visit.field("category", "Category", product.get("category")),
-               d=visit.field("unit", "Unit", product.get("unit", "each")),
-               e=visit.field("price", "Price", "" if price is None else
-                             f"{price // 100}.{price % 100:02d}", inputmode="decimal"),
-               f=visit.field("stock", "Stock", product.get("stock", 0), kind="number"),
-               g=visit.field("lowStockThreshold", "Low-stock threshold",
-                             "" if threshold is None else threshold, kind="number", min="0"),
-               h=visit.field("imageUrl", "Image URL", product.get("image_url"), kind="url")),
+        render(GRID, cells=join(fields)),
         visit.field("description", "Description", product.get("description"), kind="textarea"),
-        render('<label class="check"><input type="checkbox" name="isActive" value="on"{c}> '
-               'Active</label>', c=Markup(" checked") if (
-                   "isActive" in visit.form if visit.errors else product.get("is_active", 1))
-               else ""),
-        render('<div><button type="submit">Save</button></div>')]))
+        render(ACTIVE_CHECK, checked=CHECKED if active else ""), render(SAVE, text="Save")]))
 
 
 def product_fields(form):
@@ -8242,7 +8371,7 @@ def product_fields(form):
 @page("GET", "/dashboard/products/new")
 def new_product_page(visit):
     return visit.page("New product", join([
-        render('<p class="muted">Creating a product emits no event.</p>'),
+        render(NOTE, text="Creating a product emits no event."),
         product_form(visit, "/dashboard/products")]))
 
 
@@ -8291,18 +8420,16 @@ def stock_page(visit, product_id):
     if "saved" in visit.query:
         visit.notice = STOCK_SAVED
     adjust, count = (visit.for_form(f"{path}/{kind}", kind) for kind in ("adjust", "count"))
-    adjust_form = adjust.form_tag(path + "/adjust", join([
-        render("<h3>Adjust</h3>"),
-        adjust.field("by", "Change by (units; negative takes out)", kind="number",
-                     required="required"),
-        adjust.field("reason", "Why", required="required", maxlength=MAX_MOVEMENT_NOTE),
-        render('<button type="submit">Adjust stock</button>')]))
-    count_form = count.form_tag(path + "/count", join([
-        render("<h3>Count</h3>"),
-        count.field("to", "Level found on the shelf", kind="number", min="0",
-                    required="required"),
-        count.field("reason", "Note (optional)", maxlength=MAX_MOVEMENT_NOTE),
-        render('<button type="submit">Record count</button>')]))
+    adjust_form = adjust.form_tag(path + "/adjust", render(
+        TITLED_FORM, title="Adjust", button="Adjust stock", fields=join([
+            adjust.field("by", "Change by (units; negative takes out)", kind="number",
+                         required="required"),
+            adjust.field("reason", "Why", required="required", maxlength=MAX_MOVEMENT_NOTE)])))
+    count_form = count.form_tag(path + "/count", render(
+        TITLED_FORM, title="Count", button="Record count", fields=join([
+            count.field("to", "Level found on the shelf", kind="number", min="0",
+                        required="required"),
+            count.field("reason", "Note (optional)", maxlength=MAX_MOVEMENT_NOTE)])))
     return visit.page(f"Stock of {product['name']}", render(
         STOCK_FORMS, level=product["stock"], adjust=adjust_form, count=count_form,
         movements=movements_table(visit, product_id)))
@@ -8337,22 +8464,28 @@ def customers_page(visit):
     rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
              status_tag(c["status"]), amount_text(money(c["credit_limit_cents"])),
              c["created_at"][:10]) for c in result["data"]]
-    pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
-                c["created_at"][:10], "Yes" if c["email_verified"] else "Not yet",
-                approve_button(visit.for_form(f"/dashboard/customers/{c['id']}/status", c["id"]),
-                               c))
-               for c in pending_customers(visit.conn, visit.company_id)]
-    waiting = join([render("<h2>Awaiting approval</h2>"), table(
-        ("Email", "Name", "Registered", "Email confirmed", "Approve"), pending)]) \
-        if pending else ""
+    waiting = awaiting_approval_table(visit)
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
         visit.select("status", "Status",
                      [("", "Any")] + [(s, s) for s in SETTABLE_CUSTOMER_STATUSES],
                      query.get("status"))],
-        join([waiting, render("<h2>All customers</h2>") if pending else "",
+        join([waiting, render(HEADING, text="All customers") if waiting else "",
               table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
                     numeric=("Credit limit",))]), result)
+
+
+def awaiting_approval_table(visit):
+    """The customers awaiting approval, each with its Approve button (none: nothing)."""
+    pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
+                c["created_at"][:10], "Yes" if c["email_verified"] else "Not yet",
+                approve_button(visit.for_form(f"/dashboard/customers/{c['id']}/status", c["id"]),
+                               c))
+               for c in pending_customers(visit.conn, visit.company_id)]
+    if not pending:
+        return ""
+    return join([render(HEADING, text="Awaiting approval"), table(
+        ("Email", "Name", "Registered", "Email confirmed", "Approve"), pending)])
 
 
 def approve_button(visit, customer):
@@ -8374,22 +8507,21 @@ def customer_body(form):
 
 def customer_fields(visit, customer):
     credit = customer.get("credit_limit_cents")
-    return render('<div class="grid">{n}{c}{t}</div>{notes}',
-                  n=visit.field("name", "Name", customer.get("name")),
-                  c=visit.field("creditLimit", "Credit limit", "" if credit is None else
-                                decimal_text(credit), inputmode="decimal"),
-                  t=visit.field("taxRateOverride", f"Tax rate override (0 to {MAX_TAX_RATE})",
-                                customer.get("tax_rate_override"), inputmode="decimal"),
-                  notes=visit.field("notes", "Internal notes", customer.get("notes"),
-                                    kind="textarea"))
+    return join([render(GRID, cells=join([
+        visit.field("name", "Name", customer.get("name")),
+        visit.field("creditLimit", "Credit limit", "" if credit is None else
+                    decimal_text(credit), inputmode="decimal"),
+        visit.field("taxRateOverride", f"Tax rate override (0 to {MAX_TAX_RATE})",
+                    customer.get("tax_rate_override"), inputmode="decimal")])),
+        visit.field("notes", "Internal notes", customer.get("notes"), kind="textarea")])
 
 
 @page("GET", "/dashboard/customers/new")
 def new_customer_page(visit):
     return visit.page("New customer", visit.form_tag("/dashboard/customers", join([
-        render('<p class="muted">Customers created here emit no customer.created.</p>'),
+        render(NOTE, text="Customers created here emit no customer.created."),
         visit.field("email", "Email", kind="email", required="required"),
-        customer_fields(visit, {}), render('<button type="submit">Create customer</button>')])))
+        customer_fields(visit, {}), render(SUBMIT, text="Create customer")])))
 
 
 @page("POST", "/dashboard/customers", refused=new_customer_page)
@@ -8415,9 +8547,9 @@ def customer_page(visit, customer_id):
                                         "" if blocked else "danger",
                                         status="ACTIVE" if blocked else "BLOCKED"))
     edit = visit.form_tag(f"/dashboard/customers/{customer_id}", join([
-        customer_fields(visit, dict(customer)), render('<button type="submit">Save</button>')]))
+        customer_fields(visit, dict(customer)), render(SUBMIT, text="Save")]))
     orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
-    return visit.page(customer["email"], join([status, edit, render("<p>{o}</p>", o=orders),
+    return visit.page(customer["email"], join([status, edit, render(PARAGRAPH, text=orders),
                                                customer_prices_section(visit, customer_id)]))
 
 
@@ -8432,18 +8564,12 @@ def customer_prices_section(visit, customer_id):
                                      for product_id, name, sku, _ in
                                      product_choices(visit.conn, visit.company_id)]
     form = visit.for_form(path, "price")
-    return join([
-        render('<h2 id="prices">Prices</h2><p class="muted">This customer\'s own prices: '
-               'orders placed at the storefront and here in the dashboard use them; orders '
-               'placed through the API always use the catalog price.</p>'),
-        table(("Product", "SKU", "Catalog price", "Their price", "Remove"), rows,
-              numeric=("Catalog price", "Their price")),
-        form.form_tag(path, join([
-            render("<h3>Set a price</h3>"),
-            render('<div class="grid">{p}{a}</div>', p=form.select("productId", "Product",
-                                                                 products),
-                   a=form.field("price", "Their price", inputmode="decimal")),
-            render('<button type="submit">Set price</button>')]))])
+    return render(CUSTOMER_PRICES, prices=table(
+        ("Product", "SKU", "Catalog price", "Their price", "Remove"), rows,
+        numeric=("Catalog price", "Their price")), form=form.form_tag(path, render(
+            TITLED_FORM, title="Set a price", button="Set price", fields=render(GRID, cells=join([
+                form.select("productId", "Product", products),
+                form.field("price", "Their price", inputmode="decimal")])))))
 
 
 @page("POST", "/dashboard/customers/<customer_id>/prices", refused=customer_page)
@@ -8488,6 +8614,8 @@ def invite_customer_action(visit, customer_id):
 
 
 RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
+REFUND_METHOD_CHOICES = [(method, f"{method} ({meaning})") for method, meaning
+                         in zip(REFUND_METHODS, ("credit note", "out of band"))]
 
 
 @page("GET", "/dashboard/returns")
@@ -8495,38 +8623,36 @@ def returns_page(visit):
     result = find_returns(visit.conn, visit.company_id, visit.filters())
     lines = return_lines_of(visit.conn, [row["id"] for row in result["data"]])
     records = {record["id"]: record for record in returns_json(visit.conn, result["data"])}
-    rows = []
-    for row in result["data"]:
-        action = f"/dashboard/returns/{row['id']}"
-        if row["status"] in RETURN_STEPS:
-            step, text = RETURN_STEPS[row["status"]]
-            next_step = visit.button(f"{action}/{step}", text)
-        elif row["status"] == "RECEIVED":
-            form = visit.for_form(f"{action}/refund", row["id"])
-            # (Both lists are in the order's line order.)
-            per_line = [(line["orderItemId"], name, units) for line, (name, _, units)
-                        in zip(records[row["id"]]["lines"], lines.get(row["id"], ()))]
-            next_step = form.form_tag(f"{action}/refund", join([
-                form.select("method", "Method", [
-                    (method, f"{method} ({meaning})") for method, meaning in
-                    zip(REFUND_METHODS, ("credit note", "out of band"))]),
-                refund_units_fields(form, per_line),
-                form.field("subtotal", "Subtotal (the lines at their prices)" if per_line
-                           else "Subtotal", decimal_text(return_subtotal_cents(
-                               visit.conn, row["id"])) if per_line else "",
-                           inputmode="decimal"),
-                form.field("amount", "Amount (default: subtotal)", inputmode="decimal"),
-                render('<button type="submit">Refund</button>')]), css="refund")
-        else:
-            next_step = ""
-        rows.append((row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
-                     row["reason"], return_lines_text(lines.get(row["id"]), row["item_count"]),
-                     status_tag(row["status"]), next_step))
-    body = join([
+    rows = [(row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
+             row["reason"], return_lines_text(lines.get(row["id"]), row["item_count"]),
+             status_tag(row["status"]),
+             return_next_step(visit, row, records[row["id"]], lines.get(row["id"], ())))
+            for row in result["data"]]
+    return visit.page("Returns", join([
         table(("Return", "Order", "Reason", "Lines", "Status", "Next step"), rows),
-        pager(visit, result, "/dashboard/returns"),
-        render('<p class="muted">Open a return from its order\'s page.</p>')])
-    return visit.page("Returns", body)
+        pager(visit, result, "/dashboard/returns"), render(RETURNS_FOOT)]))
+
+
+def return_next_step(visit, row, record, lines):
+    """The form of a return's next step: approve it, mark it received, refund it."""
+    action = f"/dashboard/returns/{row['id']}"
+    if row["status"] in RETURN_STEPS:
+        step, text = RETURN_STEPS[row["status"]]
+        return visit.button(f"{action}/{step}", text)
+    if row["status"] != "RECEIVED":
+        return ""
+    form = visit.for_form(f"{action}/refund", row["id"])
+    # (Both lists are in the order's line order.)
+    per_line = [(line["orderItemId"], name, units)
+                for line, (name, _, units) in zip(record["lines"], lines)]
+    subtotal = decimal_text(return_subtotal_cents(visit.conn, row["id"])) if per_line else ""
+    return form.form_tag(f"{action}/refund", render(
+        REFUND_FORM, method=form.select("method", "Method", REFUND_METHOD_CHOICES),
+        units=refund_units_fields(form, per_line), subtotal=form.field(
+            "subtotal", "Subtotal (the lines at their prices)" if per_line else "Subtotal",
+            subtotal, inputmode="decimal"),
+        amount=form.field("amount", "Amount (default: subtotal)", inputmode="decimal")),
+        css="refund")
 
 
 def refund_units_fields(form, per_line):
@@ -8535,10 +8661,10 @@ def refund_units_fields(form, per_line):
     sums); for one without, the totals alone."""
     default_sum = " (default: the lines' sum)" if per_line else ""
     return join([
-        join(render(REFUND_LINE_FIELDS, good=form.field(
+        join(render(GRID, cells=join([form.field(
             f"good.{item_id}", f"{name}: good units, back in stock (of {units})", kind="number",
-            min="0", max=units), damaged=form.field(
-            f"damaged.{item_id}", f"{name}: damaged units", kind="number", min="0", max=units))
+            min="0", max=units), form.field(
+            f"damaged.{item_id}", f"{name}: damaged units", kind="number", min="0", max=units)]))
             for item_id, name, units in per_line),
         form.error("lines"),
         form.field("goodUnits", "Good units" + default_sum, "" if per_line else "0",
@@ -8579,36 +8705,33 @@ def return_step_action(visit, return_id, step):
 
 @page("GET", "/dashboard/webhooks")
 def webhooks_page(visit):
-    sections = []
     now = now_iso()
-    for hook in (webhook_json(row, at=now) for row in company_webhooks(visit.conn,
-                                                                      visit.company_id)):
-        action = f"/dashboard/webhooks/{hook['id']}"
-        deliveries = table(("When (UTC)", "Event", "Status code", "Duration", "Success",
-                            "Response"),
-                           [(d["createdAt"], d["event"], d["statusCode"] or "",
-                             f"{d['durationMs']} ms", "yes" if d["success"] else "no",
-                             render("<code>{b}</code>", b=(d["responseBody"] or "")[:300]))
-                            for d in recent_deliveries(visit.conn, hook["id"])])
-        sections.append(render(
-            WEBHOOK_CARD, url=hook["url"], state=status_tag("active" if hook["isActive"] else "inactive"),
-            events=", ".join(hook["events"]),
-            grace=render('<p class="muted">Old secret still signs X-Webhook-Signature-Old '
-                         'until {g}.</p>', g=hook["secretRotationGraceExpiresAt"])
-            if hook["secretRotationGraceExpiresAt"] else "",
-            toggle=visit.button(f"{action}/toggle", "Deactivate" if hook["isActive"]
-                                else "Activate", "secondary"),
-            rotate=visit.button(f"{action}/rotate", f"Rotate secret ({WEBHOOK_SECRET_GRACE_HOURS} h grace)",
-                                "secondary"),
-            deliveries=deliveries))
-    create = visit.form_tag("/dashboard/webhooks", join([
-        render("<h2>New webhook</h2>"),
-        visit.field("url", "URL", kind="url", required="required"),
-        visit.checks("events", EVENT_CATALOG, ()),
-        render('<label class="check"><input type="checkbox" name="isActive" value="on" '
-               'checked> Active</label>'),
-        render('<div><button type="submit">Create webhook</button></div>')]))
-    return visit.page("Webhooks", join(sections + [create]))
+    cards = [webhook_card(visit, webhook_json(row, at=now))
+             for row in company_webhooks(visit.conn, visit.company_id)]
+    create = visit.form_tag("/dashboard/webhooks", render(
+        NEW_WEBHOOK, url=visit.field("url", "URL", kind="url", required="required"),
+        events=visit.checks("events", EVENT_CATALOG, ()),
+        active=render(ACTIVE_CHECK, checked=CHECKED)))
+    return visit.page("Webhooks", join(cards + [create]))
+
+
+def webhook_card(visit, hook):
+    """A subscription with its buttons and its recent deliveries."""
+    action, grace = f"/dashboard/webhooks/{hook['id']}", hook["secretRotationGraceExpiresAt"]
+    deliveries = table(
+        ("When (UTC)", "Event", "Status code", "Duration", "Success", "Response"),
+        [(d["createdAt"], d["event"], d["statusCode"] or "", f"{d['durationMs']} ms",
+          "yes" if d["success"] else "no", render(CODE, text=(d["responseBody"] or "")[:300]))
+         for d in recent_deliveries(visit.conn, hook["id"])])
+    return render(
+        WEBHOOK_CARD, url=hook["url"], events=", ".join(hook["events"]),
+        state=status_tag("active" if hook["isActive"] else "inactive"),
+        grace=render(WEBHOOK_GRACE, until=grace) if grace else "",
+        toggle=visit.button(f"{action}/toggle", "Deactivate" if hook["isActive"]
+                            else "Activate", "secondary"),
+        rotate=visit.button(f"{action}/rotate",
+                            f"Rotate secret ({WEBHOOK_SECRET_GRACE_HOURS} h grace)", "secondary"),
+        deliveries=deliveries)
 
 
 @page("POST", "/dashboard/webhooks", refused=webhooks_page)
@@ -8617,8 +8740,7 @@ def create_webhook_action(visit):
             "isActive": "isActive" in visit.form}
     with visit.write() as conn:
         hook = create_webhook(conn, visit.company_id, body)
-    visit.notice = render("Webhook created. Its signing secret, shown this once: "
-                          "<code>{s}</code>", s=hook["secret"])
+    visit.notice = render(WEBHOOK_CREATED, secret=hook["secret"])
     return webhooks_page(visit)
 
 
@@ -8634,9 +8756,8 @@ def toggle_webhook_action(visit, webhook_id):
 def rotate_webhook_action(visit, webhook_id):
     with visit.write() as conn:
         rotated = rotate_webhook_secret(conn, visit.company_id, webhook_id)
-    visit.notice = render("New signing secret, shown this once: <code>{s}</code>. Until {g} "
-                          "deliveries also carry X-Webhook-Signature-Old.",
-                          s=rotated["secret"], g=rotated["secretRotationGraceExpiresAt"])
+    visit.notice = render(SECRET_ROTATED, secret=rotated["secret"],
+                          until=rotated["secretRotationGraceExpiresAt"])
     return webhooks_page(visit)
 
 
@@ -8649,13 +8770,11 @@ def keys_page(visit):
              status_tag("expired") if key_expired(key["expires_at"], now) else
              visit.button(f"/dashboard/keys/{key['id']}/revoke", "Revoke", "danger"))
             for key in company_api_keys(visit.conn, visit.company_id)]
-    create = visit.form_tag("/dashboard/keys", join([
-        render("<h2>New key</h2>"), visit.checks("scopes", SCOPES, SCOPES),
-        render('<div class="grid">{b}{e}</div>',
-               b=visit.field("rateLimit", "Requests per minute", DEFAULT_KEY_RATE_LIMIT,
-                                 kind="number", min="1"),
-               e=visit.field("expiresAt", "Expires (date or ISO 8601 time, empty: never)")),
-        render('<div><button type="submit">Create key</button></div>')]))
+    create = visit.form_tag("/dashboard/keys", render(
+        NEW_KEY, scopes=visit.checks("scopes", SCOPES, SCOPES),
+        limit=visit.field("rateLimit", "Requests per minute", DEFAULT_KEY_RATE_LIMIT,
+                          kind="number", min="1"),
+        expires=visit.field("expiresAt", "Expires (date or ISO 8601 time, empty: never)")))
     return visit.page("API keys", join([
         table(("Key", "Scopes", "Per minute", "Expires", "Created", "State"), rows), create]))
 
@@ -8670,8 +8789,7 @@ def create_key_action(visit):
     with visit.write() as conn:
         key = create_api_key(conn, visit.company_id, visit.form.getall("scopes"),
                              form_int(visit.form, "rateLimit"), expires)
-    visit.notice = render("Key {i} created. The key, shown this once: <code>{k}</code>",
-                          i=key["id"], k=key["key"])
+    visit.notice = render(KEY_CREATED, id=key["id"], key=key["key"])
     return keys_page(visit)
 
 
@@ -8691,15 +8809,12 @@ def billing_page(visit):
     rows = [(row["number"], f"{row['period_start'][:10]} to {row['period_end'][:10]}",
              minor_amount_text(row["amount_paid_minor"], row["currency"]),
              row["created_at"][:16].replace("T", " "),
-             render('<a href="{h}" rel="noreferrer">View invoice</a>', h=row["hosted_invoice_url"]))
+             render(OUTSIDE_LINK, href=row["hosted_invoice_url"], text="View invoice"))
             for row in result["data"]]
     return visit.page("Billing", join([
         table(("Number", "Period (UTC)", "Amount", "Recorded (UTC)", "Invoice"), rows,
               numeric=("Amount",)),
-        pager(visit, result, "/dashboard/billing"),
-        render('<p class="muted">The paid invoices of the company\'s subscription, newest first, '
-               'as Stripe reports them (invoice.paid). Stripe finds the company by its Stripe '
-               'customer ID: see <a href="/dashboard/settings">Settings</a>.</p>')]))
+        pager(visit, result, "/dashboard/billing"), render(BILLING_FOOT)]))
 
 
 #: An email's state as the staff see it.
@@ -8714,9 +8829,9 @@ def email_state(row, settings):
     """(state, why) of an email as the staff see it: one that waits where no mail server is
     set is not sent, and says why."""
     if row["state"] in ("pending", "sending") and not settings.smtp_url:
-        return render('<span class="status status-unsent">not sent</span>'), NO_MAIL_SERVER
-    return (render('<span class="status status-{s}">{t}</span>', s=row["state"],
-                   t=EMAIL_STATES[row["state"]]), row["last_reply"] or "")
+        return render(STATUS_TAG, style="unsent", text="not sent"), NO_MAIL_SERVER
+    return (render(STATUS_TAG, style=row["state"], text=EMAIL_STATES[row["state"]]),
+            row["last_reply"] or "")
 
 
 def send_again_button(visit, row):
@@ -8733,7 +8848,7 @@ def emails_page(visit):
         state, why = email_state(row, visit.settings)
         rows.append((link(f"/dashboard/emails/{row['id']}", row["created_at"][:16].replace(
             "T", " ")), row["to_address"], row["subject"], state, row["attempts"],
-            render("<code>{r}</code>", r=why[:300]), send_again_button(visit, row)))
+            render(CODE, text=why[:300]), send_again_button(visit, row)))
     return visit.page("Emails", join([
         table(("Written (UTC)", "Recipient", "Subject", "State", "Attempts", "Last reply", ""),
               rows, numeric=("Attempts",)), pager(visit, result, "/dashboard/emails")]))
@@ -8744,19 +8859,15 @@ def email_page(visit, email_id):
     row = load_email(visit.conn, visit.company_id, email_id)
     state, why = email_state(row, visit.settings)
     facts = render(
-        '<div class="card"><dl class="facts"><dt>Recipient</dt><dd>{to}</dd><dt>Subject</dt>'
-        '<dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>'
-        '<dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>'
-        '</dl>{again}</div>', to=row["to_address"], subject=row["subject"], state=state,
+        EMAIL_FACTS, to=row["to_address"], subject=row["subject"], state=state,
         written=row["created_at"], why=why, again=send_again_button(visit, row),
         next=row["next_attempt_at"] if row["state"] == "pending" else "none")
     attempts = table(("When (UTC)", "Outcome", "Server's reply", "Duration"),
                      [(attempt["attempted_at"], attempt["outcome"],
-                       render("<code>{r}</code>", r=attempt["reply"]),
-                       f"{attempt['duration_ms']} ms")
+                       render(CODE, text=attempt["reply"]), f"{attempt['duration_ms']} ms")
                       for attempt in email_attempts(visit.conn, email_id)])
     return visit.page(f"Email to {row['to_address']}", join([
-        facts, render("<h2>Attempts</h2>"), attempts]))
+        facts, render(HEADING, text="Attempts"), attempts]))
 
 
 @page("POST", "/dashboard/emails/<email_id>/send-again", refused=email_page)
@@ -8773,24 +8884,17 @@ def settings_page(visit):
     server = render("Emails go through {url}, from {sender}; links in them begin with {base}.",
                     url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
                     base=settings.link_base) if settings.smtp_url else NO_MAIL_SERVER
-    return visit.page("Settings", visit.form_tag("/dashboard/settings", join([
-        render('<h2>Email</h2><p class="muted">{s}</p>', s=server),
-        visit.field("mailName", "Mail name (the sender's name on emails; empty: the company "
-                                "name)", company["mail_name"]),
-        visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
-        visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
-                    ", ".join(json.loads(company["staff_alerts"] or "[]"))),
-        render("<h2>Storefront</h2>"),
-        visit.select("storefrontApproval", "New storefront accounts", (
+    return visit.page("Settings", visit.form_tag("/dashboard/settings", render(
+        SETTINGS_FORM, server=server,
+        mail_name=visit.field("mailName", "Mail name (the sender's name on emails; empty: the "
+                                          "company name)", company["mail_name"]),
+        reply_to=visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
+        alerts=visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
+                           ", ".join(json.loads(company["staff_alerts"] or "[]"))),
+        approval=visit.select("storefrontApproval", "New storefront accounts", (
             ("required", "wait for approval by staff (required)"),
             ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
-        render('<h2>Billing</h2><p>Stripe customer: <code>{c}</code></p><p class="muted">The '
-               'company as a customer of the service\'s Stripe account: its paid invoices '
-               'become invoice.paid and are listed under Billing. The operator of the service '
-               'maps it (company-update COMPANY_ID --stripe-customer cus_...): whoever maps a '
-               'company to a Stripe customer receives that customer\'s invoices.</p>',
-               c=company["stripe_customer_id"] or "none"),
-        render('<div><button type="submit">Save</button></div>')])))
+        stripe=company["stripe_customer_id"] or "none")))
 
 
 @page("POST", "/dashboard/settings", refused=settings_page)
