@@ -16,8 +16,10 @@ ones above it.
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, key and
                    password hashes (one scheme, scrypt), JSON text; 3.1 currencies (amounts in
                    their minor unit, for billing)
-  4. Text and markup   escaping, Template and render(); 4.1 templates (pages, the
-                   stylesheet); 4.2 email templates
+  4. Text and markup   escaping, Template and render(): every piece of markup is written
+                   here; 4.1 the page kit (the layout, fields, forms, tables, tags, the
+                   stylesheet); 4.2 email templates; 4.3 dashboard pages; 4.4 storefront
+                   pages
   5. Errors and validation   ApiError; 5.1 messages, enumerations and limits (the spec's,
                    each once, and ours); 5.2 validators (and the refusals they raise)
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
@@ -1830,7 +1832,9 @@ def one_line(value):
     return _LINE_BREAKS.sub(" ", "" if value is None else str(value)).strip()
 
 
-# 4.1 Templates -------------------------------------------------------------------------------
+# 4.1 The page kit ----------------------------------------------------------------------------
+# What every surface's pages are made of; the pages' own templates follow the email's (4.3,
+# 4.4). A page function fills them: no markup is written below this section (a test).
 
 _PAGE = """<!doctype html>
 <html lang="en">
@@ -2245,7 +2249,8 @@ WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
 WEBHOOK_GRACE = Template("until", """\
 <p class="muted">Old secret still signs X-Webhook-Signature-Old until {until}.</p>""")
 NEW_WEBHOOK = Template("url events active", """\
-<h2>New webhook</h2>{url}{events}{active}<div><button type="submit">Create webhook</button></div>""")
+<h2>New webhook</h2>{url}{events}{active}\
+<div><button type="submit">Create webhook</button></div>""")
 WEBHOOK_CREATED = Template("secret", """\
 Webhook created. Its signing secret, shown this once: <code>{secret}</code>""")
 SECRET_ROTATED = Template("secret until", """\
@@ -2372,14 +2377,15 @@ CART_QUANTITY = Template("most quantity name error", """\
 aria-label="Quantity of {name}"> <button type="submit" class="secondary">Update</button>{error}""")
 CHECK_OUT = Template("prefix", '<p><a class="button" href="{prefix}/checkout">Check out</a></p>')
 CART_EMPTY_CARD = Template("message prefix", """\
-<div class="card"><p>{message}</p><p><a href="{prefix}/products">Browse the catalog</a></p></div>""")
+<div class="card"><p>{message}</p><p><a href="{prefix}/products">Browse the catalog</a></p>\
+</div>""")
 QUICK_ORDER_FORM = Template("lines file", """\
 <h2>Quick order</h2><p class="muted">One SKU and quantity a line, such as \
 <code>GR-RICE-25 3</code>, or a CSV file of the same.</p>{lines}{file}\
 <button type="submit">Add to cart</button>""")
 
-CHECKOUT_FORM = Template("token ship_to new_address po notes", """\
-<input type="hidden" name="token" value="{token}">{ship_to}{new_address}{po}{notes}\
+CHECKOUT_FORM = Template("token address po notes", """\
+<input type="hidden" name="token" value="{token}">{address}{po}{notes}\
 <button type="submit">Place order</button>""")
 NEW_ADDRESS = Template("fields", """\
 <fieldset class="address"><legend>New address (saved for next time)</legend>{fields}</fieldset>""")
@@ -7649,7 +7655,8 @@ def openapi_document():
 # ---------------------------------------------------------------------------------------------
 # The kit every HTML surface shares: the page registry, forms and their fields, CSRF, the
 # session cookie and the sign-in throttle, the security headers. A page is thin: it parses a
-# form, calls the operation the API and the commands call (one rule, one place), and renders.
+# form, calls the operation the API and the commands call (one rule, one place), and renders
+# a template of Text and markup (4.1 to 4.4).
 
 SESSION_COOKIE = "ordering_session"
 #: A page's form body: at most this many bytes and fields (parts, for a file upload), checked
@@ -7981,24 +7988,24 @@ class Surface:
         """(session row, token) of the signed-in browser, or (None, None); an idle session
         ends here."""
         token = bottle.request.get_cookie(self.cookie)
-        if not token:
-            return None, None
-        db = self.service.db
-        found = load_session(db.conn, self.accounts, token)
-        if found is None:
+        found = token and load_session(self.service.db.conn, self.accounts, token)
+        if not found:
             return None, None
         now_ms = self.now_ms()
-        settings = self.service.settings
-        idle_since = iso(now_ms - settings.session_idle_seconds * 1000)
-        if (found["last_seen_at"] < idle_since
-                or found["created_at"] < iso(now_ms - settings.session_max_seconds * 1000)):
-            with db.write() as conn:
+        if self.session_ended(found, now_ms):
+            with self.service.db.write() as conn:
                 end_session(conn, self.accounts, found["token_hash"])
             return None, None
         if found["last_seen_at"] < iso(now_ms - SESSION_TOUCH_SECONDS * 1000):
-            with db.write() as conn:
+            with self.service.db.write() as conn:
                 touch_session(conn, self.accounts, found["token_hash"], now_ms)
         return found, token
+
+    def session_ended(self, found, now_ms):
+        """Whether a session has been idle, or has lived, longer than a session may."""
+        settings = self.service.settings
+        return (found["last_seen_at"] < iso(now_ms - settings.session_idle_seconds * 1000)
+                or found["created_at"] < iso(now_ms - settings.session_max_seconds * 1000))
 
     def headers(self, content_type="text/html; charset=utf-8"):
         for name, value in SECURITY_HEADERS.items():
@@ -8021,14 +8028,20 @@ class Surface:
         except ApiError as error:
             if refused is None:
                 return visit.refusal(error)
-            visit.errors = form_errors(error)
-            takes = refused.__code__.co_varnames[1:refused.__code__.co_argcount]
-            try:
-                body = refused(visit, **{k: v for k, v in url_args.items() if k in takes})
-            except ApiError as missing:
-                return visit.refusal(missing)
-            bottle.response.status = error.status
-            return body
+            return self.show_again(visit, refused, url_args, error)
+
+    @staticmethod
+    def show_again(visit, refused, url_args, error):
+        """The page a refused form was sent from (refused), again: what was sent, and why
+        it was refused, beside each field."""
+        visit.errors = form_errors(error)
+        takes = refused.__code__.co_varnames[1:refused.__code__.co_argcount]
+        try:
+            body = refused(visit, **{k: v for k, v in url_args.items() if k in takes})
+        except ApiError as missing:
+            return visit.refusal(missing)
+        bottle.response.status = error.status
+        return body
 
     def site(self):
         """Whose pages these are, as their titles end."""
@@ -8082,15 +8095,10 @@ class Surface:
             return self.refused_form()
         form = bottle.request.forms.decode()
         email, password = form.get("email", ""), form.get("password", "")
-        company_id = self.account_company()
-        subjects = self.throttle_subjects(email)
-        db, now_ms = self.service.db, self.now_ms()
-        wait = sign_in_wait(db.conn, subjects, now_ms)
-        if wait > 0:
-            bottle.response.status = 429
-            bottle.response.set_header("Retry-After", str(math.ceil(wait)))
-            return self.sign_in_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)), email)
-        account = find_account(db.conn, self.accounts, email, password, company_id)
+        subjects, db, now_ms = self.throttle_subjects(email), self.service.db, self.now_ms()
+        if (wait := sign_in_wait(db.conn, subjects, now_ms)) > 0:
+            return self.throttled(wait, email)
+        account = find_account(db.conn, self.accounts, email, password, self.account_company())
         with db.write() as conn:
             if account is None:
                 record_sign_in_failure(conn, subjects, now_ms)
@@ -8102,6 +8110,12 @@ class Surface:
             return self.sign_in_page(SIGN_IN_REFUSED, email)
         self.set_session_cookie(token)
         return redirect(self.home)
+
+    def throttled(self, wait, email):
+        """The sign-in form, refused for wait seconds more."""
+        bottle.response.status = 429
+        bottle.response.set_header("Retry-After", str(math.ceil(wait)))
+        return self.sign_in_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)), email)
 
     def start_session(self, account):
         """A new session for this browser (after its old ones ended, at a password change)."""
@@ -8980,22 +8994,8 @@ class StoreSurface(Surface):
         return self.store()["id"]
 
     def install(self, app):
-        def in_store(callback):
-            def handler(slug, **url_args):
-                try:
-                    bottle.request.environ["ordering.store"] = company_by_slug(
-                        self.service.db.conn, slug)
-                except ApiError:
-                    self.headers()
-                    bottle.response.status = 404
-                    return render(BARE_LAYOUT, prefix="/store/" + slug, title="Not found",
-                                  site="ordering", notice="", body=render(
-                                      '<p class="card narrow">{m}</p>', m=STORE_NOT_FOUND))
-                return callback(**url_args)
-            return handler
-
         def bind(handler, refused):
-            return in_store(lambda **url_args: self.serve(handler, refused, url_args))
+            return self.in_store(lambda **url_args: self.serve(handler, refused, url_args))
         base = "/store/<slug>"
         for method, path, handler, refused in PAGES:
             if path.startswith(base + "/"):
@@ -9010,8 +9010,23 @@ class StoreSurface(Surface):
                 ("GET", "/reset/<token>", self.new_password_page),
                 ("POST", "/reset/<token>", self.new_password),
                 ("GET", "/verify/<token>", self.verify)):
-            app.route(base + path, method, in_store(callback))
+            app.route(base + path, method, self.in_store(callback))
         app.route(base + "/style.css", "GET", lambda slug: self.stylesheet())
+
+    def in_store(self, callback):
+        """callback, answering for the store of the URL's slug (an unknown one: a 404 page)."""
+        def handler(slug, **url_args):
+            try:
+                bottle.request.environ["ordering.store"] = company_by_slug(
+                    self.service.db.conn, slug)
+            except ApiError:
+                self.headers()
+                bottle.response.status = 404
+                return render(BARE_LAYOUT, prefix="/store/" + slug, title="Not found",
+                              site="ordering", notice="",
+                              body=render(NO_STORE, message=STORE_NOT_FOUND))
+            return callback(**url_args)
+        return handler
 
     def session(self):
         found, token = super().session()
@@ -9020,8 +9035,7 @@ class StoreSurface(Surface):
         return found, token
 
     def refused_form(self):
-        return self.public_page("Refused", render('<p class="alert" role="alert">{m}</p>',
-                                                  m=CSRF_REFUSED), 403)
+        return self.public_page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
 
     def public_page(self, title, body, status=200, notice=""):
         """A page for a visitor who may not be signed in: the store's name, and the way in."""
@@ -9037,20 +9051,16 @@ class StoreSurface(Surface):
         message next to its field."""
         errors = errors or {}
         controls = join(render(
-            '<div><label for="{n}">{label}</label><input id="{n}" name="{n}" type="{kind}" '
-            'autocomplete="{auto}" value="{value}"{invalid}>{error}</div>', n=name,
-            label=label, kind=kind, auto=auto, value=value,
-            invalid=Markup(' aria-invalid="true"') if name in errors else "",
-            error=render('<p class="error" role="alert">{m}</p>', m=errors[name])
-            if name in errors else "") for name, label, kind, auto, value in fields)
-        notice = render('<div class="notice" role="status">{m}</div>', m=notice) if notice else ""
+            STORE_FORM_FIELD, name=name, label=label, kind=kind, auto=auto, value=value,
+            invalid=INVALID if name in errors else "",
+            error=render(FIELD_ERROR, message=errors[name]) if name in errors else "")
+            for name, label, kind, auto, value in fields)
+        notice = render(NOTICE, message=notice) if notice else ""
         if "form" in errors:
-            notice = render('<div class="alert" role="alert">{m}</div>', m=errors["form"])
-        return self.public_page(title, join([render(
-            '<form class="card narrow" method="post" action="{action}"><input type="hidden" '
-            'name="csrf" value="{csrf}">{controls}<button type="submit">{button}</button></form>'
-            '{after}', action=action, csrf=self.form_token(), controls=controls, button=button,
-            after=after)]), status, notice)
+            notice = render(FORM_ALERT, message=errors["form"])
+        form = render(FORM, css="card narrow", action=action, enctype="", csrf=self.form_token(),
+                      body=join([controls, render(SUBMIT, text=button)]))
+        return self.public_page(title, join([form, after]), status, notice)
 
     def sign_in_page(self, error="", email="", notice=""):
         return self.form_page("Sign in", self.prefix + "/sign-in", (
@@ -9065,11 +9075,8 @@ class StoreSurface(Surface):
         self.headers()
         found, token = self.session()
         if found is None:
-            return self.public_page("Welcome", render(
-                '<div class="card"><p>Welcome to the wholesale store of {store}. Sign in to see '
-                'prices and order, or register an account.</p><p><a class="button" '
-                'href="{p}/sign-in">Sign in</a> <a href="{p}/register">Register</a></p></div>',
-                store=self.site(), p=self.prefix))
+            return self.public_page("Welcome", render(STORE_WELCOME, store=self.site(),
+                                                      prefix=self.prefix))
         visit = Visit(self, found, token)
         if load_customer(visit.conn, visit.company_id, found["account_id"])["status"] != "ACTIVE":
             return awaiting_approval(visit)
@@ -9089,8 +9096,7 @@ class StoreSurface(Surface):
         return allowed
 
     def too_many(self, title):
-        return self.public_page(title, render('<p class="alert" role="alert">{m}</p>',
-                                              m=RATE_LIMITED_PAGE), 429)
+        return self.public_page(title, render(ALERT, message=RATE_LIMITED_PAGE), 429)
 
     def register_page(self, errors=None, status=200):
         form = bottle.request.forms.decode() if errors else {}
@@ -9099,8 +9105,7 @@ class StoreSurface(Surface):
             ("name", "Name (your business)", "text", "organization", form.get("name", "")),
             ("password", f"Password (at least {PASSWORD_MIN} characters)", "password",
              "new-password", "")), "Register", errors, status,
-            render('<p class="narrow">Have an account? <a href="{p}/sign-in">Sign in</a>.</p>',
-                   p=self.prefix))
+            render(STORE_REGISTER_LINKS, prefix=self.prefix))
 
     def register(self):
         if not self.form_matches():
@@ -9175,25 +9180,27 @@ class StoreSurface(Surface):
 def account_page(visit):
     customer = load_customer(visit.conn, visit.company_id, visit.session["account_id"])
     prefix = visit.surface.prefix
+    password = visit.for_form(prefix + "/account/password", "password")
     return visit.page("Your account", join([
-        render('<div class="card"><p>Status: {tag}</p></div>', tag=status_tag(customer["status"])),
+        render(ACCOUNT_STATUS, tag=status_tag(customer["status"])),
         visit.form_tag(prefix + "/account", join([
             visit.field("name", "Name", customer["name"], autocomplete="organization"),
-            render('<button type="submit">Save</button>')])),
-        visit.for_form(prefix + "/account/password", "password").form_tag(
-            prefix + "/account/password", join([
-                render("<h2>Password</h2>"),
-                visit.field("currentPassword", "Current password", kind="password",
-                            autocomplete="current-password"),
-                visit.field("password", f"New password (at least {PASSWORD_MIN} characters)",
-                            kind="password", autocomplete="new-password"),
-                render('<button type="submit">Change password</button>')])),
-        render("<h2>Shipping addresses</h2>"),
-        join(render('<div class="card"><p>{a}</p>{remove}</div>', a=address_text(address_of(row)),
-                    remove=visit.button(f"{prefix}/account/addresses/{row['id']}/delete",
-                                        "Remove", "secondary"))
-             for row in customer_addresses(visit.conn, customer["id"])) or render(
-            '<p class="muted">None yet: checkout saves each new address you ship to.</p>')]))
+            render(SUBMIT, text="Save")])),
+        password.form_tag(prefix + "/account/password", render(
+            PASSWORD_FORM, current=visit.field("currentPassword", "Current password",
+                                               kind="password", autocomplete="current-password"),
+            new=visit.field("password", f"New password (at least {PASSWORD_MIN} characters)",
+                            kind="password", autocomplete="new-password"))),
+        render(HEADING, text="Shipping addresses"), addresses_section(visit, customer["id"])]))
+
+
+def addresses_section(visit, customer_id):
+    """A buyer's saved addresses, each with its Remove button."""
+    prefix = visit.surface.prefix
+    return join(render(ADDRESS_CARD, address=address_text(address_of(row)),
+                       remove=visit.button(f"{prefix}/account/addresses/{row['id']}/delete",
+                                           "Remove", "secondary"))
+                for row in customer_addresses(visit.conn, customer_id)) or render(NO_ADDRESSES)
 
 
 @page("POST", "/store/<slug>/account", refused=account_page)
@@ -9219,8 +9226,7 @@ def change_password_action(visit):
     whose session was taken could otherwise guess the password here at the page's speed."""
     email = load_customer(visit.conn, visit.company_id, visit.session["account_id"])["email"]
     subjects, now_ms = visit.surface.throttle_subjects(email), visit.surface.now_ms()
-    wait = sign_in_wait(visit.conn, subjects, now_ms)
-    if wait > 0:
+    if (wait := sign_in_wait(visit.conn, subjects, now_ms)) > 0:
         raise ApiError(429, SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
     try:
         with visit.write() as conn:
@@ -9283,7 +9289,7 @@ def when_text(timestamp):
 LEVEL_STYLES = dict(zip(STOCK_LEVELS, ("in", "low", "out")))
 
 
-_LEVEL_TAGS = {level: render('<span class="status level-{k}">{t}</span>', k=style, t=level)
+_LEVEL_TAGS = {level: render(LEVEL_TAG, style=style, level=level)
                for level, style in LEVEL_STYLES.items()}
 
 
@@ -9300,12 +9306,11 @@ def with_add_form(visit, template):
 
 def added_notice(added, missing_title, missing):
     """What a quick order or a reorder put in the cart, and what it could not."""
-    lines = join(render("<li>{q} x {n}</li>", q=quantity, n=product["name"])
+    items = join(render(LIST_ITEM, text=f"{quantity} x {product['name']}")
                  for product, quantity in added)
-    notice = render("<p>Added to your cart:</p><ul>{l}</ul>", l=lines) if added \
-        else render("<p>Nothing was added to your cart.</p>")
+    notice = render(ADDED, items=items) if added else render(NOTHING_ADDED)
     if missing:
-        notice = join([notice, render("<p>{t} {m}</p>", t=missing_title, m=", ".join(missing))])
+        notice = join([notice, render(PARAGRAPH, text=f"{missing_title} {', '.join(missing)}")])
     return notice
 
 
@@ -9316,8 +9321,8 @@ def address_text(address):
 def lines_table(lines, total):
     """A cart's or an order's lines: [(product, quantity, unit price, line total)], cents."""
     return table(("Product", "Quantity", "Unit price", "Line total"), [
-        *lines, (render("<strong>Total</strong>"), "", "",
-                 render("<strong>{t}</strong>", t=cents_text(total)))],
+        *lines, (render(TOTAL_CELL, text="Total"), "", "",
+                 render(TOTAL_CELL, text=cents_text(total)))],
         numeric=("Quantity", "Unit price", "Line total"))
 
 
@@ -9326,13 +9331,11 @@ def catalog_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result, prices = catalog(visit.conn, visit.company_id, visit.session["account_id"], query)
     categories = store_categories(visit.conn, visit.company_id)
-    search = render(
-        '<form class="card filters" method="get" action="{p}/products">{f}<div><button '
-        'type="submit">Search</button> <a href="{p}/products">Clear</a></div></form>',
-        p=prefix, f=join([visit.field("search", "Search", query.get("search"), kind="search"),
-                          visit.select("category", "Category",
-                                       [("", "All categories")] + [(c, c) for c in categories],
-                                       query.get("category"))]))
+    search = render(FILTERS, path=prefix + "/products", button="Search", fields=join([
+        visit.field("search", "Search", query.get("search"), kind="search"),
+        visit.select("category", "Category",
+                     [("", "All categories")] + [(c, c) for c in categories],
+                     query.get("category"))]))
     row = with_add_form(visit, STORE_CATALOG_ROW)
     rows = [render(row, href=f"{prefix}/products/{product['id']}", name=product["name"],
                    sku=product["sku"] or "", unit=product["unit"] or "",
@@ -9350,7 +9353,7 @@ def store_product_page(visit, product_id):
     return visit.page(product["name"], render(
         STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
         unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
-        description=render("<p>{d}</p>", d=product["description"])
+        description=render(PARAGRAPH, text=product["description"])
         if product["description"] else "",
         add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id)))
 
@@ -9359,33 +9362,30 @@ def store_product_page(visit, product_id):
 def cart_page(visit):
     prefix = visit.surface.prefix
     cart = cart_of(visit.conn, visit.company_id, visit.session["account_id"])
-    rows = []
-    for line in cart["lines"]:
-        product = line["product"]
-        action = f"{prefix}/cart/lines/{product['id']}"
-        view = visit.for_form(action, product["id"])
-        name = link(f"{prefix}/products/{product['id']}", product["name"]) if line["sold"] \
-            else render('{n} <span class="status level-out">No longer sold</span>',
-                        n=product["name"])
-        quantity = view.form_tag(action, render(
-            '<input class="qty" name="quantity" type="number" min="0" max="{most}" value="{q}" '
-            'aria-label="Quantity of {n}"> <button type="submit" class="secondary">Update'
-            '</button>{e}', most=MAX_QUANTITY, q=view.value("quantity", line["quantity"]),
-            n=product["name"], e=view.error("quantity")), css="inline")
-        remove = visit.button(action + "/remove", "Remove", "secondary")
-        rows.append((join([name, render("<br>"), remove]), quantity,
-                     cents_text(line["unitPrice"]), cents_text(line["lineTotal"])))
-    listed = join([lines_table(rows, cart["total"]), render(
-        '<p><a class="button" href="{p}/checkout">Check out</a></p>', p=prefix)]) \
-        if rows else render('<div class="card"><p>{m}</p><p><a href="{p}/products">Browse the '
-                            'catalog</a></p></div>', m=CART_EMPTY, p=prefix)
-    quick = visit.form_tag(prefix + "/cart/quick-order", join([
-        render("<h2>Quick order</h2><p class=\"muted\">One SKU and quantity a line, such as "
-               "<code>GR-RICE-25 3</code>, or a CSV file of the same.</p>"),
-        visit.field("lines", "SKUs and quantities", kind="textarea", rows="5"),
-        visit.field("file", "Or a CSV file", kind="file", accept=".csv,text/csv,text/plain"),
-        render('<button type="submit">Add to cart</button>')]), files=True)
+    rows = [cart_row(visit, line) for line in cart["lines"]]
+    listed = join([lines_table(rows, cart["total"]), render(CHECK_OUT, prefix=prefix)]) \
+        if rows else render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix)
+    quick = visit.form_tag(prefix + "/cart/quick-order", render(
+        QUICK_ORDER_FORM,
+        lines=visit.field("lines", "SKUs and quantities", kind="textarea", rows="5"),
+        file=visit.field("file", "Or a CSV file", kind="file",
+                         accept=".csv,text/csv,text/plain")), files=True)
     return visit.page("Your cart", join([visit.error("cart"), listed, quick]))
+
+
+def cart_row(visit, line):
+    """A line of the cart: its product (with Remove), its quantity's form, its prices."""
+    prefix, product = visit.surface.prefix, line["product"]
+    action = f"{prefix}/cart/lines/{product['id']}"
+    view = visit.for_form(action, product["id"])
+    name = link(f"{prefix}/products/{product['id']}", product["name"]) if line["sold"] \
+        else render(NO_LONGER_SOLD, name=product["name"])
+    quantity = view.form_tag(action, render(
+        CART_QUANTITY, most=MAX_QUANTITY, quantity=view.value("quantity", line["quantity"]),
+        name=product["name"], error=view.error("quantity")), css="inline")
+    remove = visit.button(action + "/remove", "Remove", "secondary")
+    return (join([name, LINE_BREAK, remove]), quantity, cents_text(line["unitPrice"]),
+            cents_text(line["lineTotal"]))
 
 
 @buyer_page("POST", "/store/<slug>/cart", refused=cart_page)
@@ -9394,7 +9394,7 @@ def add_to_cart_action(visit):
     with visit.write() as conn:
         product = add_to_cart(conn, visit.company_id, visit.session["account_id"],
                               visit.form.get("productId", ""), quantity)
-    visit.notice = render("Added {q} x {n} to your cart.", q=quantity, n=product["name"])
+    visit.notice = f"Added {quantity} x {product['name']} to your cart."
     return cart_page(visit)
 
 
@@ -9457,29 +9457,27 @@ def checkout_page(visit):
     prefix, me = visit.surface.prefix, visit.session["account_id"]
     cart = cart_of(visit.conn, visit.company_id, me)
     if not cart["lines"]:
-        return visit.page("Checkout", render(
-            '<div class="card"><p>{m}</p><p><a href="{p}/products">Browse the catalog</a></p>'
-            '</div>', m=CART_EMPTY, p=prefix))
+        return visit.page("Checkout", render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix))
     summary = lines_table([(line["product"]["name"], line["quantity"],
                             cents_text(line["unitPrice"]), cents_text(line["lineTotal"]))
                            for line in cart["lines"]], cart["total"])
-    saved = customer_addresses(visit.conn, me)
+    form = visit.form_tag(prefix + "/checkout", render(
+        CHECKOUT_FORM, token=visit.value("token", secrets.token_urlsafe(24)),
+        address=address_fields(visit, customer_addresses(visit.conn, me)),
+        po=visit.field("poNumber", "PO number (optional)", maxlength=MAX_PO_NUMBER),
+        notes=visit.field("notes", "Notes (optional)", kind="textarea",
+                          maxlength=MAX_ORDER_NOTES)))
+    return visit.page("Checkout", join([summary, form]))
+
+
+def address_fields(visit, saved):
+    """Where an order ships: one of the buyer's saved addresses, or a new one."""
     ship_to = visit.select("addressId", "Ship to", [
         (row["id"], address_text(address_of(row))) for row in saved] + [
         ("", "A new address (below)")], saved[0]["id"] if saved else "")
-    new_address = render('<fieldset class="address"><legend>New address (saved for next '
-                         'time)</legend>{f}</fieldset>', f=join(
-                             visit.field(name, label if required else label + " (optional)",
-                                         maxlength=longest)
-                             for name, label, longest, required in ADDRESS_FIELDS))
-    form = visit.form_tag(prefix + "/checkout", join([
-        render('<input type="hidden" name="token" value="{t}">',
-               t=visit.value("token", secrets.token_urlsafe(24))),
-        ship_to, new_address,
-        visit.field("poNumber", "PO number (optional)", maxlength=MAX_PO_NUMBER),
-        visit.field("notes", "Notes (optional)", kind="textarea", maxlength=MAX_ORDER_NOTES),
-        render('<button type="submit">Place order</button>')]))
-    return visit.page("Checkout", join([summary, form]))
+    return join([ship_to, render(NEW_ADDRESS, fields=join(
+        visit.field(name, label if required else label + " (optional)", maxlength=longest)
+        for name, label, longest, required in ADDRESS_FIELDS))])
 
 
 @buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page)
@@ -9506,11 +9504,9 @@ def store_orders_page(visit):
     rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
              status_tag(row["status"]), row["po_number"] or "", cents_text(row["total_cents"]))
             for row in result["data"]]
-    filters = render(
-        '<form class="card filters" method="get" action="{p}/orders">{f}<div><button '
-        'type="submit">Filter</button> <a href="{p}/orders">Clear</a></div></form>', p=prefix,
-        f=visit.select("status", "Status", [("", "Any")] + [(s, s) for s in ORDER_STATUSES],
-                       query.get("status")))
+    filters = render(FILTERS, path=prefix + "/orders", button="Filter", fields=visit.select(
+        "status", "Status", [("", "Any")] + [(s, s) for s in ORDER_STATUSES],
+        query.get("status")))
     return visit.page("Your orders", join([
         filters, table(("Order", "Placed", "Status", "PO number", "Total"), rows,
                        numeric=("Total",)), pager(visit, result, prefix + "/orders")]))
@@ -9530,31 +9526,41 @@ def store_order_page(visit, order_id):
         visit.notice = ORDER_PLACED
     elif "returned" in visit.query:
         visit.notice = RETURN_REQUESTED
-    facts = render(STORE_ORDER_FACTS, status=status_tag(order["status"]),
-                   placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
-                   notes=order["notes"] or "none", total=amount_text(order["total"]))
-    tracking = order["tracking"]
-    card = render(STORE_TRACKING, carrier=tracking["carrier"], number=tracking["number"],
-                  track=render('<p><a class="button" href="{u}" rel="noreferrer">Track the '
-                               'parcel</a></p>', u=tracking["url"]) if tracking["url"] else "") \
-        if tracking else ""
     address = shipping_address_of(row)
-    ship_to = render('<h2>Ship to</h2><p class="card">{a}</p>', a=address_lines(address)) \
-        if address else ""
-    lines = lines_table([(join([item["productName"], render(' <span class="muted">{s}</span>',
-                                                           s=item["productSku"] or "")]),
-                          item["quantity"], amount_text(item["unitPrice"]),
-                          cents_text(line_total_cents(item)))
-                         for item in order["items"]], row["total_cents"])
-    timeline = render('<h2>Status</h2><ol class="card timeline">{s}</ol>', s=join(
-        render("<li>{tag} <span class=\"muted\">{at}</span></li>", tag=status_tag(
-            change["to_status"]), at=when_text(change["created_at"]))
-        for change in status_changes(conn, visit.company_id, order_id)))
-    again = visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
-                         orderId=order_id)
-    return visit.page(f"Order {order_id}", join([
-        facts, card, ship_to, render("<h2>Lines</h2>"), lines, render("<p>{a}</p>", a=again),
-        timeline, buyer_order_returns(visit, row)]))
+    return visit.page(f"Order {order_id}", render(
+        STORE_ORDER_PAGE, facts=render(
+            STORE_ORDER_FACTS, status=status_tag(order["status"]),
+            placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
+            notes=order["notes"] or "none", total=amount_text(order["total"])),
+        tracking=tracking_card(order["tracking"]),
+        ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
+        lines=buyer_order_lines(order, row["total_cents"]),
+        timeline=order_timeline(visit, order_id),
+        again=visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
+                           orderId=order_id), returns=buyer_order_returns(visit, row)))
+
+
+def tracking_card(tracking):
+    """A shipped order's carrier and tracking number, with a link to track it (none: "")."""
+    if not tracking:
+        return ""
+    return render(STORE_TRACKING, carrier=tracking["carrier"], number=tracking["number"],
+                  track=render(TRACK_PARCEL, url=tracking["url"]) if tracking["url"] else "")
+
+
+def buyer_order_lines(order, total_cents):
+    return lines_table([(join([item["productName"], " ",
+                               render(MUTED, text=item["productSku"] or "")]),
+                         item["quantity"], amount_text(item["unitPrice"]),
+                         cents_text(line_total_cents(item)))
+                        for item in order["items"]], total_cents)
+
+
+def order_timeline(visit, order_id):
+    return render(TIMELINE, steps=join(
+        render(TIMELINE_STEP, tag=status_tag(change["to_status"]),
+               at=when_text(change["created_at"]))
+        for change in status_changes(visit.conn, visit.company_id, order_id)))
 
 
 def buyer_order_returns(visit, order):
@@ -9564,29 +9570,34 @@ def buyer_order_returns(visit, order):
     returns = returns_of_order(conn, visit.company_id, order_id)
     lines = return_lines_of(conn, [r["id"] for r in returns])
     shown = [render(STORE_RETURN, opened=when_text(r["created_at"]), status=status_tag(r["status"]),
-                    refund=render(" &middot; refunded {a}", a=cents_text(r["amount_cents"]))
+                    refund=render(REFUNDED, amount=cents_text(r["amount_cents"]))
                     if r["amount_cents"] is not None else "",
-                    lines=render("<ul>{l}</ul>", l=join(
-                        render("<li>{q} x {n}</li>", q=units, n=name)
-                        for name, _, units in lines[r["id"]])), reason=r["reason"])
+                    lines=render(LIST, items=join(render(LIST_ITEM, text=f"{units} x {name}")
+                                                  for name, _, units in lines[r["id"]])),
+                    reason=r["reason"])
              for r in returns]
-    if order["status"] not in RETURNABLE_ORDER_STATUSES:
-        form = ""
-    else:
-        returnable = {item_id: found for item_id, found in
-                      returnable_units(conn, order_id).items() if found[1] > 0}
-        action = f"{visit.surface.prefix}/orders/{order_id}/returns"
-        form = visit.form_tag(action, join([
-            render("<h3>Return goods</h3><p class=\"muted\">How many units of each line go "
-                   "back (0: none of that line).</p>"),
-            *(visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
-                          min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
-            visit.error("lines"),
-            visit.field("reason", "Reason", kind="textarea", maxlength=RETURN_REASON_LENGTH[1]),
-            render('<button type="submit">Request a return</button>')])) if returnable else ""
+    form = return_request_form(visit, order)
     if not shown and not form:
         return ""
-    return join([render("<h2>Returns</h2>"), *shown, form])
+    return join([render(HEADING, text="Returns"), *shown, form])
+
+
+def return_request_form(visit, order):
+    """The form that opens a return, for a shipped or delivered order with units not yet in
+    a return ("" for any other)."""
+    if order["status"] not in RETURNABLE_ORDER_STATUSES:
+        return ""
+    returnable = {item_id: found for item_id, found in
+                  returnable_units(visit.conn, order["id"]).items() if found[1] > 0}
+    if not returnable:
+        return ""
+    return visit.form_tag(f"{visit.surface.prefix}/orders/{order['id']}/returns", render(
+        RETURN_FORM, units=join(
+            visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
+                        min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
+        error=visit.error("lines"),
+        reason=visit.field("reason", "Reason", kind="textarea",
+                           maxlength=RETURN_REASON_LENGTH[1])))
 
 
 @buyer_page("POST", "/store/<slug>/orders/<order_id>/returns", refused=store_order_page)

@@ -9299,6 +9299,53 @@ def test_sql_lives_only_in_storage_operations_and_the_outbox():
     assert TABLE_ARGUMENT.search('paginate(visit.conn, "orders", company_id, query)')
 
 
+#: Markup in a string: an HTML element's tag, an entity, or an attribute of the kinds pages use.
+MARKUP_TEXT = re.compile(
+    r"</?(?:a|address|br|button|code|dd|div|dl|dt|fieldset|form|h[1-6]|input|label|legend|li|"
+    r"nav|ol|option|p|section|select|span|strong|table|tbody|td|textarea|th|thead|tr|ul)[\s>/]"
+    r"|&(?:[a-z]+|#\d+);|\s(?:class|href|role|aria-[a-z]+)=\"")
+
+
+def section_of(title):
+    return next(number for number, name, _, _ in module_sections() if name == title)
+
+
+def test_markup_is_written_only_in_text_and_markup():
+    """Below Text and markup no string holds markup (docstrings aside) and no Markup is made
+    from a literal: pages fill the templates written there."""
+    tree = ast.parse(MODULE_SOURCE)
+    first = min(lines[0][0] for number, _, _, lines in module_sections()
+                if number > section_of("Text and markup"))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr)}
+    found = sorted({node.lineno for node in ast.walk(tree) if getattr(node, "lineno", 0) >= first
+                    and (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                         and id(node) not in docstrings and MARKUP_TEXT.search(node.value)
+                         or isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Markup"
+                         and any(isinstance(arg, ast.Constant) for arg in node.args))})
+    assert found == []
+    # and the check finds what it looks for, and not a route's parameter
+    for markup in ('<p class="muted">', "</div>", "<br>", " &middot; ", ' aria-current="page"'):
+        assert MARKUP_TEXT.search(markup), markup
+    assert not MARKUP_TEXT.search("/api/v1/orders/<order_id>")
+    assert not MARKUP_TEXT.search("Bearer <api_key>")
+
+
+def test_page_functions_are_short_and_no_function_is_long():
+    """A page reads, computes its values and renders a template: 20 lines at most in Web
+    pages, 80 anywhere."""
+    web = next(lines for _, title, _, lines in module_sections() if title == "Web pages")
+    first, last = web[0][0], web[-1][0]
+    lengths = [(node.name, node.lineno, node.end_lineno - node.lineno + 1)
+               for node in ast.walk(ast.parse(MODULE_SOURCE))
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert [(name, length) for name, line, length in lengths
+            if first <= line <= last and length > 20] == []
+    assert [(name, length) for name, _, length in lengths if length > 80] == []
+    assert any(first <= line <= last for _, line, _ in lengths)  # (the section was found)
+
+
 def test_each_spec_message_and_limit_is_written_once():
     messages = {name: value for name, value in vars(ordering).items()
                 if name.isupper() and isinstance(value, str) and " " in value
