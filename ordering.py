@@ -165,7 +165,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -570,6 +570,16 @@ def rewrite_check(table, column, old):
                                                   column_check(table, column))
 
 
+def add_column(table, definition):
+    """A migration step: the column of definition added to table, unless a database that
+    tells an older version has it already (a later release's file, taken back)."""
+    def add(conn):
+        columns = conn.execute(f"SELECT * FROM {table} LIMIT 0").description
+        if definition.split()[0] not in {column[0] for column in columns}:
+            conn.execute(conn.engine.translate(f"ALTER TABLE {table} ADD COLUMN {definition}"))
+    return add
+
+
 #: Statements that bring a database from version N-1 to N, beyond what schema.sql creates.
 MIGRATIONS = {
     2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
@@ -623,6 +633,11 @@ MIGRATIONS = {
                                           "'SHIPPED', 'DELIVERED', 'CANCELLED'))"),
         rewrite_check("orders", "source", "CHECK (source IN ('api', 'storefront', "
                                           "'dashboard'))")),
+    # Tax: the company's rate, and the rate and tax frozen on each order when it is placed
+    # (orders placed before had none).
+    8: (add_column("companies", "tax_rate REAL NOT NULL DEFAULT 0"),
+        add_column("orders", "tax_rate REAL NOT NULL DEFAULT 0"),
+        add_column("orders", "tax_cents INTEGER NOT NULL DEFAULT 0")),
 }
 
 
@@ -1541,6 +1556,18 @@ def cents_from_number(value):
     return int(cents.scaleb(2))
 
 
+def exact_rate(rate):
+    """A tax rate (a fraction, stored as a double) as the decimal it was written as: 0.0825,
+    not the double nearest to it."""
+    return decimal.Decimal(getattr(rate, "text", None) or repr(float(rate or 0)))
+
+
+def tax_cents(subtotal_cents, rate):
+    """The tax on an order's subtotal at rate, rounded once for the whole order, half up to
+    a cent (docs/billing.md)."""
+    return int((subtotal_cents * exact_rate(rate)).quantize(1, decimal.ROUND_HALF_UP))
+
+
 def cents_from_text(text):
     """'12.50' to 1250 for the command line; None when it is not a plain amount."""
     match = re.fullmatch(r"\s*(\d+)(?:\.(\d{1,2}))?\s*", text or "")
@@ -1818,6 +1845,11 @@ def cents_text(cents):
 def decimal_text(cents):
     """Cents as a form field holds an amount: 1234.50."""
     return f"{cents // 100}.{cents % 100:02d}"
+
+
+def rate_text(rate):
+    """A tax rate as a page shows it: 0.0825 as 8.25%."""
+    return f"{(exact_rate(rate) * 100).normalize():f}%"
 
 
 def minor_amount_text(amount, currency):
@@ -2154,12 +2186,13 @@ def email_bodies(kind, data, link_base, sender):
     template = EMAIL_TEMPLATES[kind]
     facts = data.get("facts", ())
     lines = data.get("lines", ())
+    totals = email_totals(data) if lines else ()
     text_values = dict(data, link=link_base + data.get("path", "/"), facts=PlainText(
         "\n".join(f"{one_line(fact[0])}: {one_line(fact[1])}" for fact in facts)),
         lines=PlainText("\n".join(
             [f"{line['quantity']} x {one_line(line['name'])} ({one_line(line['sku'] or '-')}) at "
              f"{amount_text(line['unitPrice'])} = {amount_text(line['lineTotal'])}"
-             for line in lines] + ([f"Total: {amount_text(data['total'])}"] if lines else []))))
+             for line in lines] + [f"{label}: {amount}" for label, amount in totals])))
     html_values = dict({name: one_line(value) for name, value in data.items()},
                        link=text_values["link"], facts=render('<table>{rows}</table>', rows=join(
         render('<tr><th align="left">{label}</th><td>{value}</td></tr>', label=fact[0],
@@ -2168,18 +2201,29 @@ def email_bodies(kind, data, link_base, sender):
         for fact in facts)) if facts else "", lines=render(
         '<table><tr><th align="left">Product</th><th align="left">SKU</th>'
         '<th align="right">Quantity</th><th align="right">Unit price</th>'
-        '<th align="right">Line total</th></tr>{rows}<tr><th align="left" colspan="4">Total'
-        '</th><th align="right">{total}</th></tr></table>', rows=join(
+        '<th align="right">Line total</th></tr>{rows}{totals}</table>', rows=join(
             render('<tr><td>{name}</td><td>{sku}</td><td align="right">{quantity}</td>'
                    '<td align="right">{price}</td><td align="right">{line_total}</td></tr>',
                    name=line["name"], sku=line["sku"] or "-", quantity=line["quantity"],
                    price=amount_text(line["unitPrice"]),
                    line_total=amount_text(line["lineTotal"])) for line in lines),
-        total=amount_text(data.get("total"))) if lines else "")
+        totals=join(render('<tr><th align="left" colspan="4">{label}</th>'
+                           '<th align="right">{amount}</th></tr>', label=label, amount=amount)
+                    for label, amount in totals)) if lines else "")
     text = plain(template.text + "\n{sender}\n", **text_values, sender=sender)
     html = render(EMAIL_LAYOUT, subject=plain(template.subject, **data), sender=sender,
                   body=render(template.html, **html_values))
     return str(text), str(html)
+
+
+def email_totals(data):
+    """[(label, amount)] under an email's lines: the total; or, where tax is charged, the
+    subtotal, the tax at its rate and the total due."""
+    total, tax, rate = data.get("total"), data.get("tax") or 0, data.get("taxRate") or 0
+    if not tax and not rate:
+        return [("Total", amount_text(total))]
+    return [("Subtotal", amount_text(total)), (f"Tax ({rate_text(rate)})", amount_text(tax)),
+            ("Total due", cents_text(cents_from_number(total) + cents_from_number(tax)))]
 
 
 # 4.3 Dashboard pages -------------------------------------------------------------------------
@@ -2271,9 +2315,10 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
-SETTINGS_FORM = Template("server mail_name reply_to alerts approval stripe", """\
+SETTINGS_FORM = Template("server mail_name reply_to alerts approval tax_rate stripe", """\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}\
-<h2>Storefront</h2>{approval}<h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
+<h2>Storefront</h2>{approval}<h2>Tax</h2>{tax_rate}\
+<h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
 become invoice.paid and are listed under Billing. The operator of the service maps it \
 (company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
@@ -2590,6 +2635,8 @@ STRIPE_SIGNATURE_EXPIRED = "Stripe-Signature timestamp is older than the toleran
 
 CREDIT_LIMIT_MESSAGE = f"Credit limit must be between 0 and {MAX_CREDIT_LIMIT}."
 TAX_RATE_MESSAGE = f"Tax rate override must be between 0 and {MAX_TAX_RATE}."
+#: The company-wide rate's refusal (ours: the spec bounds only the customer's override).
+COMPANY_TAX_RATE_MESSAGE = f"Tax rate must be a fraction between 0 and {MAX_TAX_RATE}."
 TOO_MANY_WEBHOOKS = f"Maximum of {MAX_WEBHOOKS} webhooks per company."
 IDEMPOTENCY_KEY_INVALID = (f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
                            "characters.")
@@ -2856,7 +2903,8 @@ def company_json(row):
     return {"id": row["id"], "name": row["name"], "slug": row["slug"],
             "stripeCustomerId": row["stripe_customer_id"], "mailName": row["mail_name"],
             "replyTo": row["reply_to"], "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
-            "storefrontApproval": row["storefront_approval"], "createdAt": row["created_at"]}
+            "storefrontApproval": row["storefront_approval"], "taxRate": row["tax_rate"],
+            "createdAt": row["created_at"]}
 
 
 def orders_json(order_rows, item_rows):
@@ -3038,11 +3086,23 @@ def _storefront_approval(value):
     return value
 
 
+def _tax_rate(value):
+    """A fraction from 0 to MAX_TAX_RATE, given as a number or its text (empty: 0, no tax)."""
+    text = "0" if value is None else str(getattr(value, "text", value)).strip() or "0"
+    try:
+        rate = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        raise ApiError(400, COMPANY_TAX_RATE_MESSAGE) from None
+    if not rate.is_finite() or not 0 <= rate <= decimal.Decimal(repr(MAX_TAX_RATE)):
+        raise ApiError(400, COMPANY_TAX_RATE_MESSAGE)
+    return float(rate)
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
 COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
-                    "storefront_approval": _storefront_approval}
+                    "storefront_approval": _storefront_approval, "tax_rate": _tax_rate}
 
 
 def update_company(conn, company_id, changes):
@@ -3288,6 +3348,14 @@ def load_customer(conn, company_id, customer_id):
     return load_row(conn, "customers", "Customer", company_id, customer_id)
 
 
+def tax_rate_of(conn, company_id, customer):
+    """The tax rate an order of this customer (a row) pays: its override, else the company's
+    (an override of 0 is an exempt customer)."""
+    if customer["tax_rate_override"] is not None:
+        return customer["tax_rate_override"]
+    return conn.execute("SELECT tax_rate FROM companies WHERE id = ?", (company_id,)).fetchone()[0]
+
+
 def require_buyer(conn, company_id, customer_id):
     """The customer, who may order at the store: neither blocked nor awaiting approval."""
     customer = load_customer(conn, company_id, customer_id)
@@ -3528,7 +3596,7 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
     decrement one step: stock never goes below zero. Each line is an order movement made by
     actor (a storefront order's: its buyer)."""
     customer_id, lines, po_number, notes = parse_order_request(body)
-    load_customer(conn, company_id, customer_id)
+    customer = load_customer(conn, company_id, customer_id)
     wanted = {}
     for product_id, quantity in lines:
         wanted[product_id] = wanted.get(product_id, 0) + quantity
@@ -3552,13 +3620,15 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
     total = sum(prices[product_id] * quantity for product_id, quantity in lines)
     if total > MAX_CENTS:
         raise invalid("items", "order total is too large")
+    rate = tax_rate_of(conn, company_id, customer)  # frozen on the order, whatever comes later
     order_id, at = new_id_at("ord")
     conn.execute(
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
-        "source, shipping_address, checkout_token, created_at, updated_at) "
-        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?)",
+        "source, shipping_address, checkout_token, tax_rate, tax_cents, created_at, updated_at) "
+        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source,
-         shipping_address and json_text(shipping_address), checkout_token, at, at))
+         shipping_address and json_text(shipping_address), checkout_token, rate,
+         tax_cents(total, rate), at, at))
     items = [{"id": new_id("oi"), "quantity": quantity, "unit_price_cents": prices[product_id],
               "product_id": product_id, "product_name": products[product_id]["name"],
               "product_sku": products[product_id]["sku"]} for product_id, quantity in lines]
@@ -3642,8 +3712,10 @@ def queue_order_emails(conn, company, customer, order):
               "quantity": item["quantity"], "unitPrice": item["unitPrice"],
               "lineTotal": money(line_total_cents(item))}
              for item in order["items"]]
+    rate, tax = conn.execute("SELECT tax_rate, tax_cents FROM orders WHERE id = ?",
+                             (order["id"],)).fetchone()
     common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
-              "lines": lines, "total": order["total"]}
+              "lines": lines, "total": order["total"], "taxRate": rate, "tax": money(tax)}
     po_number = ["PO number", order["poNumber"] or "none"]
     queue_email(conn, company["id"], "order_confirmation", customer["email"], dict(
         common, facts=[["Order", order["id"]], po_number]), to_name=customer["name"])
@@ -5038,7 +5110,7 @@ def store_product(conn, company_id, customer_id, product_id):
 def cart_of(conn, company_id, customer_id):
     """The customer's cart at today's prices: {"lines": [{product, quantity, unitPrice,
     lineTotal (cents), sold (false once the product is inactive)}], "total" (cents, of the
-    lines still sold)}."""
+    lines still sold), "taxRate" (the customer's today) and "tax" (cents, on the total)}."""
     rows = conn.execute(
         "SELECT p.*, c.quantity AS cart_quantity FROM cart_lines c JOIN products p ON p.id = "
         "c.product_id WHERE c.customer_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
@@ -5048,7 +5120,9 @@ def cart_of(conn, company_id, customer_id):
               "unitPrice": prices.get(row["id"], row["price_cents"]),
               "lineTotal": prices.get(row["id"], row["price_cents"]) * row["cart_quantity"],
               "sold": bool(row["is_active"])} for row in rows]
-    return {"lines": lines, "total": sum(line["lineTotal"] for line in lines if line["sold"])}
+    total = sum(line["lineTotal"] for line in lines if line["sold"])
+    rate = tax_rate_of(conn, company_id, load_customer(conn, company_id, customer_id))
+    return {"lines": lines, "total": total, "taxRate": rate, "tax": tax_cents(total, rate)}
 
 
 def cart_size(conn, customer_id):
@@ -7696,6 +7770,7 @@ FIELD_OF_MESSAGE = {
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items", STORE_STOCK_SHORT: "items",
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
+    COMPANY_TAX_RATE_MESSAGE: "taxRate",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
@@ -7876,6 +7951,19 @@ def table(headings, rows, numeric=()):
     if not rows:
         body = render(NO_ROWS, columns=len(headings))
     return render(TABLE, head=head, body=body)
+
+
+def total_rows(width, total, rate, tax):
+    """The last rows of a table of lines width cells wide: the total; or, where tax is
+    charged, the subtotal, the tax at its rate and the total due (cents)."""
+    blank = ("",) * (width - 2)
+    if not rate and not tax:
+        return [(render(TOTAL_CELL, text="Total"), *blank,
+                 render(TOTAL_CELL, text=cents_text(total)))]
+    return [("Subtotal", *blank, cents_text(total)),
+            (f"Tax ({rate_text(rate)})", *blank, cents_text(tax)),
+            (render(TOTAL_CELL, text="Total due"), *blank,
+             render(TOTAL_CELL, text=cents_text(total + tax)))]
 
 
 def address_lines(address):
@@ -8218,7 +8306,7 @@ def order_page(visit, order_id):
     return visit.page(f"Order {order_id}", render(
         ORDER_PAGE, facts=order_facts(visit, order),
         ships_to=render(SHIPS_TO, address=address_lines(address)) if address else "",
-        actions=join(order_actions(visit, order)), lines=order_lines(order),
+        actions=join(order_actions(visit, order)), lines=order_lines(order, row),
         history=order_history(visit, order_id), returns=order_returns(visit, order_id),
         open_return=open_return_form(visit, order_id)))
 
@@ -8235,13 +8323,13 @@ def order_facts(visit, order):
         tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
 
 
-def order_lines(order):
+def order_lines(order, row):
     return table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
                  [(item["productName"], item["productSku"] or "", item["quantity"],
                    amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
                   for item in order["items"]] +
-                 [("", "", "", render(TOTAL_CELL, text="Total"),
-                   render(TOTAL_CELL, text=amount_text(order["total"])))],
+                 [("", *cells) for cells in total_rows(
+                     4, row["total_cents"], row["tax_rate"], row["tax_cents"])],
                  numeric=("Quantity", "Unit price", "Line total"))
 
 
@@ -8899,7 +8987,13 @@ def settings_page(visit):
                     url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
                     base=settings.link_base) if settings.smtp_url else NO_MAIL_SERVER
     return visit.page("Settings", visit.form_tag("/dashboard/settings", render(
-        SETTINGS_FORM, server=server,
+        SETTINGS_FORM, server=server, stripe=company["stripe_customer_id"] or "none",
+        **settings_fields(visit, company))))
+
+
+def settings_fields(visit, company):
+    """The fields of the Settings form, by their place in SETTINGS_FORM."""
+    return dict(
         mail_name=visit.field("mailName", "Mail name (the sender's name on emails; empty: the "
                                           "company name)", company["mail_name"]),
         reply_to=visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
@@ -8908,7 +9002,10 @@ def settings_page(visit):
         approval=visit.select("storefrontApproval", "New storefront accounts", (
             ("required", "wait for approval by staff (required)"),
             ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
-        stripe=company["stripe_customer_id"] or "none")))
+        tax_rate=visit.field("taxRate", "Tax rate: a fraction from 0 to 0.3 (0.0825 is 8.25%; "
+                             "a customer's own rate wins)",
+                             format(exact_rate(company["tax_rate"]).normalize(), "f"),
+                             inputmode="decimal"))
 
 
 @page("POST", "/dashboard/settings", refused=settings_page)
@@ -8916,8 +9013,10 @@ def update_settings_action(visit):
     changes = {"mail_name": form_text(visit.form, "mailName"),
                "reply_to": form_text(visit.form, "replyTo"),
                "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
-    if "storefrontApproval" in visit.form:
-        changes["storefront_approval"] = visit.form.get("storefrontApproval")
+    for field, column in (("storefrontApproval", "storefront_approval"),
+                          ("taxRate", "tax_rate")):
+        if field in visit.form:  # (a form of an older page may not have it)
+            changes[column] = visit.form.get(field)
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
     return redirect("/dashboard/settings")
@@ -9318,12 +9417,12 @@ def address_text(address):
     return ", ".join(address[name] for name, *_ in ADDRESS_FIELDS if address.get(name))
 
 
-def lines_table(lines, total):
-    """A cart's or an order's lines: [(product, quantity, unit price, line total)], cents."""
-    return table(("Product", "Quantity", "Unit price", "Line total"), [
-        *lines, (render(TOTAL_CELL, text="Total"), "", "",
-                 render(TOTAL_CELL, text=cents_text(total)))],
-        numeric=("Quantity", "Unit price", "Line total"))
+def lines_table(lines, total, rate, tax):
+    """A cart's or an order's lines: [(product, quantity, unit price, line total)], cents,
+    and their total (see total_rows)."""
+    return table(("Product", "Quantity", "Unit price", "Line total"),
+                 [*lines, *total_rows(4, total, rate, tax)],
+                 numeric=("Quantity", "Unit price", "Line total"))
 
 
 @buyer_page("GET", "/store/<slug>/products")
@@ -9363,7 +9462,8 @@ def cart_page(visit):
     prefix = visit.surface.prefix
     cart = cart_of(visit.conn, visit.company_id, visit.session["account_id"])
     rows = [cart_row(visit, line) for line in cart["lines"]]
-    listed = join([lines_table(rows, cart["total"]), render(CHECK_OUT, prefix=prefix)]) \
+    listed = join([lines_table(rows, cart["total"], cart["taxRate"], cart["tax"]),
+                   render(CHECK_OUT, prefix=prefix)]) \
         if rows else render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix)
     quick = visit.form_tag(prefix + "/cart/quick-order", render(
         QUICK_ORDER_FORM,
@@ -9460,7 +9560,7 @@ def checkout_page(visit):
         return visit.page("Checkout", render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix))
     summary = lines_table([(line["product"]["name"], line["quantity"],
                             cents_text(line["unitPrice"]), cents_text(line["lineTotal"]))
-                           for line in cart["lines"]], cart["total"])
+                           for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
     form = visit.form_tag(prefix + "/checkout", render(
         CHECKOUT_FORM, token=visit.value("token", secrets.token_urlsafe(24)),
         address=address_fields(visit, customer_addresses(visit.conn, me)),
@@ -9522,19 +9622,18 @@ def store_order_page(visit, order_id):
     conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["account_id"]
     row = buyer_order(conn, visit.company_id, me, order_id)
     order = orders_with_items(conn, [row])[0]
-    if "placed" in visit.query:
-        visit.notice = ORDER_PLACED
-    elif "returned" in visit.query:
-        visit.notice = RETURN_REQUESTED
+    visit.notice = ORDER_PLACED if "placed" in visit.query else \
+        RETURN_REQUESTED if "returned" in visit.query else None
     address = shipping_address_of(row)
     return visit.page(f"Order {order_id}", render(
         STORE_ORDER_PAGE, facts=render(
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
             placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
-            notes=order["notes"] or "none", total=amount_text(order["total"])),
+            notes=order["notes"] or "none",
+            total=cents_text(row["total_cents"] + row["tax_cents"])),
         tracking=tracking_card(order["tracking"]),
         ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
-        lines=buyer_order_lines(order, row["total_cents"]),
+        lines=buyer_order_lines(order, row),
         timeline=order_timeline(visit, order_id),
         again=visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
                            orderId=order_id), returns=buyer_order_returns(visit, row)))
@@ -9548,12 +9647,13 @@ def tracking_card(tracking):
                   track=render(TRACK_PARCEL, url=tracking["url"]) if tracking["url"] else "")
 
 
-def buyer_order_lines(order, total_cents):
+def buyer_order_lines(order, row):
     return lines_table([(join([item["productName"], " ",
                                render(MUTED, text=item["productSku"] or "")]),
                          item["quantity"], amount_text(item["unitPrice"]),
                          cents_text(line_total_cents(item)))
-                        for item in order["items"]], total_cents)
+                        for item in order["items"]], row["total_cents"], row["tax_rate"],
+                       row["tax_cents"])
 
 
 def order_timeline(visit, order_id):
@@ -10133,7 +10233,8 @@ def cmd_company_create(conn, args):
 
 #: company-update's options and the company settings they change.
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
-                    ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"))
+                    ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"),
+                    ("tax_rate", "tax_rate"))
 
 
 @command("company-update", "change a company's settings and print the company",
@@ -10148,7 +10249,10 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                 help="addresses that get staff alerts, separated by commas ('' for none)"),
          option("--storefront-approval", metavar="|".join(STOREFRONT_APPROVALS),
                 help="whether new storefront accounts wait for the staff's approval "
-                     "(required, the default) or are active at once (automatic)"))
+                     "(required, the default) or are active at once (automatic)"),
+         option("--tax-rate", metavar="RATE",
+                help="the company-wide tax rate, a fraction from 0 to 0.3 (0.0825 is 8.25%%; "
+                     "0 charges none); a customer's override wins"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}

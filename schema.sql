@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS companies (
     mail_name           TEXT,               -- the display name of its emails' From (default: name)
     reply_to            TEXT,               -- the Reply-To of its emails
     staff_alerts        TEXT,               -- JSON array of the addresses that get staff alerts
-    storefront_approval TEXT NOT NULL DEFAULT 'required'  -- or 'automatic': new buyers ACTIVE at once
+    storefront_approval TEXT NOT NULL DEFAULT 'required', -- or 'automatic': new buyers ACTIVE at once
+    tax_rate            REAL NOT NULL DEFAULT 0 -- a fraction; a customer's override wins
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -142,7 +143,9 @@ CREATE TABLE IF NOT EXISTS orders (
     source           TEXT NOT NULL CHECK (source = 'api' OR source = 'storefront' OR
                                       source = 'dashboard'),
     shipping_address TEXT,              -- JSON: a copy of the address a storefront order ships to
-    checkout_token   TEXT               -- the checkout form's, so that a resubmitted form finds its order
+    checkout_token   TEXT,              -- the checkout form's token: a resubmitted form finds its order
+    tax_rate         REAL NOT NULL DEFAULT 0,    -- the rate in force when it was placed
+    tax_cents        INTEGER NOT NULL DEFAULT 0  -- the tax on total_cents at that rate (rounded once)
 );
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at, id);

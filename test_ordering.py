@@ -8312,7 +8312,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -8809,7 +8809,7 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
                        "cus_NffrFeUfNV2Hib")
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
-                "storefrontApproval": "required", "createdAt": printed["createdAt"]}
+                "storefrontApproval": "required", "taxRate": 0, "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
     assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
@@ -10412,7 +10412,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 7
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 8
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -10427,7 +10427,8 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
                        "stripeCustomerId": None,
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
-                       "storefrontApproval": "required", "createdAt": updated["createdAt"]}
+                       "storefrontApproval": "required", "taxRate": 0,
+                       "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "")
     assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
@@ -11115,7 +11116,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 7
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 8
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
@@ -11136,7 +11137,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -11628,6 +11629,128 @@ def test_checkout_places_one_storefront_order_with_its_event_emails_and_saved_ad
     second = form.submit(status=303).follow()
     assert "1 Harbour Road" in second.text
     assert len(ordering.customer_addresses(app.service.db.conn, customer["id"])) == 1
+
+
+def test_tax_is_rounded_once_per_order_half_up_and_its_rate_shown_as_written():
+    assert [ordering.tax_cents(cents, rate) for cents, rate in (
+        (10000, 0.0825), (1010, 0.05), (5, 0.1), (4, 0.1), (12345, 0), (99999999, 0.3),
+        (1, 0.005))] == [825, 51, 1, 0, 0, 30000000, 0]
+    assert [ordering.rate_text(rate) for rate in (0.0825, 0.2, 0, 0.3, 0.07, 0.005)] == [
+        "8.25%", "20%", "0%", "30%", "7%", "0.5%"]
+
+
+def test_an_order_is_taxed_at_the_rate_in_force_when_it_is_placed(app, api, tenant):
+    rice = tenant.product("Rice 25kg", price_cents=1010, stock=100)
+    customers = {"company's": tenant.customer(), "exempt": tenant.customer(taxRateOverride=0),
+                 "own": tenant.customer(taxRateOverride=0.2)}
+    with tenant.db.write() as conn:
+        assert ordering.update_company(conn, tenant.id, {"tax_rate": "0.05"})["tax_rate"] == 0.05
+
+    def taxed(customer, source):
+        with tenant.db.write() as conn:
+            order = ordering.place_order(conn, tenant.id, {
+                "customerId": customer["id"], "items": [{"productId": rice["id"],
+                                                        "quantity": 1}]}, source=source)
+        row = store_order_row(app, order["id"])
+        return order, (row["total_cents"], row["tax_rate"], row["tax_cents"])
+
+    placed = {name: taxed(customer, "dashboard") for name, customer in customers.items()}
+    assert {name: frozen for name, (_, frozen) in placed.items()} == {
+        "company's": (1010, 0.05, 51), "exempt": (1010, 0, 0), "own": (1010, 0.2, 202)}
+    through_api = place(api, tenant, [{"productId": rice["id"], "quantity": 2}],
+                        customers["company's"]["id"]).json["data"]
+    assert through_api["total"] == 20.2 and set(through_api) == ORDER_FIELDS
+    row = store_order_row(app, through_api["id"])
+    assert (row["tax_rate"], row["tax_cents"]) == (0.05, 101)
+    # a later rate is the next order's: a placed order keeps its own
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"tax_rate": 0.1})
+    order = placed["company's"][0]
+    row = store_order_row(app, order["id"])
+    assert (row["tax_rate"], row["tax_cents"]) == (0.05, 51)
+    assert taxed(customers["company's"], "api")[1] == (1010, 0.1, 101)
+    fetched = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"]
+    assert fetched == order  # the API's order is the spec's: its total is its lines' sum
+
+
+def test_the_buyer_sees_subtotal_tax_and_total_due_from_cart_to_email(app, tenant):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"tax_rate": 0.0825})
+    rice = tenant.product("Rice 25kg", price_cents=4000, stock=10)
+    customer, buyer = shopper(app, tenant, name="Corner Cafe")
+    put_in_cart(buyer, tenant, rice["id"], 2)
+    totals = [["Subtotal", "", "", "80.00"], ["Tax (8.25%)", "", "", "6.60"],
+              ["Total due", "", "", "86.60"]]
+    assert table_rows(buyer.get(store_of(tenant) + "/cart"))[-3:] == totals
+    assert table_rows(buyer.get(store_of(tenant) + "/checkout"))[-3:] == totals
+    page = check_out(buyer, tenant, **BUYER_ADDRESS).follow()
+    assert table_rows(page)[-3:] == totals
+    facts = page.html.find("dl", class_="facts").get_text(" ", strip=True)
+    assert "Total 86.60" in facts
+    (_, _, data), = account_emails(app, "order_confirmation")
+    text, html = ordering.email_bodies("order_confirmation", data, "https://shop.example",
+                                       "Acme Wholesale")
+    assert "2 x Rice 25kg (-) at 40.00 = 80.00\nSubtotal: 80.00\nTax (8.25%): 6.60\n" \
+        "Total due: 86.60\n" in text
+    assert ('<tr><th align="left" colspan="4">Tax (8.25%)</th><th align="right">6.60</th>'
+            "</tr>") in html
+    # an exempt buyer's order shows its total alone, as an order of a company without tax does
+    with tenant.db.write() as conn:
+        ordering.update_customer(conn, tenant.id, customer["id"], {"taxRateOverride": 0})
+    put_in_cart(buyer, tenant, rice["id"], 1)
+    assert table_rows(buyer.get(store_of(tenant) + "/cart"))[-1] == ["Total", "", "", "40.00"]
+
+
+def test_staff_set_the_companys_tax_rate_and_see_an_orders_tax(app, tenant, browser, db_path):
+    form = main_form(browser.get("/dashboard/settings"))
+    form["taxRate"] = "0.31"
+    refused = form.submit(status=400)
+    assert errors_of(refused) == ["Tax rate must be a fraction between 0 and 0.3."]
+    assert refused.html.find("input", {"name": "taxRate"})["value"] == "0.31"
+    assert ordering.load_company(app.service.db.conn, tenant.id)["tax_rate"] == 0
+    form = main_form(browser.get("/dashboard/settings"))
+    form["taxRate"] = "0.2"
+    form.submit(status=303)
+    assert browser.get("/dashboard/settings").html.find(
+        "input", {"name": "taxRate"})["value"] == "0.2"
+    rice, customer = tenant.product("Rice 25kg", price_cents=999), tenant.customer()
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": rice["id"], "quantity": 1}]})
+    rows = table_rows(browser.get(f"/dashboard/orders/{order['id']}"))
+    assert rows[1:4] == [["", "Subtotal", "", "", "9.99"], ["", "Tax (20%)", "", "", "2.00"],
+                         ["", "Total due", "", "", "11.99"]]
+    app.service.close(grace=0)
+    printed = cli_json(db_path, "company-update", tenant.id, "--tax-rate", "0.0825")
+    assert printed["taxRate"] == 0.0825
+    for bad in ("abc", "-0.01", "0.30001", "nan"):
+        result = run_cli(db_path, "company-update", tenant.id, "--tax-rate", bad)
+        assert (result.returncode, result.stdout) == (1, "") and \
+            "Tax rate must be a fraction between 0 and 0.3." in result.stderr, bad
+    assert cli_json(db_path, "company-update", tenant.id)["taxRate"] == 0.0825
+
+
+def back_to_schema_7(conn):
+    """A database as version 7 left it: no tax rate on companies or orders."""
+    for statement in ("ALTER TABLE companies DROP COLUMN tax_rate",
+                      "ALTER TABLE orders DROP COLUMN tax_rate",
+                      "ALTER TABLE orders DROP COLUMN tax_cents"):
+        conn.execute(statement)
+    conn.engine.set_schema_version(conn, 7)
+
+
+def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, api, tenant,
+                                                                           database):
+    order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
+    db = reopened_from(app, database, back_to_schema_7)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
+        assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
+                                     "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
+            2500, 0, 0)
+    finally:
+        db.close()
 
 
 def test_checkout_refusals_show_the_specs_messages_and_place_nothing(app, tenant):
@@ -12497,7 +12620,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -12599,7 +12722,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 7
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
