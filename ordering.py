@@ -2514,10 +2514,15 @@ def valid_http_url(url):
 # 11.3, "Records as the database writes them"): change a field in both, and the
 # byte-for-byte test of the reads tells whether they still agree.
 
-#: A record's fields as the API shows them, in order: (API name, column, kind), kind one of
-#: "value" (as stored), "money" (cents, shown as money()) or "flag" (0 or 1, shown as a
-#: boolean). The record's function here and the SQL that has the database write the same
-#: JSON (11.3) are both made from its table: a field is one line.
+#: A record's fields as the API shows them, in order: (API name, column, kind). Kinds:
+#: "value" (as stored), "money" (cents, shown as money()), "flag" (0 or 1, shown as a
+#: boolean), "json" (JSON text, shown as the value it holds), "list" (JSON text of a list,
+#: NULL for none: shown as [] then), "words" (text of words separated by spaces, shown as
+#: their list), "minor" (an amount in the minor unit of the row's currency, shown as
+#: money_in()) and "record" (its column is another field table, read from the same row: a
+#: record within the record). The record's function here and, for products and orders, the
+#: SQL that has the database write the same JSON (11.3) are both made from its table: a
+#: field is one line.
 PRODUCT_FIELDS = (
     ("id", "id", "value"), ("name", "name", "value"), ("sku", "sku", "value"),
     ("description", "description", "value"), ("category", "category", "value"),
@@ -2544,13 +2549,94 @@ ORDER_FIELDS = (
     ("customerId", "customer_id", "value"))
 TRACKING_FIELDS = (("carrier", "tracking_carrier", "value"),
                    ("number", "tracking_number", "value"), ("url", "tracking_url", "value"))
+#: A webhook's secretRotationGraceExpiresAt is shown only while it is to come (webhook_json).
+WEBHOOK_FIELDS = (
+    ("id", "id", "value"), ("url", "url", "value"), ("events", "events", "json"),
+    ("isActive", "is_active", "flag"),
+    ("secretRotationGraceExpiresAt", "grace_expires_at", "value"),
+    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"))
+#: A webhook's new secret, as rotate_webhook_secret answers (shown this once), and until when
+#: the old one still signs.
+WEBHOOK_SECRET_FIELDS = (
+    ("id", "id", "value"), ("secret", "secret", "value"),
+    ("secretRotationGraceExpiresAt", "grace_expires_at", "value"))
+#: A delivery attempt, read with its event's name (event) and body.
+DELIVERY_FIELDS = (
+    ("id", "id", "value"), ("event", "event", "value"), ("payload", "body", "json"),
+    ("statusCode", "status_code", "value"), ("responseBody", "response_body", "value"),
+    ("durationMs", "duration_ms", "value"), ("success", "success", "flag"),
+    ("createdAt", "attempted_at", "value"))
+#: A return's own fields; its lines and its refund follow them (return_json).
+RETURN_FIELDS = (
+    ("id", "id", "value"), ("orderId", "order_id", "value"),
+    ("customerId", "customer_id", "value"), ("status", "status", "value"),
+    ("reason", "reason", "value"), ("itemCount", "item_count", "value"),
+    ("actor", "actor", "value"), ("createdAt", "created_at", "value"),
+    ("updatedAt", "updated_at", "value"))
+REFUND_BREAKDOWN_FIELDS = (
+    ("goodUnits", "good_units", "value"), ("damagedUnits", "damaged_units", "value"),
+    ("subtotal", "subtotal_cents", "money"))
+REFUND_FIELDS = (
+    ("id", "id", "value"), ("amount", "amount_cents", "money"), ("method", "method", "value"),
+    ("breakdown", REFUND_BREAKDOWN_FIELDS, "record"), ("createdAt", "created_at", "value"))
+#: A refund as refund_return answers and refund.processed carries it: read with its return's
+#: order_id and customer_id.
+PROCESSED_REFUND_FIELDS = (
+    ("id", "id", "value"), ("returnId", "return_id", "value"),
+    ("orderId", "order_id", "value"), ("customerId", "customer_id", "value"),
+    ("amount", "amount_cents", "money"), ("method", "method", "value"),
+    ("breakdown", REFUND_BREAKDOWN_FIELDS, "record"))
+#: Who made a movement (see Actor).
+ACTOR_FIELDS = (("type", "actor_type", "value"), ("id", "actor_id", "value"))
+#: A stock movement: signed change, the level after it, why, what it belongs to, who.
+MOVEMENT_FIELDS = (
+    ("id", "id", "value"), ("productId", "product_id", "value"),
+    ("change", "change", "value"), ("levelAfter", "level_after", "value"),
+    ("reason", "reason", "value"), ("orderId", "order_id", "value"),
+    ("returnId", "return_id", "value"), ("note", "note", "value"),
+    ("actor", ACTOR_FIELDS, "record"), ("createdAt", "created_at", "value"))
+CUSTOMER_PRICE_FIELDS = (
+    ("customerId", "customer_id", "value"), ("productId", "product_id", "value"),
+    ("price", "price_cents", "money"), ("updatedAt", "updated_at", "value"))
+STAFF_FIELDS = (("id", "id", "value"), ("email", "email", "value"),
+                ("companyId", "company_id", "value"))
+COMPANY_FIELDS = (
+    ("id", "id", "value"), ("name", "name", "value"), ("slug", "slug", "value"),
+    ("stripeCustomerId", "stripe_customer_id", "value"), ("mailName", "mail_name", "value"),
+    ("replyTo", "reply_to", "value"), ("staffAlerts", "staff_alerts", "list"),
+    ("storefrontApproval", "storefront_approval", "value"),
+    ("createdAt", "created_at", "value"))
+#: A new company as create_company answers (it has no settings yet).
+NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
+#: A new API key as create_api_key answers: the key itself, which only its creation has (the
+#: table keeps its hash), and what it may do.
+NEW_KEY_FIELDS = (
+    ("id", "id", "value"), ("key", "key", "value"), ("companyId", "company_id", "value"),
+    ("scopes", "scopes", "words"), ("rateLimit", "rate_limit", "value"),
+    ("expiresAt", "expires_at", "value"))
+#: A paid invoice of the company's subscription, as invoice.paid carries it.
+INVOICE_FIELDS = (
+    ("stripeInvoiceId", "stripe_invoice_id", "value"),
+    ("amountPaid", "amount_paid_minor", "minor"), ("currency", "currency", "value"),
+    ("hostedInvoiceUrl", "hosted_invoice_url", "value"), ("number", "number", "value"),
+    ("periodStart", "period_start", "value"), ("periodEnd", "period_end", "value"))
 
-_SHOWN_AS = {"value": lambda value: value, "money": money, "flag": bool}
+#: How each kind of field is read: (row, column) to the value shown.
+_SHOWN_AS = {
+    "value": lambda row, column: row[column],
+    "money": lambda row, column: money(row[column]),
+    "flag": lambda row, column: bool(row[column]),
+    "json": lambda row, column: json.loads(row[column]),
+    "list": lambda row, column: json.loads(row[column] or "[]"),
+    "words": lambda row, column: row[column].split(),
+    "minor": lambda row, column: money_in(row[column], row["currency"]),
+    "record": lambda row, fields: record_json(fields, row),
+}
 
 
 def record_json(fields, row):
     """A row, read by column name, as the record its field table describes."""
-    return {name: _SHOWN_AS[kind](row[column]) for name, column, kind in fields}
+    return {name: _SHOWN_AS[kind](row, column) for name, column, kind in fields}
 
 
 def product_json(row):
@@ -2581,75 +2667,52 @@ def order_json(row, items):
 
 
 def webhook_json(row, with_secret=False, at=None):
-    grace = row["grace_expires_at"]
-    record = {
-        "id": row["id"],
-        "url": row["url"],
-        "events": json.loads(row["events"]),
-        "isActive": bool(row["is_active"]),
-        "secretRotationGraceExpiresAt": grace if grace and grace > (at or now_iso()) else None,
-        "createdAt": row["created_at"],
-        "updatedAt": row["updated_at"],
-    }
-    if with_secret:
-        record["secret"] = row["secret"]
+    """A webhook; with_secret, its secret too (its creation's answer). Its grace window is
+    shown while it is to come at at (ISO text; now by default)."""
+    record = record_json(WEBHOOK_FIELDS + (("secret", "secret", "value"),) if with_secret
+                         else WEBHOOK_FIELDS, row)
+    grace = record["secretRotationGraceExpiresAt"]
+    if not (grace and grace > (at or now_iso())):
+        record["secretRotationGraceExpiresAt"] = None  # its place in the record stays
     return record
 
 
 def delivery_json(row):
-    return {
-        "id": row["id"],
-        "event": row["event"],
-        "payload": json.loads(row["body"]),
-        "statusCode": row["status_code"],
-        "responseBody": row["response_body"],
-        "durationMs": row["duration_ms"],
-        "success": bool(row["success"]),
-        "createdAt": row["attempted_at"],
-    }
+    return record_json(DELIVERY_FIELDS, row)
 
 
 def return_json(row, lines=(), refund=None):
     """A return with its lines (rows: order item ID, product ID, units; none for a return
     opened before lines were recorded) and its refund's row, or None before it."""
-    return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
-            "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
-            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"],
-            "lines": [{"orderItemId": item_id, "productId": product_id, "units": units}
-                      for item_id, product_id, units in lines],
-            "refund": None if refund is None else refund_json(refund)}
+    record = record_json(RETURN_FIELDS, row)
+    record["lines"] = [{"orderItemId": item_id, "productId": product_id, "units": units}
+                       for item_id, product_id, units in lines]
+    record["refund"] = None if refund is None else refund_json(refund)
+    return record
 
 
 def refund_json(row):
-    return {"id": row["id"], "amount": money(row["amount_cents"]), "method": row["method"],
-            "breakdown": {"goodUnits": row["good_units"], "damagedUnits": row["damaged_units"],
-                          "subtotal": money(row["subtotal_cents"])},
-            "createdAt": row["created_at"]}
+    return record_json(REFUND_FIELDS, row)
 
 
 def movement_json(row):
-    """A stock movement: signed change, the level after it, why, what it belongs to, who."""
-    return {"id": row["id"], "productId": row["product_id"], "change": row["change"],
-            "levelAfter": row["level_after"], "reason": row["reason"],
-            "orderId": row["order_id"], "returnId": row["return_id"], "note": row["note"],
-            "actor": {"type": row["actor_type"], "id": row["actor_id"]},
-            "createdAt": row["created_at"]}
+    return record_json(MOVEMENT_FIELDS, row)
 
 
-def customer_price_json(customer_id, product_id, price_cents, updated_at):
-    return {"customerId": customer_id, "productId": product_id, "price": money(price_cents),
-            "updatedAt": updated_at}
+def customer_price_json(row):
+    return record_json(CUSTOMER_PRICE_FIELDS, row)
 
 
 def staff_json(row):
-    return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
+    return record_json(STAFF_FIELDS, row)
 
 
 def company_json(row):
-    return {"id": row["id"], "name": row["name"], "slug": row["slug"],
-            "stripeCustomerId": row["stripe_customer_id"], "mailName": row["mail_name"],
-            "replyTo": row["reply_to"], "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
-            "storefrontApproval": row["storefront_approval"], "createdAt": row["created_at"]}
+    return record_json(COMPANY_FIELDS, row)
+
+
+def invoice_json(row):
+    return record_json(INVOICE_FIELDS, row)
 
 
 def orders_json(order_rows, item_rows):
@@ -2787,9 +2850,9 @@ def create_company(conn, name, slug=None):
     if conn.execute("SELECT 1 FROM companies WHERE slug = ?", (slug,)).fetchone():
         raise ApiError(409, f'A company with slug "{slug}" already exists.')
     company_id, at = new_id_at("co")
-    conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
-                 (company_id, name, slug, at))
-    return {"id": company_id, "name": name, "slug": slug}
+    row = {"id": company_id, "name": name, "slug": slug, "created_at": at}
+    insert_row(conn, "companies", row)
+    return record_json(NEW_COMPANY_FIELDS, row)
 
 
 def _stripe_customer(value):
@@ -3196,7 +3259,8 @@ def set_customer_price(conn, company_id, customer_id, product_id, price_cents):
         "updated_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (customer_id, product_id) DO UPDATE "
         "SET price_cents = excluded.price_cents, updated_at = excluded.updated_at",
         (customer_id, product_id, company_id, price_cents, at))
-    return customer_price_json(customer_id, product_id, price_cents, at)
+    return customer_price_json({"customer_id": customer_id, "product_id": product_id,
+                                "price_cents": price_cents, "updated_at": at})
 
 
 def clear_customer_price(conn, company_id, customer_id, product_id):
@@ -3693,13 +3757,14 @@ def receive_return(conn, company_id, return_id):
 
 def refund_return(conn, company_id, return_id, method, good_units, damaged_units,
                   subtotal_cents, amount_cents=None, lines=None, actor=None):
-    """The refund row that moves a return RECEIVED to REFUNDED; amount defaults to the
-    subtotal and may be overridden. The good units of each line go back to its product's
-    stock (a return movement, made by actor), the damaged ones do not: lines, {order item ID:
-    (good, damaged)}, say so for the return's lines (the breakdown's goodUnits and
-    damagedUnits are then their sums, and may be None); without lines the two are split over
-    the return's lines where that can be done one way only (see refund_restock). A return
-    that records no lines (the older form) moves no stock."""
+    """The refund that moves a return RECEIVED to REFUNDED (PROCESSED_REFUND_FIELDS, as
+    refund.processed carries it); amount defaults to the subtotal and may be overridden. The
+    good units of each line go back to its product's stock (a return movement, made by
+    actor), the damaged ones do not: lines, {order item ID: (good, damaged)}, say so for the
+    return's lines (the breakdown's goodUnits and damagedUnits are then their sums, and may
+    be None); without lines the two are split over the return's lines where that can be done
+    one way only (see refund_restock). A return that records no lines (the older form) moves
+    no stock."""
     if method not in REFUND_METHODS:
         raise invalid("method", f"must be {' or '.join(REFUND_METHODS)}")
     if lines is not None:
@@ -3725,19 +3790,17 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     if not 1 <= good_units + damaged_units <= came_back:
         raise invalid("goodUnits", REFUND_UNITS.format(units=came_back))
     refund_id, at = new_id_at("ref")
-    conn.execute(
-        "INSERT INTO refunds (id, company_id, return_id, amount_cents, method, good_units, "
-        "damaged_units, subtotal_cents, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (refund_id, company_id, return_id, amount_cents, method, good_units, damaged_units,
-         subtotal_cents, at))
+    refund = {"id": refund_id, "company_id": company_id, "return_id": return_id,
+              "amount_cents": amount_cents, "method": method, "good_units": good_units,
+              "damaged_units": damaged_units, "subtotal_cents": subtotal_cents,
+              "created_at": at}
+    insert_row(conn, "refunds", refund)
     move_stock(conn, company_id, restock, "return", actor or SYSTEM, order_id=row["order_id"],
                return_id=return_id)
-    payload = {"id": refund_id, "returnId": return_id, "orderId": row["order_id"],
-               "customerId": row["customer_id"], "amount": money(amount_cents), "method": method,
-               "breakdown": {"goodUnits": good_units, "damagedUnits": damaged_units,
-                             "subtotal": money(subtotal_cents)}}
-    emit(conn, company_id, "refund.processed", payload)
-    return payload
+    processed = record_json(PROCESSED_REFUND_FIELDS, dict(
+        refund, order_id=row["order_id"], customer_id=row["customer_id"]))
+    emit(conn, company_id, "refund.processed", processed)
+    return processed
 
 
 def units_returned(conn, return_row):
@@ -3826,7 +3889,8 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
                         hosted_invoice_url, number, period_start, period_end):
     """A paid invoice of the company's own subscription, as the billing provider reports it;
     amount_paid is in the currency's minor unit (see money_in). Stripe's webhook and the
-    invoice-paid command both record through here."""
+    invoice-paid command both record through here. Returns the invoice as invoice.paid
+    carries it."""
     load_company(conn, company_id)
     for field, value in (("stripeInvoiceId", stripe_invoice_id), ("number", number)):
         if not value:
@@ -3848,17 +3912,14 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
                     (stripe_invoice_id,)).fetchone():
         raise ApiError(409, f'Invoice "{stripe_invoice_id}" was already recorded.')
     invoice_id, at = new_id_at("inv")
-    conn.execute(
-        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, currency, "
-        "hosted_invoice_url, number, period_start, period_end, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (invoice_id, company_id, stripe_invoice_id, amount_paid, currency,
-         hosted_invoice_url, number, period[0], period[1], at))
-    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money_in(amount_paid, currency),
-               "currency": currency, "hostedInvoiceUrl": hosted_invoice_url, "number": number,
-               "periodStart": period[0], "periodEnd": period[1]}
-    emit(conn, company_id, "invoice.paid", payload)
-    return payload
+    row = {"id": invoice_id, "company_id": company_id, "stripe_invoice_id": stripe_invoice_id,
+           "amount_paid_minor": amount_paid, "currency": currency,
+           "hosted_invoice_url": hosted_invoice_url, "number": number,
+           "period_start": period[0], "period_end": period[1], "created_at": at}
+    insert_row(conn, "invoices", row)
+    invoice = invoice_json(row)
+    emit(conn, company_id, "invoice.paid", invoice)
+    return invoice
 
 
 # 9.3 Billing ---------------------------------------------------------------------------------
@@ -4050,7 +4111,8 @@ def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=WEBHOOK_SECR
     conn.execute("UPDATE webhooks SET secret = ?, old_secret = ?, grace_expires_at = ?, "
                  "updated_at = ? WHERE id = ?",
                  (secret, row["secret"] if grace else None, grace, now_iso(), webhook_id))
-    return {"id": webhook_id, "secret": secret, "secretRotationGraceExpiresAt": grace}
+    return record_json(WEBHOOK_SECRET_FIELDS, {"id": webhook_id, "secret": secret,
+                                               "grace_expires_at": grace})
 
 
 def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
@@ -4109,12 +4171,11 @@ def create_api_key(conn, company_id, scopes, rate_limit=DEFAULT_KEY_RATE_LIMIT, 
         raise invalid("rateLimit", "must be a positive whole number")
     key = "sk_" + secrets.token_urlsafe(32)
     key_id, at = new_id_at("key")
-    conn.execute(
-        "INSERT INTO api_keys (id, company_id, key_hash, scopes, rate_limit, expires_at, "
-        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (key_id, company_id, hash_key(key), " ".join(scopes), rate_limit, expires_at, at))
-    return {"id": key_id, "key": key, "companyId": company_id, "scopes": list(scopes),
-            "rateLimit": rate_limit, "expiresAt": expires_at}
+    row = {"id": key_id, "company_id": company_id, "key_hash": hash_key(key),
+           "scopes": " ".join(scopes), "rate_limit": rate_limit, "expires_at": expires_at,
+           "created_at": at}
+    insert_row(conn, "api_keys", row)
+    return record_json(NEW_KEY_FIELDS, dict(row, key=key))
 
 
 def revoke_api_key(conn, company_id, key_id):

@@ -9500,6 +9500,23 @@ def test_a_field_added_to_a_records_table_shows_in_both_of_its_writers(api, tena
     assert "lowStockThreshold" not in api.get(f"/api/v1/products/{product['id']}",
                                               headers=tenant.headers).json["data"]
 
+def test_a_field_added_to_a_table_of_a_record_written_in_python_shows_in_its_answers(
+        api, tenant, monkeypatch):
+    """The records only Python writes are made from their field tables too: one line adds a
+    field to every answer that shows a webhook (the secret still last in its creation's)."""
+    monkeypatch.setattr(ordering, "WEBHOOK_FIELDS", ordering.WEBHOOK_FIELDS + (
+        ("companyId", "company_id", "value"),))
+    created = subscribe(api, tenant, "https://hooks.example.com/in", ["order.created"])
+    assert list(created)[-2:] == ["companyId", "secret"] and created["companyId"] == tenant.id
+    fetched = api.get(f"/api/v1/webhooks/{created['id']}", headers=tenant.headers,
+                      status=200).json["data"]
+    assert fetched == {name: value for name, value in created.items() if name != "secret"}
+    assert api.get("/api/v1/webhooks", headers=tenant.headers, status=200).json["data"] == [
+        fetched]
+    monkeypatch.undo()
+    assert "companyId" not in api.get(f"/api/v1/webhooks/{created['id']}",
+                                      headers=tenant.headers).json["data"]
+
 
 def test_operation_ids_are_the_route_functions_named_as_operations():
     document = ordering.openapi_document()
