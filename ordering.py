@@ -2729,8 +2729,24 @@ def orders_json(order_rows, item_rows):
 # ---------------------------------------------------------------------------------------------
 # Sections 7 to 12 are the operations: what the business does, callable without HTTP. Each
 # takes a connection inside a write transaction that its caller opened (so a route can store
-# its idempotency record in the same one), checks tenancy through load_row, emits its events,
-# and returns one kind of thing. They are peers: none reaches forward to a later one.
+# its idempotency record in the same one), checks tenancy through load_row and emits its
+# events. They are peers: none reaches forward to a later one.
+#
+# What they return is one rule. An operation that creates, changes or deletes something
+# returns what is answered for it: the record as its field table in Records shows it (what
+# the API answers, or where the API has no route what a command prints; or a list of them,
+# as a restock's movements), or, for what leaves no record to show (a delete, a revocation, a
+# disabled account, a cleared price, an email sent again), a small answer in the API's words
+# ({"id": ..., "deleted": true}); a change with nothing to show (a cart line's quantity, an
+# address) and a request whose answer must not tell whether an address has an account return
+# None. Lookups and queries (load_*, find_*, require_*, *_of, the paginator, the cart, a
+# stock history) return rows; the reads that need more than a row to make a record
+# (order_with_items, return_record, returns_json, recent_deliveries, the api_* of 11.3)
+# return records. The writers beneath the operations (insert_row, record_movements, emit,
+# queue_email; the idempotency keys, sessions, sign-in throttle and emailed links of 10.3 to
+# 10.5) return what their callers need: an ID, a token, a wait. So routes, pages and commands
+# never make a record of an operation's answer again: a route puts it in its envelope, a page
+# reads it by the API's names, a command prints it.
 
 
 # 7.1 Events ----------------------------------------------------------------------------------
@@ -2903,10 +2919,10 @@ COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_n
 
 def update_company(conn, company_id, changes):
     """Change some of a company's settings ({column of COMPANY_SETTINGS: value}; None or empty
-    clears one); returns the company. Of mail: mail_name (the display name of its emails'
-    From), reply_to and staff_alerts (the addresses that get staff alerts, a list); of the
-    storefront: storefront_approval (required or automatic). A Stripe
-    customer is at most one company's (its paid invoices are that company's invoice.paid)."""
+    clears one); returns the company (company_json). Of mail: mail_name (the display name of
+    its emails' From), reply_to and staff_alerts (the addresses that get staff alerts, a
+    list); of the storefront: storefront_approval (required or automatic). A Stripe customer
+    is at most one company's (its paid invoices are that company's invoice.paid)."""
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
         raise invalid(unknown[0], "is not a company setting")
@@ -2921,7 +2937,7 @@ def update_company(conn, company_id, changes):
     if changed:
         conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in changed)} "
                      "WHERE id = ?", [*changed.values(), company_id])
-    return load_company(conn, company_id)
+    return company_json(load_company(conn, company_id))
 
 
 def company_by_slug(conn, store_slug):
@@ -3011,7 +3027,7 @@ def create_product(conn, company_id, actor=None, opening="initial", **fields):
     insert_row(conn, "products", row)
     record_movements(conn, company_id, [(product_id, row["stock"], row["stock"], opening, None,
                                          None, None, actor or SYSTEM)], at)
-    return load_product(conn, company_id, product_id)
+    return product_json(load_product(conn, company_id, product_id))
 
 
 #: The note of the adjustment a product edit that changes its stock records.
@@ -3028,7 +3044,7 @@ def update_product(conn, company_id, product_id, actor=None, **changes):
         changes["is_active"] = int(bool(changes["is_active"]))
     changed = update_changed(conn, "products", before, changes)
     if not changed:
-        return before
+        return product_json(before)
     after = load_product(conn, company_id, product_id)
     if "stock" in changed:
         record_movements(conn, company_id, [
@@ -3041,7 +3057,7 @@ def update_product(conn, company_id, product_id, actor=None, **changes):
     else:
         emit(conn, company_id, "product.updated", product_updated(after))
     check_low_stock(conn, company_id, after, triggering_order_id=None)
-    return after
+    return product_json(after)
 
 
 def product_updated(product):
@@ -3220,9 +3236,9 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
     elif source == "storefront":
         payload.update(storeSlug=store_slug, source="storefront")
     else:  # staff creating a customer in the dashboard: no customer.created (spec)
-        return customer
+        return customer_json(customer)
     emit(conn, company_id, "customer.created", payload)
-    return customer
+    return customer_json(customer)
 
 
 def storefront_register(conn, store_slug, email, name=None, password=None):
@@ -3678,7 +3694,7 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
     if actor:
         payload["actor"] = actor
     emit(conn, company_id, "return.created", payload)
-    return load_return(conn, company_id, return_id)
+    return return_record(conn, company_id, return_id)
 
 
 def returnable_units(conn, order_id):
@@ -3748,11 +3764,12 @@ def approve_return(conn, company_id, return_id):
     emit(conn, company_id, "return.approved", {
         "id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
         "status": "APPROVED"})
-    return row
+    return returns_json(conn, [row])[0]
 
 
 def receive_return(conn, company_id, return_id):
-    return _move_return(conn, company_id, return_id, "APPROVED", "RECEIVED")
+    return returns_json(conn, [_move_return(conn, company_id, return_id, "APPROVED",
+                                            "RECEIVED")])[0]
 
 
 def refund_return(conn, company_id, return_id, method, good_units, damaged_units,
@@ -4068,6 +4085,7 @@ def _webhook_changes(body, creating):
 
 
 def create_webhook(conn, company_id, body):
+    """A new webhook, answered with its secret (the only answer that carries it)."""
     changes = _webhook_changes(body, creating=True)
     count = conn.execute("SELECT COUNT(*) FROM webhooks WHERE company_id = ?",
                          (company_id,)).fetchone()[0]
@@ -4079,7 +4097,7 @@ def create_webhook(conn, company_id, body):
         "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (webhook_id, company_id, changes["url"], changes["events"], changes.get("is_active", 1),
          new_webhook_secret(), at, at))
-    return load_webhook(conn, company_id, webhook_id)
+    return webhook_json(load_webhook(conn, company_id, webhook_id), with_secret=True)
 
 
 def company_webhooks(conn, company_id):
@@ -4091,7 +4109,7 @@ def company_webhooks(conn, company_id):
 def update_webhook(conn, company_id, webhook_id, body):
     changes = _webhook_changes(body, creating=False)
     update_changed(conn, "webhooks", load_webhook(conn, company_id, webhook_id), changes)
-    return load_webhook(conn, company_id, webhook_id)
+    return webhook_json(load_webhook(conn, company_id, webhook_id))
 
 
 def delete_webhook(conn, company_id, webhook_id):
@@ -4143,7 +4161,8 @@ def email_attempts(conn, email_id):
 
 def send_email_again(conn, company_id, email_id):
     """A failed or unsent email waits again, at once, with retries of its own (backing off
-    from a minute again, for MAIL_RETRY_SECONDS; its Message-ID stays)."""
+    from a minute again, for MAIL_RETRY_SECONDS; its Message-ID stays). No field table shows
+    an email: the answer is small."""
     row = load_email(conn, company_id, email_id)
     if row["state"] not in SENDABLE_AGAIN:
         raise ApiError(422, NOT_SENDABLE_AGAIN)
@@ -4151,7 +4170,7 @@ def send_email_again(conn, company_id, email_id):
     conn.execute("UPDATE emails SET state = 'pending', queued_at = ?, next_attempt_at = ?, "
                  "finished_at = NULL WHERE id = ?", (at, at, email_id))
     announce(email_id)
-    return load_email(conn, company_id, email_id)
+    return {"id": email_id, "queued": True}
 
 
 # 10.3 API keys and idempotency ---------------------------------------------------------------
@@ -4499,8 +4518,9 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
             queue_account_email(conn, company, existing, "account_exists", "/reset")
         return
     status = "PENDING" if company["storefront_approval"] == "required" else "ACTIVE"
-    customer = create_customer(conn, company["id"], body, source="storefront",
-                               store_slug=store_slug, password=password, status=status)
+    created = create_customer(conn, company["id"], body, source="storefront",
+                              store_slug=store_slug, password=password, status=status)
+    customer = load_customer(conn, company["id"], created["id"])
     queue_account_email(conn, company, customer, "account_verify",
                         issue_account_link(conn, customer, "verify", now_ms))
 
@@ -4511,7 +4531,7 @@ def verify_customer_email(conn, store_slug, token, now_ms):
     customer = account_link(conn, company["id"], "verify", token, now_ms, use=True)
     _mark_email_verified(conn, customer)
     clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
-    return customer
+    return customer_json(load_customer(conn, company["id"], customer["id"]))
 
 
 def _mark_email_verified(conn, customer):
@@ -4569,12 +4589,12 @@ def invite_customer(conn, company_id, customer_id, now_ms):
         raise ApiError(409, CUSTOMER_BLOCKED_INVITE)
     queue_account_email(conn, company, customer, "account_invite",
                         issue_account_link(conn, customer, "reset", now_ms))
-    return customer
+    return customer_json(customer)
 
 
 def reset_password(conn, store_slug, token, password, now_ms):
     """The reset link's form: the password is set, the address verified (the link reached it),
-    every session of the customer ends, and an email says so. Returns the customer."""
+    every session of the customer ends, and an email says so."""
     company = company_by_slug(conn, store_slug)
     check_password(password)
     customer = account_link(conn, company["id"], "reset", token, now_ms, use=True)
@@ -4582,7 +4602,7 @@ def reset_password(conn, store_slug, token, password, now_ms):
     _mark_email_verified(conn, customer)
     clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
     queue_account_email(conn, company, customer, "password_changed", "/reset")
-    return customer
+    return customer_json(load_customer(conn, company["id"], customer["id"]))
 
 
 def change_customer_password(conn, company_id, customer_id, current, password):
@@ -4595,6 +4615,7 @@ def change_customer_password(conn, company_id, customer_id, current, password):
     end_account_links(conn, customer_id)
     queue_account_email(conn, load_company(conn, company_id), customer, "password_changed",
                         "/reset")
+    return customer_json(customer)
 
 
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
@@ -4608,7 +4629,7 @@ def update_customer(conn, company_id, customer_id, body):
     before = load_customer(conn, company_id, customer_id)
     changed = update_changed(conn, "customers", before, changes)
     if not changed:
-        return before
+        return customer_json(before)
     after = load_customer(conn, company_id, customer_id)
     payload = {"id": after["id"], "email": after["email"], "name": after["name"],
                "status": after["status"]}
@@ -4620,7 +4641,7 @@ def update_customer(conn, company_id, customer_id, body):
         end_account_links(conn, customer_id, ("verify", "reset"))
     if before["status"] == "PENDING" and after["status"] == "ACTIVE":
         queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
-    return after
+    return customer_json(after)
 
 
 def set_customer_status(conn, company_id, customer_id, status):
@@ -4912,7 +4933,7 @@ def cart_size(conn, customer_id):
 
 
 def add_to_cart(conn, company_id, customer_id, product_id, quantity):
-    """Put quantity more of an active product in the cart."""
+    """Put quantity more of an active product in the cart; returns the product."""
     require_buyer(conn, company_id, customer_id)
     quantity = order_quantity(quantity)
     product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
@@ -4928,7 +4949,7 @@ def add_to_cart(conn, company_id, customer_id, product_id, quantity):
                      "VALUES (?, ?, ?, ?)", (customer_id, product_id, quantity, now_iso()))
     else:
         set_cart_quantity(conn, company_id, customer_id, product_id, line[0] + quantity)
-    return product
+    return product_json(product)
 
 
 def set_cart_quantity(conn, company_id, customer_id, product_id, quantity):
@@ -4977,7 +4998,7 @@ def quick_order(conn, company_id, customer_id, text):
     for row in sorted(rows, key=lambda row: (row["created_at"], row["id"])):
         if row["is_active"]:
             found.setdefault(row["sku"], row)  # a SKU two products share: the older one
-    added = [(found[sku], quantity) for sku, quantity in entries if sku in found]
+    added = [(product_json(found[sku]), quantity) for sku, quantity in entries if sku in found]
     wanted = collections.Counter()
     for product, quantity in added:  # a product once however many lines name it
         wanted[product["id"]] += quantity
@@ -5008,8 +5029,8 @@ def reorder(conn, company_id, customer_id, order_id):
             "SELECT p.*, i.quantity AS ordered FROM order_items i JOIN products p ON p.id = "
             "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,)).fetchall():
         if row["is_active"]:
-            add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
-            added.append((row, row["ordered"]))
+            product = add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
+            added.append((product, row["ordered"]))
         elif row["name"] not in skipped:
             skipped.append(row["name"])
     return {"added": added, "skipped": skipped}
@@ -6419,14 +6440,13 @@ class Api:
     @route("POST", "/api/v1/customers", "customers:write", status=201)
     def create_customer(call):
         """Create a customer"""
-        return {"data": customer_json(create_customer(call.conn, call.company_id, call.body))}
+        return {"data": create_customer(call.conn, call.company_id, call.body)}
 
 
     @route("PATCH", "/api/v1/customers/<customer_id>", "customers:write")
     def update_customer(call, customer_id):
         """Update a customer"""
-        return {"data": customer_json(
-            update_customer(call.conn, call.company_id, customer_id, call.body))}
+        return {"data": update_customer(call.conn, call.company_id, customer_id, call.body)}
 
 
     @route("GET", "/api/v1/webhooks", "webhooks:read")
@@ -6446,15 +6466,13 @@ class Api:
     @route("POST", "/api/v1/webhooks", "webhooks:write", status=201)
     def create_webhook(call):
         """Create a webhook subscription (the only response that carries its secret)"""
-        return {"data": webhook_json(create_webhook(call.conn, call.company_id, call.body),
-                                     with_secret=True)}
+        return {"data": create_webhook(call.conn, call.company_id, call.body)}
 
 
     @route("PATCH", "/api/v1/webhooks/<webhook_id>", "webhooks:write")
     def update_webhook(call, webhook_id):
         """Update a webhook subscription"""
-        return {"data": webhook_json(
-            update_webhook(call.conn, call.company_id, webhook_id, call.body))}
+        return {"data": update_webhook(call.conn, call.company_id, webhook_id, call.body)}
 
 
     @route("DELETE", "/api/v1/webhooks/<webhook_id>", "webhooks:write")
@@ -10045,7 +10063,7 @@ def cmd_company_update(conn, args):
                if getattr(args, option) is not None}
     if args.staff_alerts is not None:
         changes["staff_alerts"] = args.staff_alerts.split(",")
-    return company_json(update_company(conn, args.id, changes))
+    return update_company(conn, args.id, changes)
 
 
 @command("mail-test", "send one test email at once through the mail server and print its "
@@ -10080,7 +10098,7 @@ def cmd_key_revoke(conn, args):
 def cmd_product_create(conn, args):
     fields = _product_fields(args)
     fields["is_active"] = not args.inactive
-    return product_json(create_product(conn, args.company, COMMAND, **fields))
+    return create_product(conn, args.company, COMMAND, **fields)
 
 
 @command("product-update", "edit a product", option("id", metavar="ID", help="product ID"),
@@ -10091,7 +10109,7 @@ def cmd_product_update(conn, args):
     fields = _product_fields(args)
     if args.active is not None:
         fields["is_active"] = args.active
-    return product_json(update_product(conn, company_id, args.id, COMMAND, **fields))
+    return update_product(conn, company_id, args.id, COMMAND, **fields)
 
 
 @command("storefront-register",
@@ -10099,8 +10117,7 @@ def cmd_product_update(conn, args):
          option("--store", required=True, help="company slug"),
          option("--email", required=True), option("--name"), option("--password"))
 def cmd_storefront_register(conn, args):
-    return customer_json(storefront_register(conn, args.store, args.email, args.name,
-                                             args.password))
+    return storefront_register(conn, args.store, args.email, args.name, args.password)
 
 
 def _id_counts(texts, option, shape):
@@ -10164,26 +10181,20 @@ def cmd_return_open(conn, args):
         lines = dict(pairs)
         if len(lines) < len(pairs):
             raise invalid("line", "must name each order item once")
-    company_id = company_of(conn, "Order", args.order)
-    opened = open_return(conn, company_id, args.order, args.reason, args.item_count,
-                         "staff" if args.staff else None, lines)
-    return return_record(conn, company_id, opened["id"])
+    return open_return(conn, company_of(conn, "Order", args.order), args.order, args.reason,
+                       args.item_count, "staff" if args.staff else None, lines)
 
 
 @command("return-approve", "approve a REQUESTED return (return.approved)",
          option("id", metavar="RETURN_ID"))
 def cmd_return_approve(conn, args):
-    company_id = company_of(conn, "Return", args.id)
-    approve_return(conn, company_id, args.id)
-    return return_record(conn, company_id, args.id)
+    return approve_return(conn, company_of(conn, "Return", args.id), args.id)
 
 
 @command("return-receive", "mark an APPROVED return RECEIVED",
          option("id", metavar="RETURN_ID"))
 def cmd_return_receive(conn, args):
-    company_id = company_of(conn, "Return", args.id)
-    receive_return(conn, company_id, args.id)
-    return return_record(conn, company_id, args.id)
+    return receive_return(conn, company_of(conn, "Return", args.id), args.id)
 
 
 def _refund_lines(texts):
