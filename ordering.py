@@ -2768,10 +2768,15 @@ def valid_http_url(url):
 # 11.3, "Records as the database writes them"): change a field in both, and the
 # byte-for-byte test of the reads tells whether they still agree.
 
-#: A record's fields as the API shows them, in order: (API name, column, kind), kind one of
-#: "value" (as stored), "money" (cents, shown as money()) or "flag" (0 or 1, shown as a
-#: boolean). The record's function here and the SQL that has the database write the same
-#: JSON (11.3) are both made from its table: a field is one line.
+#: A record's fields as the API shows them, in order: (API name, column, kind). Kinds:
+#: "value" (as stored), "money" (cents, shown as money()), "flag" (0 or 1, shown as a
+#: boolean), "json" (JSON text, shown as the value it holds), "list" (JSON text of a list,
+#: NULL for none: shown as [] then), "words" (text of words separated by spaces, shown as
+#: their list), "minor" (an amount in the minor unit of the row's currency, shown as
+#: money_in()) and "record" (its column is another field table, read from the same row: a
+#: record within the record). The record's function here and, for products and orders, the
+#: SQL that has the database write the same JSON (11.3) are both made from its table: a
+#: field is one line.
 PRODUCT_FIELDS = (
     ("id", "id", "value"), ("name", "name", "value"), ("sku", "sku", "value"),
     ("description", "description", "value"), ("category", "category", "value"),
@@ -2798,13 +2803,94 @@ ORDER_FIELDS = (
     ("customerId", "customer_id", "value"))
 TRACKING_FIELDS = (("carrier", "tracking_carrier", "value"),
                    ("number", "tracking_number", "value"), ("url", "tracking_url", "value"))
+#: A webhook's secretRotationGraceExpiresAt is shown only while it is to come (webhook_json).
+WEBHOOK_FIELDS = (
+    ("id", "id", "value"), ("url", "url", "value"), ("events", "events", "json"),
+    ("isActive", "is_active", "flag"),
+    ("secretRotationGraceExpiresAt", "grace_expires_at", "value"),
+    ("createdAt", "created_at", "value"), ("updatedAt", "updated_at", "value"))
+#: A webhook's new secret, as rotate_webhook_secret answers (shown this once), and until when
+#: the old one still signs.
+WEBHOOK_SECRET_FIELDS = (
+    ("id", "id", "value"), ("secret", "secret", "value"),
+    ("secretRotationGraceExpiresAt", "grace_expires_at", "value"))
+#: A delivery attempt, read with its event's name (event) and body.
+DELIVERY_FIELDS = (
+    ("id", "id", "value"), ("event", "event", "value"), ("payload", "body", "json"),
+    ("statusCode", "status_code", "value"), ("responseBody", "response_body", "value"),
+    ("durationMs", "duration_ms", "value"), ("success", "success", "flag"),
+    ("createdAt", "attempted_at", "value"))
+#: A return's own fields; its lines and its refund follow them (return_json).
+RETURN_FIELDS = (
+    ("id", "id", "value"), ("orderId", "order_id", "value"),
+    ("customerId", "customer_id", "value"), ("status", "status", "value"),
+    ("reason", "reason", "value"), ("itemCount", "item_count", "value"),
+    ("actor", "actor", "value"), ("createdAt", "created_at", "value"),
+    ("updatedAt", "updated_at", "value"))
+REFUND_BREAKDOWN_FIELDS = (
+    ("goodUnits", "good_units", "value"), ("damagedUnits", "damaged_units", "value"),
+    ("subtotal", "subtotal_cents", "money"))
+REFUND_FIELDS = (
+    ("id", "id", "value"), ("amount", "amount_cents", "money"), ("method", "method", "value"),
+    ("breakdown", REFUND_BREAKDOWN_FIELDS, "record"), ("createdAt", "created_at", "value"))
+#: A refund as refund_return answers and refund.processed carries it: read with its return's
+#: order_id and customer_id.
+PROCESSED_REFUND_FIELDS = (
+    ("id", "id", "value"), ("returnId", "return_id", "value"),
+    ("orderId", "order_id", "value"), ("customerId", "customer_id", "value"),
+    ("amount", "amount_cents", "money"), ("method", "method", "value"),
+    ("breakdown", REFUND_BREAKDOWN_FIELDS, "record"))
+#: Who made a movement (see Actor).
+ACTOR_FIELDS = (("type", "actor_type", "value"), ("id", "actor_id", "value"))
+#: A stock movement: signed change, the level after it, why, what it belongs to, who.
+MOVEMENT_FIELDS = (
+    ("id", "id", "value"), ("productId", "product_id", "value"),
+    ("change", "change", "value"), ("levelAfter", "level_after", "value"),
+    ("reason", "reason", "value"), ("orderId", "order_id", "value"),
+    ("returnId", "return_id", "value"), ("note", "note", "value"),
+    ("actor", ACTOR_FIELDS, "record"), ("createdAt", "created_at", "value"))
+CUSTOMER_PRICE_FIELDS = (
+    ("customerId", "customer_id", "value"), ("productId", "product_id", "value"),
+    ("price", "price_cents", "money"), ("updatedAt", "updated_at", "value"))
+STAFF_FIELDS = (("id", "id", "value"), ("email", "email", "value"),
+                ("companyId", "company_id", "value"))
+COMPANY_FIELDS = (
+    ("id", "id", "value"), ("name", "name", "value"), ("slug", "slug", "value"),
+    ("stripeCustomerId", "stripe_customer_id", "value"), ("mailName", "mail_name", "value"),
+    ("replyTo", "reply_to", "value"), ("staffAlerts", "staff_alerts", "list"),
+    ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
+    ("createdAt", "created_at", "value"))
+#: A new company as create_company answers (it has no settings yet).
+NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
+#: A new API key as create_api_key answers: the key itself, which only its creation has (the
+#: table keeps its hash), and what it may do.
+NEW_KEY_FIELDS = (
+    ("id", "id", "value"), ("key", "key", "value"), ("companyId", "company_id", "value"),
+    ("scopes", "scopes", "words"), ("rateLimit", "rate_limit", "value"),
+    ("expiresAt", "expires_at", "value"))
+#: A paid invoice of the company's subscription, as invoice.paid carries it.
+INVOICE_FIELDS = (
+    ("stripeInvoiceId", "stripe_invoice_id", "value"),
+    ("amountPaid", "amount_paid_minor", "minor"), ("currency", "currency", "value"),
+    ("hostedInvoiceUrl", "hosted_invoice_url", "value"), ("number", "number", "value"),
+    ("periodStart", "period_start", "value"), ("periodEnd", "period_end", "value"))
 
-_SHOWN_AS = {"value": lambda value: value, "money": money, "flag": bool}
+#: How each kind of field is read: (row, column) to the value shown.
+_SHOWN_AS = {
+    "value": lambda row, column: row[column],
+    "money": lambda row, column: money(row[column]),
+    "flag": lambda row, column: bool(row[column]),
+    "json": lambda row, column: json.loads(row[column]),
+    "list": lambda row, column: json.loads(row[column] or "[]"),
+    "words": lambda row, column: row[column].split(),
+    "minor": lambda row, column: money_in(row[column], row["currency"]),
+    "record": lambda row, fields: record_json(fields, row),
+}
 
 
 def record_json(fields, row):
     """A row, read by column name, as the record its field table describes."""
-    return {name: _SHOWN_AS[kind](row[column]) for name, column, kind in fields}
+    return {name: _SHOWN_AS[kind](row, column) for name, column, kind in fields}
 
 
 def product_json(row):
@@ -2835,76 +2921,52 @@ def order_json(row, items):
 
 
 def webhook_json(row, with_secret=False, at=None):
-    grace = row["grace_expires_at"]
-    record = {
-        "id": row["id"],
-        "url": row["url"],
-        "events": json.loads(row["events"]),
-        "isActive": bool(row["is_active"]),
-        "secretRotationGraceExpiresAt": grace if grace and grace > (at or now_iso()) else None,
-        "createdAt": row["created_at"],
-        "updatedAt": row["updated_at"],
-    }
-    if with_secret:
-        record["secret"] = row["secret"]
+    """A webhook; with_secret, its secret too (its creation's answer). Its grace window is
+    shown while it is to come at at (ISO text; now by default)."""
+    record = record_json(WEBHOOK_FIELDS + (("secret", "secret", "value"),) if with_secret
+                         else WEBHOOK_FIELDS, row)
+    grace = record["secretRotationGraceExpiresAt"]
+    if not (grace and grace > (at or now_iso())):
+        record["secretRotationGraceExpiresAt"] = None  # its place in the record stays
     return record
 
 
 def delivery_json(row):
-    return {
-        "id": row["id"],
-        "event": row["event"],
-        "payload": json.loads(row["body"]),
-        "statusCode": row["status_code"],
-        "responseBody": row["response_body"],
-        "durationMs": row["duration_ms"],
-        "success": bool(row["success"]),
-        "createdAt": row["attempted_at"],
-    }
+    return record_json(DELIVERY_FIELDS, row)
 
 
 def return_json(row, lines=(), refund=None):
     """A return with its lines (rows: order item ID, product ID, units; none for a return
     opened before lines were recorded) and its refund's row, or None before it."""
-    return {"id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
-            "status": row["status"], "reason": row["reason"], "itemCount": row["item_count"],
-            "actor": row["actor"], "createdAt": row["created_at"], "updatedAt": row["updated_at"],
-            "lines": [{"orderItemId": item_id, "productId": product_id, "units": units}
-                      for item_id, product_id, units in lines],
-            "refund": None if refund is None else refund_json(refund)}
+    record = record_json(RETURN_FIELDS, row)
+    record["lines"] = [{"orderItemId": item_id, "productId": product_id, "units": units}
+                       for item_id, product_id, units in lines]
+    record["refund"] = None if refund is None else refund_json(refund)
+    return record
 
 
 def refund_json(row):
-    return {"id": row["id"], "amount": money(row["amount_cents"]), "method": row["method"],
-            "breakdown": {"goodUnits": row["good_units"], "damagedUnits": row["damaged_units"],
-                          "subtotal": money(row["subtotal_cents"])},
-            "createdAt": row["created_at"]}
+    return record_json(REFUND_FIELDS, row)
 
 
 def movement_json(row):
-    """A stock movement: signed change, the level after it, why, what it belongs to, who."""
-    return {"id": row["id"], "productId": row["product_id"], "change": row["change"],
-            "levelAfter": row["level_after"], "reason": row["reason"],
-            "orderId": row["order_id"], "returnId": row["return_id"], "note": row["note"],
-            "actor": {"type": row["actor_type"], "id": row["actor_id"]},
-            "createdAt": row["created_at"]}
+    return record_json(MOVEMENT_FIELDS, row)
 
 
-def customer_price_json(customer_id, product_id, price_cents, updated_at):
-    return {"customerId": customer_id, "productId": product_id, "price": money(price_cents),
-            "updatedAt": updated_at}
+def customer_price_json(row):
+    return record_json(CUSTOMER_PRICE_FIELDS, row)
 
 
 def staff_json(row):
-    return {"id": row["id"], "email": row["email"], "companyId": row["company_id"]}
+    return record_json(STAFF_FIELDS, row)
 
 
 def company_json(row):
-    return {"id": row["id"], "name": row["name"], "slug": row["slug"],
-            "stripeCustomerId": row["stripe_customer_id"], "mailName": row["mail_name"],
-            "replyTo": row["reply_to"], "staffAlerts": json.loads(row["staff_alerts"] or "[]"),
-            "storefrontApproval": row["storefront_approval"], "taxRate": row["tax_rate"],
-            "createdAt": row["created_at"]}
+    return record_json(COMPANY_FIELDS, row)
+
+
+def invoice_json(row):
+    return record_json(INVOICE_FIELDS, row)
 
 
 def orders_json(order_rows, item_rows):
@@ -2921,8 +2983,24 @@ def orders_json(order_rows, item_rows):
 # ---------------------------------------------------------------------------------------------
 # Sections 7 to 12 are the operations: what the business does, callable without HTTP. Each
 # takes a connection inside a write transaction that its caller opened (so a route can store
-# its idempotency record in the same one), checks tenancy through load_row, emits its events,
-# and returns one kind of thing. They are peers: none reaches forward to a later one.
+# its idempotency record in the same one), checks tenancy through load_row and emits its
+# events. They are peers: none reaches forward to a later one.
+#
+# What they return is one rule. An operation that creates, changes or deletes something
+# returns what is answered for it: the record as its field table in Records shows it (what
+# the API answers, or where the API has no route what a command prints; or a list of them,
+# as a restock's movements), or, for what leaves no record to show (a delete, a revocation, a
+# disabled account, a cleared price, an email sent again), a small answer in the API's words
+# ({"id": ..., "deleted": true}); a change with nothing to show (a cart line's quantity, an
+# address) and a request whose answer must not tell whether an address has an account return
+# None. Lookups and queries (load_*, find_*, require_*, *_of, the paginator, the cart, a
+# stock history) return rows; the reads that need more than a row to make a record
+# (order_with_items, return_record, returns_json, recent_deliveries, the api_* of 11.3)
+# return records. The writers beneath the operations (insert_row, record_movements, emit,
+# queue_email; the idempotency keys, sessions, sign-in throttle and emailed links of 10.3 to
+# 10.5) return what their callers need: an ID, a token, a wait. So routes, pages and commands
+# never make a record of an operation's answer again: a route puts it in its envelope, a page
+# reads it by the API's names, a command prints it.
 
 
 # 7.1 Events ----------------------------------------------------------------------------------
@@ -3042,9 +3120,9 @@ def create_company(conn, name, slug=None):
     if conn.execute("SELECT 1 FROM companies WHERE slug = ?", (slug,)).fetchone():
         raise ApiError(409, f'A company with slug "{slug}" already exists.')
     company_id, at = new_id_at("co")
-    conn.execute("INSERT INTO companies (id, name, slug, created_at) VALUES (?, ?, ?, ?)",
-                 (company_id, name, slug, at))
-    return {"id": company_id, "name": name, "slug": slug}
+    row = {"id": company_id, "name": name, "slug": slug, "created_at": at}
+    insert_row(conn, "companies", row)
+    return record_json(NEW_COMPANY_FIELDS, row)
 
 
 def _stripe_customer(value):
@@ -3107,10 +3185,10 @@ COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_n
 
 def update_company(conn, company_id, changes):
     """Change some of a company's settings ({column of COMPANY_SETTINGS: value}; None or empty
-    clears one); returns the company. Of mail: mail_name (the display name of its emails'
-    From), reply_to and staff_alerts (the addresses that get staff alerts, a list); of the
-    storefront: storefront_approval (required or automatic). A Stripe
-    customer is at most one company's (its paid invoices are that company's invoice.paid)."""
+    clears one); returns the company (company_json). Of mail: mail_name (the display name of
+    its emails' From), reply_to and staff_alerts (the addresses that get staff alerts, a
+    list); of the storefront: storefront_approval (required or automatic). A Stripe customer
+    is at most one company's (its paid invoices are that company's invoice.paid)."""
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
         raise invalid(unknown[0], "is not a company setting")
@@ -3125,7 +3203,7 @@ def update_company(conn, company_id, changes):
     if changed:
         conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in changed)} "
                      "WHERE id = ?", [*changed.values(), company_id])
-    return load_company(conn, company_id)
+    return company_json(load_company(conn, company_id))
 
 
 def company_by_slug(conn, store_slug):
@@ -3215,7 +3293,7 @@ def create_product(conn, company_id, actor=None, opening="initial", **fields):
     insert_row(conn, "products", row)
     record_movements(conn, company_id, [(product_id, row["stock"], row["stock"], opening, None,
                                          None, None, actor or SYSTEM)], at)
-    return load_product(conn, company_id, product_id)
+    return product_json(load_product(conn, company_id, product_id))
 
 
 #: The note of the adjustment a product edit that changes its stock records.
@@ -3232,7 +3310,7 @@ def update_product(conn, company_id, product_id, actor=None, **changes):
         changes["is_active"] = int(bool(changes["is_active"]))
     changed = update_changed(conn, "products", before, changes)
     if not changed:
-        return before
+        return product_json(before)
     after = load_product(conn, company_id, product_id)
     if "stock" in changed:
         record_movements(conn, company_id, [
@@ -3245,7 +3323,7 @@ def update_product(conn, company_id, product_id, actor=None, **changes):
     else:
         emit(conn, company_id, "product.updated", product_updated(after))
     check_low_stock(conn, company_id, after, triggering_order_id=None)
-    return after
+    return product_json(after)
 
 
 def product_updated(product):
@@ -3432,9 +3510,9 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
     elif source == "storefront":
         payload.update(storeSlug=store_slug, source="storefront")
     else:  # staff creating a customer in the dashboard: no customer.created (spec)
-        return customer
+        return customer_json(customer)
     emit(conn, company_id, "customer.created", payload)
-    return customer
+    return customer_json(customer)
 
 
 def storefront_register(conn, store_slug, email, name=None, password=None):
@@ -3471,7 +3549,8 @@ def set_customer_price(conn, company_id, customer_id, product_id, price_cents):
         "updated_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (customer_id, product_id) DO UPDATE "
         "SET price_cents = excluded.price_cents, updated_at = excluded.updated_at",
         (customer_id, product_id, company_id, price_cents, at))
-    return customer_price_json(customer_id, product_id, price_cents, at)
+    return customer_price_json({"customer_id": customer_id, "product_id": product_id,
+                                "price_cents": price_cents, "updated_at": at})
 
 
 def clear_customer_price(conn, company_id, customer_id, product_id):
@@ -3893,7 +3972,7 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
     if actor:
         payload["actor"] = actor
     emit(conn, company_id, "return.created", payload)
-    return load_return(conn, company_id, return_id)
+    return return_record(conn, company_id, return_id)
 
 
 def returnable_units(conn, order_id):
@@ -3963,22 +4042,24 @@ def approve_return(conn, company_id, return_id):
     emit(conn, company_id, "return.approved", {
         "id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
         "status": "APPROVED"})
-    return row
+    return returns_json(conn, [row])[0]
 
 
 def receive_return(conn, company_id, return_id):
-    return _move_return(conn, company_id, return_id, "APPROVED", "RECEIVED")
+    return returns_json(conn, [_move_return(conn, company_id, return_id, "APPROVED",
+                                            "RECEIVED")])[0]
 
 
 def refund_return(conn, company_id, return_id, method, good_units, damaged_units,
                   subtotal_cents, amount_cents=None, lines=None, actor=None):
-    """The refund row that moves a return RECEIVED to REFUNDED; amount defaults to the
-    subtotal and may be overridden. The good units of each line go back to its product's
-    stock (a return movement, made by actor), the damaged ones do not: lines, {order item ID:
-    (good, damaged)}, say so for the return's lines (the breakdown's goodUnits and
-    damagedUnits are then their sums, and may be None); without lines the two are split over
-    the return's lines where that can be done one way only (see refund_restock). A return
-    that records no lines (the older form) moves no stock."""
+    """The refund that moves a return RECEIVED to REFUNDED (PROCESSED_REFUND_FIELDS, as
+    refund.processed carries it); amount defaults to the subtotal and may be overridden. The
+    good units of each line go back to its product's stock (a return movement, made by
+    actor), the damaged ones do not: lines, {order item ID: (good, damaged)}, say so for the
+    return's lines (the breakdown's goodUnits and damagedUnits are then their sums, and may
+    be None); without lines the two are split over the return's lines where that can be done
+    one way only (see refund_restock). A return that records no lines (the older form) moves
+    no stock."""
     if method not in REFUND_METHODS:
         raise invalid("method", f"must be {' or '.join(REFUND_METHODS)}")
     if lines is not None:
@@ -4004,19 +4085,17 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     if not 1 <= good_units + damaged_units <= came_back:
         raise invalid("goodUnits", REFUND_UNITS.format(units=came_back))
     refund_id, at = new_id_at("ref")
-    conn.execute(
-        "INSERT INTO refunds (id, company_id, return_id, amount_cents, method, good_units, "
-        "damaged_units, subtotal_cents, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (refund_id, company_id, return_id, amount_cents, method, good_units, damaged_units,
-         subtotal_cents, at))
+    refund = {"id": refund_id, "company_id": company_id, "return_id": return_id,
+              "amount_cents": amount_cents, "method": method, "good_units": good_units,
+              "damaged_units": damaged_units, "subtotal_cents": subtotal_cents,
+              "created_at": at}
+    insert_row(conn, "refunds", refund)
     move_stock(conn, company_id, restock, "return", actor or SYSTEM, order_id=row["order_id"],
                return_id=return_id)
-    payload = {"id": refund_id, "returnId": return_id, "orderId": row["order_id"],
-               "customerId": row["customer_id"], "amount": money(amount_cents), "method": method,
-               "breakdown": {"goodUnits": good_units, "damagedUnits": damaged_units,
-                             "subtotal": money(subtotal_cents)}}
-    emit(conn, company_id, "refund.processed", payload)
-    return payload
+    processed = record_json(PROCESSED_REFUND_FIELDS, dict(
+        refund, order_id=row["order_id"], customer_id=row["customer_id"]))
+    emit(conn, company_id, "refund.processed", processed)
+    return processed
 
 
 def units_returned(conn, return_row):
@@ -4105,7 +4184,8 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
                         hosted_invoice_url, number, period_start, period_end):
     """A paid invoice of the company's own subscription, as the billing provider reports it;
     amount_paid is in the currency's minor unit (see money_in). Stripe's webhook and the
-    invoice-paid command both record through here."""
+    invoice-paid command both record through here. Returns the invoice as invoice.paid
+    carries it."""
     load_company(conn, company_id)
     for field, value in (("stripeInvoiceId", stripe_invoice_id), ("number", number)):
         if not value:
@@ -4127,17 +4207,14 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
                     (stripe_invoice_id,)).fetchone():
         raise ApiError(409, f'Invoice "{stripe_invoice_id}" was already recorded.')
     invoice_id, at = new_id_at("inv")
-    conn.execute(
-        "INSERT INTO invoices (id, company_id, stripe_invoice_id, amount_paid_minor, currency, "
-        "hosted_invoice_url, number, period_start, period_end, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (invoice_id, company_id, stripe_invoice_id, amount_paid, currency,
-         hosted_invoice_url, number, period[0], period[1], at))
-    payload = {"stripeInvoiceId": stripe_invoice_id, "amountPaid": money_in(amount_paid, currency),
-               "currency": currency, "hostedInvoiceUrl": hosted_invoice_url, "number": number,
-               "periodStart": period[0], "periodEnd": period[1]}
-    emit(conn, company_id, "invoice.paid", payload)
-    return payload
+    row = {"id": invoice_id, "company_id": company_id, "stripe_invoice_id": stripe_invoice_id,
+           "amount_paid_minor": amount_paid, "currency": currency,
+           "hosted_invoice_url": hosted_invoice_url, "number": number,
+           "period_start": period[0], "period_end": period[1], "created_at": at}
+    insert_row(conn, "invoices", row)
+    invoice = invoice_json(row)
+    emit(conn, company_id, "invoice.paid", invoice)
+    return invoice
 
 
 # 9.3 Billing ---------------------------------------------------------------------------------
@@ -4286,6 +4363,7 @@ def _webhook_changes(body, creating):
 
 
 def create_webhook(conn, company_id, body):
+    """A new webhook, answered with its secret (the only answer that carries it)."""
     changes = _webhook_changes(body, creating=True)
     count = conn.execute("SELECT COUNT(*) FROM webhooks WHERE company_id = ?",
                          (company_id,)).fetchone()[0]
@@ -4297,7 +4375,7 @@ def create_webhook(conn, company_id, body):
         "updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
         (webhook_id, company_id, changes["url"], changes["events"], changes.get("is_active", 1),
          new_webhook_secret(), at, at))
-    return load_webhook(conn, company_id, webhook_id)
+    return webhook_json(load_webhook(conn, company_id, webhook_id), with_secret=True)
 
 
 def company_webhooks(conn, company_id):
@@ -4309,7 +4387,7 @@ def company_webhooks(conn, company_id):
 def update_webhook(conn, company_id, webhook_id, body):
     changes = _webhook_changes(body, creating=False)
     update_changed(conn, "webhooks", load_webhook(conn, company_id, webhook_id), changes)
-    return load_webhook(conn, company_id, webhook_id)
+    return webhook_json(load_webhook(conn, company_id, webhook_id))
 
 
 def delete_webhook(conn, company_id, webhook_id):
@@ -4329,7 +4407,8 @@ def rotate_webhook_secret(conn, company_id, webhook_id, grace_hours=WEBHOOK_SECR
     conn.execute("UPDATE webhooks SET secret = ?, old_secret = ?, grace_expires_at = ?, "
                  "updated_at = ? WHERE id = ?",
                  (secret, row["secret"] if grace else None, grace, now_iso(), webhook_id))
-    return {"id": webhook_id, "secret": secret, "secretRotationGraceExpiresAt": grace}
+    return record_json(WEBHOOK_SECRET_FIELDS, {"id": webhook_id, "secret": secret,
+                                               "grace_expires_at": grace})
 
 
 def recent_deliveries(conn, webhook_id, count=DELIVERIES_SHOWN):
@@ -4360,7 +4439,8 @@ def email_attempts(conn, email_id):
 
 def send_email_again(conn, company_id, email_id):
     """A failed or unsent email waits again, at once, with retries of its own (backing off
-    from a minute again, for MAIL_RETRY_SECONDS; its Message-ID stays)."""
+    from a minute again, for MAIL_RETRY_SECONDS; its Message-ID stays). No field table shows
+    an email: the answer is small."""
     row = load_email(conn, company_id, email_id)
     if row["state"] not in SENDABLE_AGAIN:
         raise ApiError(422, NOT_SENDABLE_AGAIN)
@@ -4368,7 +4448,7 @@ def send_email_again(conn, company_id, email_id):
     conn.execute("UPDATE emails SET state = 'pending', queued_at = ?, next_attempt_at = ?, "
                  "finished_at = NULL WHERE id = ?", (at, at, email_id))
     announce(email_id)
-    return load_email(conn, company_id, email_id)
+    return {"id": email_id, "queued": True}
 
 
 # 10.3 API keys and idempotency ---------------------------------------------------------------
@@ -4388,12 +4468,11 @@ def create_api_key(conn, company_id, scopes, rate_limit=DEFAULT_KEY_RATE_LIMIT, 
         raise invalid("rateLimit", "must be a positive whole number")
     key = "sk_" + secrets.token_urlsafe(32)
     key_id, at = new_id_at("key")
-    conn.execute(
-        "INSERT INTO api_keys (id, company_id, key_hash, scopes, rate_limit, expires_at, "
-        "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (key_id, company_id, hash_key(key), " ".join(scopes), rate_limit, expires_at, at))
-    return {"id": key_id, "key": key, "companyId": company_id, "scopes": list(scopes),
-            "rateLimit": rate_limit, "expiresAt": expires_at}
+    row = {"id": key_id, "company_id": company_id, "key_hash": hash_key(key),
+           "scopes": " ".join(scopes), "rate_limit": rate_limit, "expires_at": expires_at,
+           "created_at": at}
+    insert_row(conn, "api_keys", row)
+    return record_json(NEW_KEY_FIELDS, dict(row, key=key))
 
 
 def revoke_api_key(conn, company_id, key_id):
@@ -4717,8 +4796,9 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
             queue_account_email(conn, company, existing, "account_exists", "/reset")
         return
     status = "PENDING" if company["storefront_approval"] == "required" else "ACTIVE"
-    customer = create_customer(conn, company["id"], body, source="storefront",
-                               store_slug=store_slug, password=password, status=status)
+    created = create_customer(conn, company["id"], body, source="storefront",
+                              store_slug=store_slug, password=password, status=status)
+    customer = load_customer(conn, company["id"], created["id"])
     queue_account_email(conn, company, customer, "account_verify",
                         issue_account_link(conn, customer, "verify", now_ms))
 
@@ -4729,7 +4809,7 @@ def verify_customer_email(conn, store_slug, token, now_ms):
     customer = account_link(conn, company["id"], "verify", token, now_ms, use=True)
     _mark_email_verified(conn, customer)
     clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
-    return customer
+    return customer_json(load_customer(conn, company["id"], customer["id"]))
 
 
 def _mark_email_verified(conn, customer):
@@ -4787,12 +4867,12 @@ def invite_customer(conn, company_id, customer_id, now_ms):
         raise ApiError(409, CUSTOMER_BLOCKED_INVITE)
     queue_account_email(conn, company, customer, "account_invite",
                         issue_account_link(conn, customer, "reset", now_ms))
-    return customer
+    return customer_json(customer)
 
 
 def reset_password(conn, store_slug, token, password, now_ms):
     """The reset link's form: the password is set, the address verified (the link reached it),
-    every session of the customer ends, and an email says so. Returns the customer."""
+    every session of the customer ends, and an email says so."""
     company = company_by_slug(conn, store_slug)
     check_password(password)
     customer = account_link(conn, company["id"], "reset", token, now_ms, use=True)
@@ -4800,7 +4880,7 @@ def reset_password(conn, store_slug, token, password, now_ms):
     _mark_email_verified(conn, customer)
     clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
     queue_account_email(conn, company, customer, "password_changed", "/reset")
-    return customer
+    return customer_json(load_customer(conn, company["id"], customer["id"]))
 
 
 def change_customer_password(conn, company_id, customer_id, current, password):
@@ -4813,6 +4893,7 @@ def change_customer_password(conn, company_id, customer_id, current, password):
     end_account_links(conn, customer_id)
     queue_account_email(conn, load_company(conn, company_id), customer, "password_changed",
                         "/reset")
+    return customer_json(customer)
 
 
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
@@ -4826,7 +4907,7 @@ def update_customer(conn, company_id, customer_id, body):
     before = load_customer(conn, company_id, customer_id)
     changed = update_changed(conn, "customers", before, changes)
     if not changed:
-        return before
+        return customer_json(before)
     after = load_customer(conn, company_id, customer_id)
     payload = {"id": after["id"], "email": after["email"], "name": after["name"],
                "status": after["status"]}
@@ -4838,7 +4919,7 @@ def update_customer(conn, company_id, customer_id, body):
         end_account_links(conn, customer_id, ("verify", "reset"))
     if before["status"] == "PENDING" and after["status"] == "ACTIVE":
         queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
-    return after
+    return customer_json(after)
 
 
 def set_customer_status(conn, company_id, customer_id, status):
@@ -5132,7 +5213,7 @@ def cart_size(conn, customer_id):
 
 
 def add_to_cart(conn, company_id, customer_id, product_id, quantity):
-    """Put quantity more of an active product in the cart."""
+    """Put quantity more of an active product in the cart; returns the product."""
     require_buyer(conn, company_id, customer_id)
     quantity = order_quantity(quantity)
     product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
@@ -5148,7 +5229,7 @@ def add_to_cart(conn, company_id, customer_id, product_id, quantity):
                      "VALUES (?, ?, ?, ?)", (customer_id, product_id, quantity, now_iso()))
     else:
         set_cart_quantity(conn, company_id, customer_id, product_id, line[0] + quantity)
-    return product
+    return product_json(product)
 
 
 def set_cart_quantity(conn, company_id, customer_id, product_id, quantity):
@@ -5197,7 +5278,7 @@ def quick_order(conn, company_id, customer_id, text):
     for row in sorted(rows, key=lambda row: (row["created_at"], row["id"])):
         if row["is_active"]:
             found.setdefault(row["sku"], row)  # a SKU two products share: the older one
-    added = [(found[sku], quantity) for sku, quantity in entries if sku in found]
+    added = [(product_json(found[sku]), quantity) for sku, quantity in entries if sku in found]
     wanted = collections.Counter()
     for product, quantity in added:  # a product once however many lines name it
         wanted[product["id"]] += quantity
@@ -5228,8 +5309,8 @@ def reorder(conn, company_id, customer_id, order_id):
             "SELECT p.*, i.quantity AS ordered FROM order_items i JOIN products p ON p.id = "
             "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,)).fetchall():
         if row["is_active"]:
-            add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
-            added.append((row, row["ordered"]))
+            product = add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
+            added.append((product, row["ordered"]))
         elif row["name"] not in skipped:
             skipped.append(row["name"])
     return {"added": added, "skipped": skipped}
@@ -6639,14 +6720,13 @@ class Api:
     @route("POST", "/api/v1/customers", "customers:write", status=201)
     def create_customer(call):
         """Create a customer"""
-        return {"data": customer_json(create_customer(call.conn, call.company_id, call.body))}
+        return {"data": create_customer(call.conn, call.company_id, call.body)}
 
 
     @route("PATCH", "/api/v1/customers/<customer_id>", "customers:write")
     def update_customer(call, customer_id):
         """Update a customer"""
-        return {"data": customer_json(
-            update_customer(call.conn, call.company_id, customer_id, call.body))}
+        return {"data": update_customer(call.conn, call.company_id, customer_id, call.body)}
 
 
     @route("GET", "/api/v1/webhooks", "webhooks:read")
@@ -6666,15 +6746,13 @@ class Api:
     @route("POST", "/api/v1/webhooks", "webhooks:write", status=201)
     def create_webhook(call):
         """Create a webhook subscription (the only response that carries its secret)"""
-        return {"data": webhook_json(create_webhook(call.conn, call.company_id, call.body),
-                                     with_secret=True)}
+        return {"data": create_webhook(call.conn, call.company_id, call.body)}
 
 
     @route("PATCH", "/api/v1/webhooks/<webhook_id>", "webhooks:write")
     def update_webhook(call, webhook_id):
         """Update a webhook subscription"""
-        return {"data": webhook_json(
-            update_webhook(call.conn, call.company_id, webhook_id, call.body))}
+        return {"data": update_webhook(call.conn, call.company_id, webhook_id, call.body)}
 
 
     @route("DELETE", "/api/v1/webhooks/<webhook_id>", "webhooks:write")
@@ -9002,8 +9080,8 @@ def settings_fields(visit, company):
         approval=visit.select("storefrontApproval", "New storefront accounts", (
             ("required", "wait for approval by staff (required)"),
             ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
-        tax_rate=visit.field("taxRate", "Tax rate: a fraction from 0 to 0.3 (0.0825 is 8.25%; "
-                             "a customer's own rate wins)",
+        tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} "
+                             "(0.0825 is 8.25%; a customer's own rate wins)",
                              format(exact_rate(company["tax_rate"]).normalize(), "f"),
                              inputmode="decimal"))
 
@@ -10251,14 +10329,14 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                 help="whether new storefront accounts wait for the staff's approval "
                      "(required, the default) or are active at once (automatic)"),
          option("--tax-rate", metavar="RATE",
-                help="the company-wide tax rate, a fraction from 0 to 0.3 (0.0825 is 8.25%%; "
-                     "0 charges none); a customer's override wins"))
+                help=f"the company-wide tax rate, a fraction from 0 to {MAX_TAX_RATE} "
+                     "(0.0825 is 8.25%%; 0 charges none); a customer's override wins"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}
     if args.staff_alerts is not None:
         changes["staff_alerts"] = args.staff_alerts.split(",")
-    return company_json(update_company(conn, args.id, changes))
+    return update_company(conn, args.id, changes)
 
 
 @command("mail-test", "send one test email at once through the mail server and print its "
@@ -10293,7 +10371,7 @@ def cmd_key_revoke(conn, args):
 def cmd_product_create(conn, args):
     fields = _product_fields(args)
     fields["is_active"] = not args.inactive
-    return product_json(create_product(conn, args.company, COMMAND, **fields))
+    return create_product(conn, args.company, COMMAND, **fields)
 
 
 @command("product-update", "edit a product", option("id", metavar="ID", help="product ID"),
@@ -10304,7 +10382,7 @@ def cmd_product_update(conn, args):
     fields = _product_fields(args)
     if args.active is not None:
         fields["is_active"] = args.active
-    return product_json(update_product(conn, company_id, args.id, COMMAND, **fields))
+    return update_product(conn, company_id, args.id, COMMAND, **fields)
 
 
 @command("storefront-register",
@@ -10312,8 +10390,7 @@ def cmd_product_update(conn, args):
          option("--store", required=True, help="company slug"),
          option("--email", required=True), option("--name"), option("--password"))
 def cmd_storefront_register(conn, args):
-    return customer_json(storefront_register(conn, args.store, args.email, args.name,
-                                             args.password))
+    return storefront_register(conn, args.store, args.email, args.name, args.password)
 
 
 def _id_counts(texts, option, shape):
@@ -10377,26 +10454,20 @@ def cmd_return_open(conn, args):
         lines = dict(pairs)
         if len(lines) < len(pairs):
             raise invalid("line", "must name each order item once")
-    company_id = company_of(conn, "Order", args.order)
-    opened = open_return(conn, company_id, args.order, args.reason, args.item_count,
-                         "staff" if args.staff else None, lines)
-    return return_record(conn, company_id, opened["id"])
+    return open_return(conn, company_of(conn, "Order", args.order), args.order, args.reason,
+                       args.item_count, "staff" if args.staff else None, lines)
 
 
 @command("return-approve", "approve a REQUESTED return (return.approved)",
          option("id", metavar="RETURN_ID"))
 def cmd_return_approve(conn, args):
-    company_id = company_of(conn, "Return", args.id)
-    approve_return(conn, company_id, args.id)
-    return return_record(conn, company_id, args.id)
+    return approve_return(conn, company_of(conn, "Return", args.id), args.id)
 
 
 @command("return-receive", "mark an APPROVED return RECEIVED",
          option("id", metavar="RETURN_ID"))
 def cmd_return_receive(conn, args):
-    company_id = company_of(conn, "Return", args.id)
-    receive_return(conn, company_id, args.id)
-    return return_record(conn, company_id, args.id)
+    return receive_return(conn, company_of(conn, "Return", args.id), args.id)
 
 
 def _refund_lines(texts):
