@@ -9,10 +9,10 @@ ones above it.
   1. Settings      every tunable, read once from flags and environment, checked at start:
                    1.1 mail settings (the mail server URL, sender, base URL, CA file);
                    1.2 the settings
-  2. Storage       2.1 schema and migrations; 2.2 claimers (which process holds a claim, and
-                   whether it lives); 2.3 shared rate counters; 2.4 engines (SQLite,
-                   PostgreSQL: all that differs between them, one method each); 2.5 the
-                   database and its write transaction (group commit, savepoints)
+  2. Storage       2.1 schema and migrations (and copying a table); 2.2 claimers (which
+                   process holds a claim, and whether it lives); 2.3 shared rate counters;
+                   2.4 engines (SQLite, PostgreSQL: all that differs between them, one method
+                   each); 2.5 the database and its write transaction (group commit, savepoints)
   3. Values        IDs, timestamps, money, JavaScript-like integer and date parsing, key and
                    password hashes (one scheme, scrypt), JSON text; 3.1 currencies (amounts in
                    their minor unit, for billing)
@@ -23,7 +23,7 @@ ones above it.
   5. Errors and validation   ApiError; 5.1 messages, enumerations and limits (the spec's,
                    each once, and ours); 5.2 validators (and the refusals they raise)
   6. Records       rows to the JSON the API shows, one function per record type; no SQL
-  7. Events and tenancy   the operations begin (sections 7 to 12: what the business
+  7. Events and tenancy   the operations begin (sections 7 to 11: what the business
                    does, without HTTP): 7.1 events (the catalog, emit() into the outbox);
                    7.2 email (queue_email(), written like an event); 7.3 rows and tenancy
                    (load_row, the one "fetch or 404")
@@ -43,28 +43,29 @@ ones above it.
                    11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
                    checkout, a buyer's orders); 11.3 records as the database writes them (the
                    API's reads of products and orders)
- 12. The demo and copies   12.1 the demo; 12.2 copies (backup, copy-to)
- 13. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
-                   for any channel; 13.1 webhooks (signing, address checks, the POST); 13.2 email
-                   (SMTP, TLS, retries, message building); 13.3 channels (which ones an app's
+ 12. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
+                   for any channel; 12.1 webhooks (signing, address checks, the POST); 12.2 email
+                   (SMTP, TLS, retries, message building); 12.3 channels (which ones an app's
                    outbox sends)
- 14. HTTP API      14.1 routes (class Api: parse, call an operation, wrap); 14.2 billing
-                   (Stripe's signed webhook, beside the API); 14.3 serving the API (the
+ 13. HTTP API      13.1 routes (class Api: parse, call an operation, wrap); 13.2 billing
+                   (Stripe's signed webhook, beside the API); 13.3 serving the API (the
                    Service: auth, scopes, rate limits, idempotency, housekeeping, errors)
- 15. OpenAPI       the document built from the route table: 15.1 event payloads;
-                   15.2 operations of the API; 15.3 responses, headers and parameters every
+ 14. OpenAPI       the document built from the route table: 14.1 event payloads;
+                   14.2 operations of the API; 14.3 responses, headers and parameters every
                    operation shares
- 16. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
-                   Surface: sign-in, sessions and security headers); 16.1 dashboard (the
-                   staff's pages at /dashboard); 16.2 billing, emails and settings (the
-                   company's own); 16.3 storefront (the buyers' pages at /store/{slug}:
+ 15. Web pages     the kit every HTML surface shares (forms, CSRF, the page registry, the
+                   Surface: sign-in, sessions and security headers); 15.1 dashboard (the
+                   staff's pages at /dashboard); 15.2 billing, emails and settings (the
+                   company's own); 15.3 storefront (the buyers' pages at /store/{slug}:
                    register, sign in, reset; then ordering: catalog, cart and quick order,
                    checkout, orders, returns)
- 17. App           create_app() installs every surface
- 18. Server        serve and its workers, the access log
- 19. Commands      the operator commands, each declared by @command above its handler
-                   (staff-create, demo, backup, copy-to, ...), and main(); 19.1 former names
-                   (kept one release after a rename)
+ 16. App           create_app() installs every surface
+ 17. Server        serve and its workers, the access log
+ 18. Commands      the operator commands, each declared by @command above its handler:
+                   18.1 the demo (its company, catalog, customers and keys); 18.2 copies
+                   (backup, copy-to); 18.3 the commands (staff-create, demo, backup,
+                   copy-to, ...), the parser and main(); 18.4 former names (kept one release
+                   after a rename)
 """
 
 import argparse
@@ -645,6 +646,52 @@ def tables_in_order():
     """The tables of schema.sql in the order it creates them (each after those it refers to)."""
     return [re.search(r"CREATE TABLE IF NOT EXISTS (\w+)", statement).group(1)
             for statement in schema_statements() if "CREATE TABLE" in statement]
+
+
+def primary_key(table):
+    """The primary key columns of a table of schema.sql, as an ORDER BY list."""
+    statement = table_statement(table)
+    match = (re.search(r"PRIMARY KEY \(([^)]*)\)", statement)
+             or re.search(r"(\w+) +\w+ +PRIMARY KEY", statement))
+    return match.group(1)
+
+
+#: Rows a table's copy or digest reads at a time: memory stays bounded whatever it holds.
+COPY_BATCH = 1000
+
+
+def first_table_with_rows(conn):
+    """The first table of schema.sql that holds a row, or None (an empty database)."""
+    return next((table for table in tables_in_order()
+                 if conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone() is not None),
+                None)
+
+
+def copy_table(source, target, table):
+    """Every row of a table read through the source connection, in primary key order,
+    inserted through the target's, a batch at a time; returns its columns as a SELECT
+    lists them. By name, not by position: the two databases need not order their columns
+    alike."""
+    rows = source.execute(f"SELECT * FROM {table} ORDER BY {primary_key(table)}")
+    columns = ", ".join(column[0] for column in rows.description)
+    insert = (f"INSERT INTO {table} ({columns}) "
+              f"VALUES ({', '.join(['?'] * len(rows.description))})")
+    while batch := rows.fetchmany(COPY_BATCH):
+        target.executemany(insert, [tuple(row) for row in batch])
+    return columns
+
+
+def table_digest(conn, table, columns):
+    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
+    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
+    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
+    digest, count = hashlib.sha256(), 0
+    rows = conn.execute(f"SELECT {columns} FROM {table} ORDER BY {primary_key(table)}")
+    while batch := rows.fetchmany(COPY_BATCH):
+        for row in batch:
+            digest.update(repr(tuple(row)).encode() + b"\n")
+        count += len(batch)
+    return {"rows": count, "sha256": digest.hexdigest()}
 
 
 # 2.2 Claimers --------------------------------------------------------------------------------
@@ -2981,7 +3028,7 @@ def orders_json(order_rows, item_rows):
 # ---------------------------------------------------------------------------------------------
 # 7. Events and tenancy
 # ---------------------------------------------------------------------------------------------
-# Sections 7 to 12 are the operations: what the business does, callable without HTTP. Each
+# Sections 7 to 11 are the operations: what the business does, callable without HTTP. Each
 # takes a connection inside a write transaction that its caller opened (so a route can store
 # its idempotency record in the same one), checks tenancy through load_row and emits its
 # events. They are peers: none reaches forward to a later one.
@@ -3206,8 +3253,13 @@ def update_company(conn, company_id, changes):
     return company_json(load_company(conn, company_id))
 
 
+def company_with_slug(conn, slug):
+    """The company whose storefront is at this slug, or None."""
+    return conn.execute("SELECT * FROM companies WHERE slug = ?", (slug,)).fetchone()
+
+
 def company_by_slug(conn, store_slug):
-    row = conn.execute("SELECT * FROM companies WHERE slug = ?", (store_slug,)).fetchone()
+    row = company_with_slug(conn, store_slug)
     if row is None:
         raise not_found("Store")
     return row
@@ -5108,6 +5160,13 @@ def product_choices(conn, company_id):
         "ORDER BY created_at DESC, id DESC LIMIT ?", (company_id, CHOICES_SHOWN)).fetchall()
 
 
+def product_in_stock(conn, company_id, more_than):
+    """The company's first active product (by ID: the oldest) with more than more_than units
+    in stock, or None."""
+    return conn.execute("SELECT * FROM products WHERE company_id = ? AND is_active = 1 "
+                        "AND stock > ? ORDER BY id LIMIT 1", (company_id, more_than)).fetchone()
+
+
 def pending_customers(conn, company_id):
     """The company's customers awaiting approval, oldest first."""
     return conn.execute("SELECT * FROM customers WHERE company_id = ? AND status = 'PENDING' "
@@ -5493,176 +5552,7 @@ def api_orders(conn, company_id, query):
 
 
 # ---------------------------------------------------------------------------------------------
-# 12. The demo and copies
-# ---------------------------------------------------------------------------------------------
-
-# 12.1 The demo -------------------------------------------------------------------------------
-
-DEMO_SLUG = "demo-wholesale"
-DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
-DEMO_BUYER_EMAIL = "orders@corner-cafe.example"
-DEMO_CATALOG = (
-    # name, sku, category, unit, price (cents), stock, low-stock threshold, active
-    ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
-    ("Basmati Rice 10kg", "GR-BASM-10", "Grains", "bag", 2390, 80, 15, True),
-    ("Bread Flour 16kg", "GR-FLOUR-16", "Grains", "bag", 1875, 60, 10, True),
-    ("Extra Virgin Olive Oil 5l", "PA-OIL-5", "Pantry", "tin", 3899, 45, 10, True),
-    ("Sea Salt 1kg", "PA-SALT-1", "Pantry", "each", 320, 200, 30, True),
-    ("Canned Tomatoes 2.5kg", "PA-TOM-25", "Pantry", "case", 2160, 3, 5, True),
-    ("Black Tea 500g", "BV-TEA-500", "Beverages", "each", 1150, 90, 10, True),
-    ("Espresso Beans 1kg", "BV-ESP-1", "Beverages", "each", 2475, 70, 10, True),
-    ("Sparkling Water 24x330ml", "BV-WAT-24", "Beverages", "case", 1399, 150, 20, True),
-    ("Paper Napkins 1000", "SU-NAP-1000", "Supplies", "case", 2799, 40, 5, True),
-    ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
-    ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
-)
-#: The demo buyer's own prices (SKU, cents): its catalog shows them, the other buyer's does not.
-DEMO_BUYER_PRICES = (("GR-RICE-25", 3990), ("BV-ESP-1", 2290))
-
-
-def prepare_demo(conn):
-    """A demo company with a small catalog (its stock opens with import movements), two
-    customers (the first with prices of its own) and a staff account (made once), and on every
-    call a new key with every scope and new passwords for the staff account and the first
-    customer (the storefront's demo buyer)."""
-    company = conn.execute("SELECT * FROM companies WHERE slug = ?", (DEMO_SLUG,)).fetchone()
-    if company is None:
-        company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
-        products = {sku: create_product(
-            conn, company_id, opening="import", name=name, sku=sku, category=category,
-            unit=unit, price_cents=price, stock=stock, low_stock_threshold=threshold,
-            is_active=active)["id"]
-            for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG}
-        for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
-                              ("buyer@harbour-bistro.example", "Harbour Bistro")):
-            create_customer(conn, company_id, {"email": address, "name": name},
-                            email_verified=True)  # the operator vouches for them
-        buyer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"]
-        for sku, price in DEMO_BUYER_PRICES:
-            set_customer_price(conn, company_id, buyer, products[sku], price)
-    else:
-        company_id = company["id"]
-    key = create_api_key(conn, company_id, list(SCOPES))
-    password = secrets.token_urlsafe(12)
-    staff = staff_account(conn, company_id, DEMO_STAFF_EMAIL)
-    if staff is None:
-        create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
-    else:
-        set_password(conn, STAFF, staff["id"], password)
-    customer = conn.execute("SELECT id FROM customers WHERE company_id = ? ORDER BY id "
-                            "LIMIT 1", (company_id,)).fetchone()
-    buyer_password = secrets.token_urlsafe(12)
-    set_password(conn, CUSTOMERS, customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"],
-                 buyer_password)
-    product = conn.execute("SELECT id FROM products WHERE company_id = ? AND is_active = 1 "
-                           "AND stock > 10 ORDER BY id LIMIT 1", (company_id,)).fetchone()
-    return {"companyId": company_id, "key": key["key"], "password": password,
-            "buyerPassword": buyer_password,
-            "customerId": customer["id"], "productId": product["id"]}
-
-
-# 12.2 Copies ---------------------------------------------------------------------------------
-# backup and copy-to, for the operator commands.
-
-def backup(settings, destination):
-    """An online, consistent copy of the database (SQLite's backup API), safe while the
-    server runs."""
-    engine = engine_for(settings.db_path)
-    if engine.backup is None:
-        raise ApiError(400, "backup copies a SQLite file; back up a PostgreSQL database with "
-                            "pg_dump.")
-    if os.path.exists(destination):
-        raise ApiError(409, f"{destination} already exists; choose a new file.")
-    if not engine.exists(settings.db_path):
-        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
-    pages, check = engine.backup(settings.db_path, destination, settings)
-    return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
-            "integrity": check}
-
-
-#: Rows copy-to reads and inserts at a time: memory stays bounded whatever a table holds.
-COPY_BATCH = 1000
-
-
-def copy_to(settings, target):
-    """Copy every table of the database into target, an empty database of either engine, in
-    one transaction on the target, then read both back and compare them table by table."""
-    source_path = settings.db_path
-    source_engine = engine_for(source_path)
-    if source_engine.same_database(source_path, target):
-        raise ApiError(409, f"{target} is the database being copied; name another target.")
-    # Checked before Database opens it, which would create a missing file.
-    if not source_engine.exists(source_path):
-        raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
-    source_db = Database(source_path, settings)
-    try:
-        target_db = Database(target, dataclasses.replace(settings, db_path=target))
-        try:
-            described = target_db.engine.describe(target)
-            return {"copiedTo": described,
-                    "tables": _copy_tables(source_db, target_db, described)}
-        finally:
-            target_db.close()
-    finally:
-        source_db.close()
-
-
-def _copy_tables(source_db, target_db, described):
-    columns = {}
-    # One transaction: a copy that fails at any row leaves the target as empty as it was, and
-    # nothing can write to the target between the check that it is empty and the copy.
-    with target_db.write() as conn:
-        for table in tables_in_order():
-            if conn.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone() is not None:
-                raise ApiError(409, f"{described} already holds rows in {table}; copy-to "
-                                    "needs an empty database.")
-        for table in tables_in_order():
-            rows = source_db.conn.execute(
-                f"SELECT * FROM {table} ORDER BY {_primary_key(table)}")
-            # By name, not by position: the two databases need not order their columns alike.
-            columns[table] = ", ".join(column[0] for column in rows.description)
-            insert = (f"INSERT INTO {table} ({columns[table]}) "
-                      f"VALUES ({', '.join(['?'] * len(rows.description))})")
-            while batch := rows.fetchmany(COPY_BATCH):
-                conn.executemany(insert, [tuple(row) for row in batch])
-    # Both sides are read again after the commit, which also catches a server that was still
-    # writing to the source.
-    tables = {}
-    for table in tables_in_order():
-        copied = _table_digest(source_db, table, columns[table])
-        found = _table_digest(target_db, table, columns[table])
-        if found != copied:
-            raise ApiError(500, f"{table} in {described} does not match the source after the "
-                                f"copy (rows: {copied['rows']} in the source, {found['rows']} "
-                                "in the copy): a server still writing to the source, or a value "
-                                "the target cannot hold? Empty the target before copying again.")
-        tables[table] = copied
-    return tables
-
-
-def _primary_key(table):
-    """The primary key columns of a table of schema.sql, as an ORDER BY list."""
-    statement = table_statement(table)
-    match = (re.search(r"PRIMARY KEY \(([^)]*)\)", statement)
-             or re.search(r"(\w+) +\w+ +PRIMARY KEY", statement))
-    return match.group(1)
-
-
-def _table_digest(db, table, columns):
-    """{"rows", "sha256"} of a table's rows in primary key order, each as the repr() of its
-    values: both engines read an integer as int, text as str, a BLOB (BYTEA) as bytes and a
-    REAL (DOUBLE PRECISION) as float, so equal rows give equal text."""
-    digest, count = hashlib.sha256(), 0
-    rows = db.conn.execute(f"SELECT {columns} FROM {table} ORDER BY {_primary_key(table)}")
-    while batch := rows.fetchmany(COPY_BATCH):
-        for row in batch:
-            digest.update(repr(tuple(row)).encode() + b"\n")
-        count += len(batch)
-    return {"rows": count, "sha256": digest.hexdigest()}
-
-
-# ---------------------------------------------------------------------------------------------
-# 13. Outbox
+# 12. Outbox
 # ---------------------------------------------------------------------------------------------
 # Work that must reach someone outside (a webhook delivery, and any other channel) is written
 # as outbox rows in the transaction of the change that caused it, and sent afterwards by a
@@ -5906,7 +5796,7 @@ class Outbox:
                 self.wake.set()
 
 
-# 13.1 Webhooks -------------------------------------------------------------------------------
+# 12.1 Webhooks -------------------------------------------------------------------------------
 # One attempt per delivery, as the spec says: the outbox's claims make sure an attempt is
 # never forgotten, and receivers dedupe a repeat on X-Webhook-Id.
 
@@ -6121,7 +6011,7 @@ class WebhookChannel:
                 (status, text, duration_ms, int(success), now_iso(), job["id"]))
 
 
-# 13.2 Email ----------------------------------------------------------------------------------
+# 12.2 Email ----------------------------------------------------------------------------------
 # Emails go to the one mail server of the settings (smtp_url), in batches: one connection
 # carries up to MAIL_BATCH emails, each recorded as it is answered (so a crash repeats at most
 # the one in flight, under the same Message-ID). Unlike webhooks, email is retried: a
@@ -6565,7 +6455,7 @@ def send_test_email(settings, to_address):
     return reply
 
 
-# 13.3 Channels -------------------------------------------------------------------------------
+# 12.3 Channels -------------------------------------------------------------------------------
 
 def outbox_channels(settings):
     """The channels an app's outbox sends, in the order it claims from them (email only with
@@ -6577,7 +6467,7 @@ def outbox_channels(settings):
 
 
 # ---------------------------------------------------------------------------------------------
-# 14. HTTP API
+# 13. HTTP API
 # ---------------------------------------------------------------------------------------------
 
 Route = collections.namedtuple("Route", "method path scope status handler summary")
@@ -6655,7 +6545,7 @@ def parse_json_body(raw):
     return value
 
 
-# 14.1 Routes ---------------------------------------------------------------------------------
+# 13.1 Routes ---------------------------------------------------------------------------------
 # Each parses, calls an operation and wraps the result. They are the functions of a class only
 # so that each can carry the name the OpenAPI document publishes as its operationId
 # (create_customer) while the operation of that name stays the module's: inside a function,
@@ -6781,7 +6671,7 @@ class Api:
         return {"data": return_record(call.conn, call.company_id, return_id)}
 
 
-# 14.2 Billing --------------------------------------------------------------------------------
+# 13.2 Billing --------------------------------------------------------------------------------
 # POST /billing/stripe/webhook lives beside the API, not in it: no API key (Stripe signs every
 # body instead), no rate limit, not in ROUTES or the OpenAPI document, and no route at all (a
 # 404) unless a Stripe webhook secret is set. The raw body is verified before it is parsed.
@@ -6848,7 +6738,7 @@ def install_stripe_webhook(app):
         app.route(STRIPE_WEBHOOK_PATH, "POST", lambda: stripe_webhook(service))
 
 
-# 14.3 Serving the API ------------------------------------------------------------------------
+# 13.3 Serving the API ------------------------------------------------------------------------
 
 _warned = set()
 
@@ -7082,7 +6972,7 @@ def _internal_error_page(error):
 
 
 # ---------------------------------------------------------------------------------------------
-# 15. OpenAPI
+# 14. OpenAPI
 # ---------------------------------------------------------------------------------------------
 # OpenAPI 3.1. The document is built from ROUTES (method, path, scope, success status, summary)
 # and OPERATIONS (what ROUTES does not know: query parameters, request body, success body and
@@ -7341,7 +7231,7 @@ COMPONENT_SCHEMAS = {
 }
 
 
-# 15.1 Event payloads -------------------------------------------------------------------------
+# 14.1 Event payloads -------------------------------------------------------------------------
 # The `data` of each event, exactly as emit() is given it.
 
 def _order_summary(**more):
@@ -7413,7 +7303,7 @@ def event_schema_name(event):
     return "".join(word.capitalize() for word in re.split(r"[._]", event)) + "Payload"
 
 
-# 15.2 Operations of the API ------------------------------------------------------------------
+# 14.2 Operations of the API ------------------------------------------------------------------
 
 def single(schema):
     """{data: record}"""
@@ -7579,7 +7469,7 @@ OPERATIONS = {
 }
 
 
-# 15.3 Responses, headers and parameters every operation shares -------------------------------
+# 14.3 Responses, headers and parameters every operation shares -------------------------------
 
 ERROR_RESPONSES = {
     400: ("BadRequest", f"Malformed JSON, failed validation ({VALIDATION_FAILED} with details), "
@@ -7803,7 +7693,7 @@ def openapi_document():
 
 
 # ---------------------------------------------------------------------------------------------
-# 16. Web pages
+# 15. Web pages
 # ---------------------------------------------------------------------------------------------
 # The kit every HTML surface shares: the page registry, forms and their fields, CSRF, the
 # session cookie and the sign-in throttle, the security headers. A page is thin: it parses a
@@ -8310,7 +8200,7 @@ class Surface:
         return STYLESHEET
 
 
-# 16.1 Dashboard ------------------------------------------------------------------------------
+# 15.1 Dashboard ------------------------------------------------------------------------------
 # The staff's pages, under /dashboard on the same app.
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
@@ -8979,7 +8869,7 @@ def revoke_key_action(visit, key_id):
     return redirect("/dashboard/keys")
 
 
-# 16.2 Billing, emails and settings -----------------------------------------------------------
+# 15.2 Billing, emails and settings -----------------------------------------------------------
 # The company's own subscription to the service (its paid invoices), the emails the service
 # wrote for it, and the Settings page (the settings of update_company: mail and Stripe).
 
@@ -9131,7 +9021,7 @@ def install_dashboard(app):
     app.route("/", "GET", lambda: redirect("/dashboard"))
 
 
-# 16.3 Storefront -----------------------------------------------------------------------------
+# 15.3 Storefront -----------------------------------------------------------------------------
 # Every company's store, at /store/{slug}, where its buyers (customers, the second kind of
 # account) register, sign in, and set their passwords through emailed links. One StoreSurface
 # serves every store: its prefix, cookie path and accounts are those of the slug in the request
@@ -9801,7 +9691,7 @@ def install_storefront(app):
 
 
 # ---------------------------------------------------------------------------------------------
-# 17. App
+# 16. App
 # ---------------------------------------------------------------------------------------------
 
 def create_app(db_path=None, settings=None, deliver=True, **overrides):
@@ -9854,7 +9744,7 @@ def create_app(db_path=None, settings=None, deliver=True, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# 18. Server
+# 17. Server
 # ---------------------------------------------------------------------------------------------
 
 class OverloadLog:
@@ -10125,7 +10015,7 @@ def _wait_status(status):
 
 
 # ---------------------------------------------------------------------------------------------
-# 19. Commands
+# 18. Commands
 # ---------------------------------------------------------------------------------------------
 
 def _active_flag(text):
@@ -10247,6 +10137,169 @@ def option_dest(flags, settings):
     """The attribute of args an option sets, as argparse names it."""
     return settings.get("dest") or flags[0].lstrip("-").replace("-", "_")
 
+
+# 18.1 The demo -------------------------------------------------------------------------------
+
+DEMO_SLUG = "demo-wholesale"
+DEMO_STAFF_EMAIL = "staff@demo-wholesale.example"
+DEMO_BUYER_EMAIL = "orders@corner-cafe.example"
+DEMO_CATALOG = (
+    # name, sku, category, unit, price (cents), stock, low-stock threshold, active
+    ("Jasmine Rice 25kg", "GR-RICE-25", "Grains", "bag", 4250, 120, 20, True),
+    ("Basmati Rice 10kg", "GR-BASM-10", "Grains", "bag", 2390, 80, 15, True),
+    ("Bread Flour 16kg", "GR-FLOUR-16", "Grains", "bag", 1875, 60, 10, True),
+    ("Extra Virgin Olive Oil 5l", "PA-OIL-5", "Pantry", "tin", 3899, 45, 10, True),
+    ("Sea Salt 1kg", "PA-SALT-1", "Pantry", "each", 320, 200, 30, True),
+    ("Canned Tomatoes 2.5kg", "PA-TOM-25", "Pantry", "case", 2160, 3, 5, True),
+    ("Black Tea 500g", "BV-TEA-500", "Beverages", "each", 1150, 90, 10, True),
+    ("Espresso Beans 1kg", "BV-ESP-1", "Beverages", "each", 2475, 70, 10, True),
+    ("Sparkling Water 24x330ml", "BV-WAT-24", "Beverages", "case", 1399, 150, 20, True),
+    ("Paper Napkins 1000", "SU-NAP-1000", "Supplies", "case", 2799, 40, 5, True),
+    ("Takeaway Boxes 250", "SU-BOX-250", "Supplies", "case", 3450, 35, 5, True),
+    ("Wooden Stirrers 5000", "SU-STIR-5000", "Supplies", "case", 990, 0, 5, False),
+)
+#: The demo buyer's own prices (SKU, cents): its catalog shows them, the other buyer's does not.
+DEMO_BUYER_PRICES = (("GR-RICE-25", 3990), ("BV-ESP-1", 2290))
+
+
+def prepare_demo(conn):
+    """A demo company with a small catalog (its stock opens with import movements), two
+    customers (the first with prices of its own) and a staff account (made once), and on every
+    call a new key with every scope and new passwords for the staff account and the first
+    customer (the storefront's demo buyer)."""
+    company = company_with_slug(conn, DEMO_SLUG)
+    if company is None:
+        company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
+        products = {sku: create_product(
+            conn, company_id, opening="import", name=name, sku=sku, category=category,
+            unit=unit, price_cents=price, stock=stock, low_stock_threshold=threshold,
+            is_active=active)["id"]
+            for name, sku, category, unit, price, stock, threshold, active in DEMO_CATALOG}
+        for address, name in ((DEMO_BUYER_EMAIL, "Corner Cafe"),
+                              ("buyer@harbour-bistro.example", "Harbour Bistro")):
+            create_customer(conn, company_id, {"email": address, "name": name},
+                            email_verified=True)  # the operator vouches for them
+        buyer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)["id"]
+        for sku, price in DEMO_BUYER_PRICES:
+            set_customer_price(conn, company_id, buyer, products[sku], price)
+    else:
+        company_id = company["id"]
+    key = create_api_key(conn, company_id, list(SCOPES))
+    password = secrets.token_urlsafe(12)
+    staff = staff_account(conn, company_id, DEMO_STAFF_EMAIL)
+    if staff is None:
+        create_staff(conn, company_id, DEMO_STAFF_EMAIL, password)
+    else:
+        set_password(conn, STAFF, staff["id"], password)
+    # The example order of demo's curl commands is the demo buyer's (the first customer).
+    customer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)
+    buyer_password = secrets.token_urlsafe(12)
+    set_password(conn, CUSTOMERS, customer["id"], buyer_password)
+    product = product_in_stock(conn, company_id, more_than=10)
+    return {"companyId": company_id, "key": key["key"], "password": password,
+            "buyerPassword": buyer_password,
+            "customerId": customer["id"], "productId": product["id"]}
+
+
+def demo(settings):
+    """Prepare the demo (see prepare_demo) and say how to try it."""
+    db = Database(settings.db_path, settings)
+    with db.write() as conn:
+        made = prepare_demo(conn)
+    base = f"http://{settings.host}:{settings.port}/api/v1"
+    start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
+                                    else f" --db {shlex.quote(settings.db_path)}")
+    header = f'-H "Authorization: Bearer {made["key"]}"'
+    order = json_text({"customerId": made["customerId"],
+                       "items": [{"productId": made["productId"], "quantity": 2}]})
+    return "\n".join([
+        f"Demo company Demo Wholesale ({made['companyId']}) in {describe_db(settings)}: "
+        f"{len(DEMO_CATALOG)} products, 2 customers.",
+        f"API key with all {len(SCOPES)} scopes (shown once):",
+        made["key"],
+        f"Start the server ({start}), then try:",
+        f"  curl -s {header} {base}/products",
+        f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
+        f"  curl -s {header} {base}/orders",
+        f"Storefront: http://{settings.host}:{settings.port}/store/{DEMO_SLUG}, sign in as "
+        f"{DEMO_BUYER_EMAIL} with the password (new on every run) {made['buyerPassword']}, "
+        "or register a buyer and approve it under the dashboard's Customers.",
+        f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
+        f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
+        made["password"],
+    ])
+
+
+# 18.2 Copies ---------------------------------------------------------------------------------
+# backup and copy-to, for the operator commands.
+
+def backup(settings, destination):
+    """An online, consistent copy of the database (SQLite's backup API), safe while the
+    server runs."""
+    engine = engine_for(settings.db_path)
+    if engine.backup is None:
+        raise ApiError(400, "backup copies a SQLite file; back up a PostgreSQL database with "
+                            "pg_dump.")
+    if os.path.exists(destination):
+        raise ApiError(409, f"{destination} already exists; choose a new file.")
+    if not engine.exists(settings.db_path):
+        raise ApiError(404, f"{settings.db_path} does not exist; nothing to back up.")
+    pages, check = engine.backup(settings.db_path, destination, settings)
+    return {"backup": destination, "bytes": os.path.getsize(destination), "pages": pages,
+            "integrity": check}
+
+
+def copy_to(settings, target):
+    """Copy every table of the database into target, an empty database of either engine, in
+    one transaction on the target, then read both back and compare them table by table."""
+    source_path = settings.db_path
+    source_engine = engine_for(source_path)
+    if source_engine.same_database(source_path, target):
+        raise ApiError(409, f"{target} is the database being copied; name another target.")
+    # Checked before Database opens it, which would create a missing file.
+    if not source_engine.exists(source_path):
+        raise ApiError(404, f"{source_path} does not exist; nothing to copy.")
+    source_db = Database(source_path, settings)
+    try:
+        target_db = Database(target, dataclasses.replace(settings, db_path=target))
+        try:
+            described = target_db.engine.describe(target)
+            return {"copiedTo": described,
+                    "tables": _copy_tables(source_db, target_db, described)}
+        finally:
+            target_db.close()
+    finally:
+        source_db.close()
+
+
+def _copy_tables(source_db, target_db, described):
+    # One transaction: a copy that fails at any row leaves the target as empty as it was, and
+    # nothing can write to the target between the check that it is empty and the copy.
+    with target_db.write() as conn:
+        holding = first_table_with_rows(conn)
+        if holding is not None:
+            raise ApiError(409, f"{described} already holds rows in {holding}; copy-to "
+                                "needs an empty database.")
+        columns = {table: copy_table(source_db.conn, conn, table)
+                   for table in tables_in_order()}
+    # Both sides are read again after the commit, which also catches a server that was still
+    # writing to the source.
+    tables = {}
+    for table in tables_in_order():
+        copied = table_digest(source_db.conn, table, columns[table])
+        found = table_digest(target_db.conn, table, columns[table])
+        if found != copied:
+            raise ApiError(500, f"{table} in {described} does not match the source after the "
+                                f"copy (rows: {copied['rows']} in the source, {found['rows']} "
+                                "in the copy): a server still writing to the source, or a value "
+                                "the target cannot hold? Empty the target before copying again.")
+        tables[table] = copied
+    return tables
+
+
+# 18.3 The commands ---------------------------------------------------------------------------
+# Each declared by @command above its handler, in the order --help lists them; then the
+# parser, running a command, and main().
 
 _PRODUCT_OPTIONS = (("name", "name", str), ("price", "price_cents", _amount),
                     ("stock", "stock", _non_negative), ("category", "category", str),
@@ -10569,35 +10622,6 @@ def cmd_webhook_rotate_secret(conn, args):
                                  args.grace_hours)
 
 
-def demo(settings):
-    """Prepare the demo (see prepare_demo) and say how to try it."""
-    db = Database(settings.db_path, settings)
-    with db.write() as conn:
-        made = prepare_demo(conn)
-    base = f"http://{settings.host}:{settings.port}/api/v1"
-    start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
-                                    else f" --db {shlex.quote(settings.db_path)}")
-    header = f'-H "Authorization: Bearer {made["key"]}"'
-    order = json_text({"customerId": made["customerId"],
-                       "items": [{"productId": made["productId"], "quantity": 2}]})
-    return "\n".join([
-        f"Demo company Demo Wholesale ({made['companyId']}) in {describe_db(settings)}: "
-        f"{len(DEMO_CATALOG)} products, 2 customers.",
-        f"API key with all {len(SCOPES)} scopes (shown once):",
-        made["key"],
-        f"Start the server ({start}), then try:",
-        f"  curl -s {header} {base}/products",
-        f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
-        f"  curl -s {header} {base}/orders",
-        f"Storefront: http://{settings.host}:{settings.port}/store/{DEMO_SLUG}, sign in as "
-        f"{DEMO_BUYER_EMAIL} with the password (new on every run) {made['buyerPassword']}, "
-        "or register a buyer and approve it under the dashboard's Customers.",
-        f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
-        f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
-        made["password"],
-    ])
-
-
 @command("demo", "create a demo company, catalog and customers (once) and print a new key "
                  f"with all {len(SCOPES)} scopes and curl commands to try", alone=True)
 def cmd_demo(settings, args):
@@ -10725,7 +10749,7 @@ def main(argv=None):
     return 0
 
 
-# 19.1 Former names ---------------------------------------------------------------------------
+# 18.4 Former names ---------------------------------------------------------------------------
 # Kept for one release after a rename; CHANGELOG.md lists them with their new names.
 # Reading one warns (DeprecationWarning), once per name, saying what replaced it.
 

@@ -9286,7 +9286,7 @@ def test_sql_lives_only_in_storage_operations_and_the_outbox():
     for _, title, _, lines in module_sections():
         if title in ("Storage", "Events and tenancy", "Catalog and customers",
                      "Orders, returns and billing", "Integrations and accounts",
-                     "Queries and storefront ordering", "The demo and copies", "Outbox"):
+                     "Queries and storefront ordering", "Outbox"):
             continue
         for number, line in lines:
             if SQL_TEXT.search(line) or TABLE_ARGUMENT.search(line):
