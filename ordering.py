@@ -7921,16 +7921,13 @@ def table(headings, rows, numeric=()):
     return render(TABLE, head=head, body=body)
 
 
-def total_rows(width, total, rate, tax):
-    """The last rows of a table of lines width cells wide: the total; or, where tax is
+def total_rows(total, rate, tax):
+    """(label, amount) of the last rows of a table of lines: the total; or, where tax is
     charged, the subtotal, the tax at its rate and the total due (cents)."""
-    blank = ("",) * (width - 2)
     if not rate and not tax:
-        return [(render(TOTAL_CELL, text="Total"), *blank,
-                 render(TOTAL_CELL, text=cents_text(total)))]
-    return [("Subtotal", *blank, cents_text(total)),
-            (f"Tax ({rate_text(rate)})", *blank, cents_text(tax)),
-            (render(TOTAL_CELL, text="Total due"), *blank,
+        return [(render(TOTAL_CELL, text="Total"), render(TOTAL_CELL, text=cents_text(total)))]
+    return [("Subtotal", cents_text(total)), (f"Tax ({rate_text(rate)})", cents_text(tax)),
+            (render(TOTAL_CELL, text="Total due"),
              render(TOTAL_CELL, text=cents_text(total + tax)))]
 
 
@@ -8296,8 +8293,8 @@ def order_lines(order, row):
                  [(item["productName"], item["productSku"] or "", item["quantity"],
                    amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
                   for item in order["items"]] +
-                 [("", *cells) for cells in total_rows(
-                     4, row["total_cents"], row["tax_rate"], row["tax_cents"])],
+                 [("", "", "", label, amount) for label, amount in total_rows(
+                     row["total_cents"], row["tax_rate"], row["tax_cents"])],
                  numeric=("Quantity", "Unit price", "Line total"))
 
 
@@ -9389,7 +9386,8 @@ def lines_table(lines, total, rate, tax):
     """A cart's or an order's lines: [(product, quantity, unit price, line total)], cents,
     and their total (see total_rows)."""
     return table(("Product", "Quantity", "Unit price", "Line total"),
-                 [*lines, *total_rows(4, total, rate, tax)],
+                 [*lines, *((label, "", "", amount)
+                            for label, amount in total_rows(total, rate, tax))],
                  numeric=("Quantity", "Unit price", "Line total"))
 
 
