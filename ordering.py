@@ -1899,6 +1899,11 @@ def rate_text(rate):
     return f"{(exact_rate(rate) * 100).normalize():f}%"
 
 
+def rate_field_text(rate):
+    """A tax rate as a form field holds it: 0.0825, 0 (not 0.0)."""
+    return f"{exact_rate(rate).normalize():f}"
+
+
 def minor_amount_text(amount, currency):
     """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
     decimals = currency_decimals(currency)
@@ -8969,7 +8974,7 @@ def settings_fields(visit, company):
             ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
         tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} "
                              "(0.0825 is 8.25%; a customer's own rate wins)",
-                             format(exact_rate(company["tax_rate"]).normalize(), "f"),
+                             rate_field_text(company["tax_rate"]),
                              inputmode="decimal"))
 
 
