@@ -31,9 +31,12 @@ ones above it.
                    ledger's rows: every change of stock is one); 8.3 products; 8.4 stock
                    changes (adjustments, counts: product edits); 8.5 customers; 8.6 customer
                    prices (a customer's own, for storefront and dashboard orders)
-  9. Orders, returns and billing   9.1 orders (and their status changes, restocking a
-                   cancelled one); 9.2 returns, refunds and invoices (returns' lines, the good
-                   units a refund puts back); 9.3 billing (Stripe's events)
+  9. Orders, returns and billing   9.1 orders (placing them, their emails); 9.2 invoices,
+                   payments and credit (money owed: invoices, payments, credit notes, credit
+                   limits, statements, aging, reminders); 9.3 status changes (invoicing a
+                   shipped order, restocking a cancelled one); 9.4 returns and refunds
+                   (returns' lines, the good units a refund puts back, its credit note);
+                   9.5 billing (Stripe's events, the company's own invoices)
  10. Integrations and accounts   10.1 webhook subscriptions; 10.2 emails (what was sent,
                    sending again); 10.3 API keys and idempotency; 10.4 accounts and sessions
                    (any kind of account); 10.5 storefront accounts (registration, emailed
@@ -166,7 +169,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -639,6 +642,10 @@ MIGRATIONS = {
     8: (add_column("companies", "tax_rate REAL NOT NULL DEFAULT 0"),
         add_column("orders", "tax_rate REAL NOT NULL DEFAULT 0"),
         add_column("orders", "tax_cents INTEGER NOT NULL DEFAULT 0")),
+    # Money owed: payment terms, the company's and a customer's own (the invoices, payments
+    # and credit notes are new tables).
+    9: (add_column("companies", "payment_terms_days INTEGER NOT NULL DEFAULT 0"),
+        add_column("customers", "payment_terms_days INTEGER")),
 }
 
 
@@ -1904,6 +1911,11 @@ def rate_field_text(rate):
     return f"{exact_rate(rate).normalize():f}"
 
 
+def terms_text(days):
+    """Payment terms as a page shows them: due on receipt, net 30 days."""
+    return f"net {days} days" if days else "due on receipt"
+
+
 def minor_amount_text(amount, currency):
     """An amount in its currency's minor unit, as a page shows it: 1,200 JPY, 12.345 KWD."""
     decimals = currency_decimals(currency)
@@ -2039,6 +2051,21 @@ CARD = Template("body", '<div class="card">{body}</div>')
 GRID = Template("cells", '<div class="grid">{cells}</div>')
 LIST = Template("items", "<ul>{items}</ul>")
 LIST_ITEM = Template("text", "<li>{text}</li>")
+#: What a page shows on screen only: its forms and buttons are not printed either.
+SCREEN_ONLY = Template("body", '<div class="no-print">{body}</div>')
+
+#: An invoice as it is printed, from the dashboard or the store: who sends it, to whom, its
+#: dates and lines, and what is left to pay.
+INVOICE_DOCUMENT = Template(
+    "seller number status buyer issued due terms order po lines paid credited balance", """\
+<article class="card invoice"><div class="invoice-head"><div><h2>{seller}</h2>\
+<p>Invoice <strong>{number}</strong> {status}</p></div><dl class="facts"><dt>Billed to</dt>\
+<dd>{buyer}</dd><dt>Issued</dt><dd>{issued}</dd><dt>Due</dt><dd>{due} ({terms})</dd>\
+<dt>Order</dt><dd>{order}</dd><dt>PO number</dt><dd>{po}</dd></dl></div>{lines}\
+<dl class="facts totals"><dt>Paid</dt><dd>{paid}</dd><dt>Credited</dt><dd>{credited}</dd>\
+<dt>Balance due</dt><dd><strong>{balance}</strong></dd></dl></article>\
+<p class="muted no-print">To print it or save it as a PDF, use the browser's Print (Ctrl+P \
+or Cmd+P): only the invoice is printed.</p>""")
 LINE_BREAK = Markup("<br>")
 
 STYLESHEET = """\
@@ -2119,6 +2146,20 @@ input.qty { width: 6.5em; }
 ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
 ol.timeline li { margin: 2px 0; }
 fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
+.invoice-head { display: flex; flex-wrap: wrap; justify-content: space-between; gap: 8px 24px; }
+.invoice-head h2 { margin-top: 0; }
+dl.totals { margin: 12px 0 0 auto; max-width: 320px; }
+.status-OPEN { background: #fff4d6; } .status-PAID { background: #e3f6e8; }
+.status-VOID { background: #fde7e5; }
+@media print {
+  @page { margin: 15mm; }
+  body { background: #fff; font-size: 11pt; }
+  header, .skip, .no-print, form, .notice, .alert { display: none !important; }
+  main { max-width: none; padding: 0; }
+  .card, .table-wrap { border: 0; padding: 0; margin-bottom: 8px; overflow: visible; }
+  a { color: inherit; text-decoration: none; }
+  tr { break-inside: avoid; }
+}
 @media (max-width: 640px) {
   main { padding: 10px; }
   th, td { padding: 6px; }
@@ -2133,8 +2174,8 @@ fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12
 # In the subject and the text every value is put on one line, so that a line break in a name
 # starts no header and no line of its own; in the HTML every value is escaped, as in the pages.
 # Besides the data's own values a template may use {facts} (the data's "facts", [label, value]
-# pairs, or [label, value, URL] for a link the service made: text somebody typed is never a
-# link, whatever it looks like), {lines} (the data's order
+# pairs, or [label, value, URL] for a link the service made, a path for one to this server:
+# text somebody typed is never a link, whatever it looks like), {lines} (the data's order
 # "lines" and "total" as a table) and {link} (the data's "path" on the base URL: every link
 # to this server is built so). To send a new kind of email, add its template here and call
 # queue_email() with its data.
@@ -2224,6 +2265,21 @@ EMAIL_TEMPLATES = {
         html="<p>Hello {customerName},</p>\n<p>The password of your account at {store} was "
              "just changed, and every other signed-in browser signed out. If it was not you, "
              '<a href="{link}">set a new one at once</a>.</p>'),
+    "invoice_issued": EmailTemplate(
+        subject="Invoice {number} from {store}",
+        text="Hello {customerName},\n\n{store} invoiced you for your order.\n\n{facts}\n\n"
+             "{lines}\n\nSee and print the invoice: {link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{store} invoiced you for your order.</p>\n"
+             '{facts}\n{lines}\n<p><a href="{link}">See and print the invoice</a></p>'),
+    "invoice_reminder": EmailTemplate(
+        subject="Reminder: invoice {number} from {store} is overdue",
+        text="Hello {customerName},\n\nInvoice {number} is past its due date and has a "
+             "balance left to pay.\n\n{facts}\n\nSee the invoice: {link}\n\nIf you paid it "
+             "already, thank you, and please ignore this reminder.\n",
+        html="<p>Hello {customerName},</p>\n<p>Invoice <strong>{number}</strong> is past its "
+             "due date and has a balance left to pay.</p>\n{facts}\n"
+             '<p><a href="{link}">See the invoice</a></p>\n<p>If you paid it already, thank '
+             "you, and please ignore this reminder.</p>"),
     "mail_test": EmailTemplate(
         subject="Test email from ordering",
         text="This test email was sent by ordering mail-test through {server}.\n"
@@ -2236,11 +2292,14 @@ EMAIL_TEMPLATES = {
 def email_bodies(kind, data, link_base, sender):
     """(text, HTML) of an email of this kind from its data; sender signs it."""
     template = EMAIL_TEMPLATES[kind]
-    facts = data.get("facts", ())
+    # A fact's link to a page of this server is its path, on the base URL.
+    facts = [fact if len(fact) < 3 or not fact[2].startswith("/") else
+             [fact[0], fact[1], link_base + fact[2]] for fact in data.get("facts", ())]
     lines = data.get("lines", ())
     totals = email_totals(data) if lines else ()
     text_values = dict(data, link=link_base + data.get("path", "/"), facts=PlainText(
-        "\n".join(f"{one_line(fact[0])}: {one_line(fact[1])}" for fact in facts)),
+        "\n".join(f"{one_line(fact[0])}: {one_line(fact[1])}" + (
+            f" ({fact[2]})" if len(fact) > 2 and fact[2] != fact[1] else "") for fact in facts)),
         lines=PlainText("\n".join(
             [f"{line['quantity']} x {one_line(line['name'])} ({one_line(line['sku'] or '-')}) at "
              f"{amount_text(line['unitPrice'])} = {amount_text(line['lineTotal'])}"
@@ -2284,11 +2343,11 @@ ORDER_PAGE = Template("facts ships_to actions lines history returns open_return"
 {facts}{ships_to}<h2>Status</h2><div class="card">{actions}</div><h2>Lines</h2>{lines}\
 <h2>History</h2>{history}<h2>Returns</h2>{returns}{open_return}""")
 
-ORDER_FACTS = Template("status customer po notes created updated tracking", """\
+ORDER_FACTS = Template("status customer po notes created updated tracking invoice", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
 <dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
 <dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
-<dd>{tracking}</dd></dl></div>""")
+<dd>{tracking}</dd><dt>Invoice</dt><dd>{invoice}</dd></dl></div>""")
 ORDER_TRACKING = Template("carrier number url",
                           '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>')
 SHIPS_TO = Template("address", '<h2>Ships to</h2><address class="card">{address}</address>')
@@ -2333,6 +2392,13 @@ CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
 <div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
 {approve}{button}{invite}</div>""")
 #: Where Approve would be, for a customer whose address is not confirmed yet.
+CREDIT_STANDING = Template("limit exposure available terms statement", """\
+<h2>Credit and invoices</h2><div class="card"><dl class="facts"><dt>Credit limit</dt>\
+<dd>{limit}</dd><dt>Exposure</dt><dd>{exposure}</dd><dt>Available</dt><dd>{available}</dd>\
+<dt>Payment terms</dt><dd>{terms}</dd></dl><p class="muted">Exposure: the balances of open \
+invoices and the totals of orders not yet invoiced (tax included, cancelled ones aside), less \
+unapplied credit. A store checkout that would take it past the limit is refused; orders \
+from the API and the dashboard are not.</p><p>{statement}</p></div>""")
 AWAITS_CONFIRMATION = Template("", '<span class="muted">Once the email address is confirmed</span>')
 CUSTOMER_PRICES = Template("prices form", """\
 <h2 id="prices">Prices</h2><p class="muted">This customer's own prices: orders placed at the \
@@ -2367,9 +2433,9 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
-SETTINGS_FORM = Template("server mail_name reply_to alerts approval tax_rate stripe", """\
+SETTINGS_FORM = Template("server mail_name reply_to alerts approval tax_rate terms stripe", """\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}\
-<h2>Storefront</h2>{approval}<h2>Tax</h2>{tax_rate}\
+<h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
 become invoice.paid and are listed under Billing. The operator of the service maps it \
@@ -2427,10 +2493,10 @@ STORE_PRODUCT = Template("sku category unit price level description add", """\
 <dd>{level}</dd></dl>{description}</div>{add}""")
 
 #: A storefront order's facts, for its buyer.
-STORE_ORDER_FACTS = Template("status placed po notes total", """\
+STORE_ORDER_FACTS = Template("status placed po notes total invoice", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Placed</dt>\
 <dd>{placed}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
-<dd>{total}</dd></dl></div>""")
+<dd>{total}</dd><dt>Invoice</dt><dd>{invoice}</dd></dl></div>""")
 
 #: The tracking card of a shipped order, as its buyer sees it.
 STORE_TRACKING = Template("carrier number track", """\
@@ -2701,6 +2767,33 @@ REPLY_TO_MESSAGE = "Reply-to must be an email address."
 STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email addresses, "
                         "separated by commas.")
 
+#: Money owed (docs/money.md). Payment terms: an invoice falls due this many days after it is
+#: issued (0: on receipt), the company's default or a customer's own.
+MAX_PAYMENT_TERMS = 365
+PAYMENT_TERMS_MESSAGE = (f"Payment terms must be a whole number of days from 0 to "
+                         f"{MAX_PAYMENT_TERMS}.")
+#: How invoices and credit notes are numbered, each in its own sequence per company.
+INVOICE_NUMBER = "INV-{:06d}"
+CREDIT_NOTE_NUMBER = "CN-{:06d}"
+INVOICE_STATUSES = ("OPEN", "PAID", "VOID")
+#: A payment's method and reference, as staff type them.
+MAX_PAYMENT_METHOD = 50
+MAX_PAYMENT_REFERENCE = 100
+#: Reminders of an overdue invoice: the first the day after its due date, then one a week,
+#: this many at most.
+MAX_REMINDERS = 3
+REMINDER_INTERVAL_DAYS = 7
+#: The receivables' aging: (label, fewest days past due, most), "current" not yet due.
+AGING_BUCKETS = (("Current", None, 0), ("1-30", 1, 30), ("31-60", 31, 60), ("61-90", 61, 90),
+                 ("Over 90", 91, None))
+CANCELLED_NOT_INVOICED = "A cancelled order is not invoiced."
+INVOICE_NOT_OPEN = "Invoice {number} is {status}: nothing more can be paid or credited to it."
+INVOICE_SETTLED = "Invoice {number} has payments or credit applied: it cannot be voided."
+CREDIT_OTHER_CUSTOMER = "A credit note applies only to invoices of its own customer."
+CREDIT_USED_UP = "Credit note {number} has no credit left."
+CREDIT_LIMIT_REACHED = ("This order ({total}) would take your account past its credit limit: "
+                        "{available} is available. Pay open invoices, or order less.")
+
 
 # 5.2 Validators ------------------------------------------------------------------------------
 
@@ -2911,7 +3004,7 @@ COMPANY_FIELDS = (
     ("stripeCustomerId", "stripe_customer_id", "value"), ("mailName", "mail_name", "value"),
     ("replyTo", "reply_to", "value"), ("staffAlerts", "staff_alerts", "list"),
     ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
-    ("createdAt", "created_at", "value"))
+    ("paymentTermsDays", "payment_terms_days", "value"), ("createdAt", "created_at", "value"))
 #: A new company as create_company answers (it has no settings yet).
 NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
 #: A new API key as create_api_key answers: the key itself, which only its creation has (the
@@ -2920,6 +3013,31 @@ NEW_KEY_FIELDS = (
     ("id", "id", "value"), ("key", "key", "value"), ("companyId", "company_id", "value"),
     ("scopes", "scopes", "words"), ("rateLimit", "rate_limit", "value"),
     ("expiresAt", "expires_at", "value"))
+#: An invoice of an order to its customer (money owed, not the company's subscription), read
+#: with its balance (customer_invoice_json).
+CUSTOMER_INVOICE_FIELDS = (
+    ("id", "id", "value"), ("number", "number", "value"), ("orderId", "order_id", "value"),
+    ("customerId", "customer_id", "value"), ("status", "status", "value"),
+    ("issuedAt", "issued_at", "value"), ("dueAt", "due_at", "value"),
+    ("paymentTermsDays", "terms_days", "value"), ("subtotal", "subtotal_cents", "money"),
+    ("taxRate", "tax_rate", "value"), ("tax", "tax_cents", "money"),
+    ("total", "total_cents", "money"), ("paid", "paid_cents", "money"),
+    ("credited", "credited_cents", "money"), ("balance", "balance_cents", "money"),
+    ("remindersSent", "reminders_sent", "value"), ("updatedAt", "updated_at", "value"))
+PAYMENT_FIELDS = (
+    ("id", "id", "value"), ("invoiceId", "invoice_id", "value"),
+    ("amount", "amount_cents", "money"), ("paidAt", "paid_at", "value"),
+    ("method", "method", "value"), ("reference", "reference", "value"),
+    ("createdAt", "created_at", "value"))
+CREDIT_NOTE_FIELDS = (
+    ("id", "id", "value"), ("number", "number", "value"),
+    ("customerId", "customer_id", "value"), ("refundId", "refund_id", "value"),
+    ("amount", "amount_cents", "money"), ("remaining", "remaining_cents", "money"),
+    ("createdAt", "created_at", "value"))
+CREDIT_APPLICATION_FIELDS = (
+    ("id", "id", "value"), ("creditNoteId", "credit_note_id", "value"),
+    ("invoiceId", "invoice_id", "value"), ("amount", "amount_cents", "money"),
+    ("createdAt", "created_at", "value"))
 #: A paid invoice of the company's subscription, as invoice.paid carries it.
 INVOICE_FIELDS = (
     ("stripeInvoiceId", "stripe_invoice_id", "value"),
@@ -3019,6 +3137,27 @@ def company_json(row):
 
 def invoice_json(row):
     return record_json(INVOICE_FIELDS, row)
+
+
+def balance_cents(invoice):
+    """What an invoice (a row) still owes: its total less its payments and applied credit."""
+    return invoice["total_cents"] - invoice["paid_cents"] - invoice["credited_cents"]
+
+
+def customer_invoice_json(row):
+    return record_json(CUSTOMER_INVOICE_FIELDS, dict(row, balance_cents=balance_cents(row)))
+
+
+def payment_json(row):
+    return record_json(PAYMENT_FIELDS, row)
+
+
+def credit_note_json(row):
+    return record_json(CREDIT_NOTE_FIELDS, row)
+
+
+def credit_application_json(row):
+    return record_json(CREDIT_APPLICATION_FIELDS, row)
 
 
 def orders_json(order_rows, item_rows):
@@ -3136,7 +3275,8 @@ def load_row(conn, table, resource, company_id, row_id):
 #: The table of each kind of record an operator command may name by its ID alone.
 _TABLE_OF = {"Product": "products", "Customer": "customers", "Order": "orders",
              "Return": "returns", "Webhook": "webhooks", "API key": "api_keys",
-             "Staff account": "staff"}
+             "Staff account": "staff", "Invoice": "customer_invoices",
+             "Credit note": "credit_notes"}
 
 
 def company_of(conn, resource, row_id):
@@ -3228,11 +3368,22 @@ def _tax_rate(value):
     return float(rate)
 
 
+def payment_terms(value):
+    """Days from an invoice's issue to its due date, 0 (on receipt) to MAX_PAYMENT_TERMS, given
+    as a whole number or its text."""
+    text = str(value).strip() if value is not None else ""
+    if isinstance(value, bool) or not re.fullmatch(r"\d{1,3}", text) or \
+            int(text) > MAX_PAYMENT_TERMS:
+        raise ApiError(400, PAYMENT_TERMS_MESSAGE)
+    return int(text)
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
 COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
-                    "storefront_approval": _storefront_approval, "tax_rate": _tax_rate}
+                    "storefront_approval": _storefront_approval, "tax_rate": _tax_rate,
+                    "payment_terms_days": payment_terms}
 
 
 def update_company(conn, company_id, changes):
@@ -3489,6 +3640,28 @@ def tax_rate_of(conn, company_id, customer):
     if customer["tax_rate_override"] is not None:
         return customer["tax_rate_override"]
     return conn.execute("SELECT tax_rate FROM companies WHERE id = ?", (company_id,)).fetchone()[0]
+
+
+def terms_of(conn, company_id, customer):
+    """The payment terms (days) of this customer's invoices (a row, or None for an order
+    without a customer): its own, else the company's."""
+    if customer is not None and customer["payment_terms_days"] is not None:
+        return customer["payment_terms_days"]
+    return conn.execute("SELECT payment_terms_days FROM companies WHERE id = ?",
+                        (company_id,)).fetchone()[0]
+
+
+def set_customer_terms(conn, company_id, customer_id, days):
+    """A customer's own payment terms in days (None: the company's again); returns the
+    customer's terms in force, {"customerId", "paymentTermsDays", "own"}."""
+    customer = load_customer(conn, company_id, customer_id)
+    days = None if days is None else payment_terms(days)
+    if customer["payment_terms_days"] != days:
+        conn.execute("UPDATE customers SET payment_terms_days = ? WHERE id = ?",
+                     (days, customer_id))
+    return {"customerId": customer_id, "own": days is not None,
+            "paymentTermsDays": terms_of(conn, company_id, load_customer(conn, company_id,
+                                                                         customer_id))}
 
 
 def require_buyer(conn, company_id, customer_id):
@@ -3862,15 +4035,384 @@ def queue_order_emails(conn, company, customer, order):
         queue_email(conn, company["id"], "order_alert", address, alert)
 
 
+# 9.2 Invoices, payments and credit -----------------------------------------------------------
+# Money a customer owes (docs/money.md). An order is invoiced once, when it first ships (or by
+# staff earlier), at the lines, tax and total frozen on it when it was placed; its invoice is
+# OPEN until payments and applied credit bring its balance to 0 (PAID), or staff void it
+# while nothing is settled (VOID: its number stays used). A CREDIT refund issues a credit
+# note, which staff apply to the same customer's open invoices. Numbers come from one
+# sequence per company and kind, taken in the write transaction that issues them: one writer
+# at a time holds it (on both engines), so numbers neither repeat nor skip.
+
+DAY_MS = 86_400_000
+
+
+def load_invoice(conn, company_id, invoice_id):
+    return load_row(conn, "customer_invoices", "Invoice", company_id, invoice_id)
+
+
+def load_credit_note(conn, company_id, credit_note_id):
+    return load_row(conn, "credit_notes", "Credit note", company_id, credit_note_id)
+
+
+def next_in_sequence(conn, table, company_id):
+    """The company's next number in table's sequence (1 for its first)."""
+    return conn.execute(f"SELECT COALESCE(MAX(sequence), 0) + 1 FROM {table} "
+                        "WHERE company_id = ?", (company_id,)).fetchone()[0]
+
+
+def first_reminder_at(due_at):
+    """When an invoice due at due_at (ISO text) is first reminded of: the start of the day
+    (UTC) after its due date."""
+    return iso(js_parse_date(due_at[:10]) + DAY_MS)
+
+
+def order_invoice(conn, order_id):
+    """The order's invoice (a row), or None."""
+    return conn.execute("SELECT * FROM customer_invoices WHERE order_id = ?",
+                        (order_id,)).fetchone()
+
+
+def invoice_order(conn, company_id, order_id, now_ms=None, announce=True):
+    """The order's invoice, issued now (epoch ms) on the customer's payment terms unless it
+    has one already (then that one, unchanged); a cancelled order is not invoiced. The
+    buyer is emailed a link to it (unless announce is false: the shipping email that goes
+    with it carries it)."""
+    order = load_order(conn, company_id, order_id)
+    existing = order_invoice(conn, order_id)
+    if existing is not None:
+        return customer_invoice_json(existing)
+    if order["status"] == "CANCELLED":
+        raise ApiError(422, CANCELLED_NOT_INVOICED)
+    customer = order["customer_id"] and load_customer(conn, company_id, order["customer_id"])
+    terms = terms_of(conn, company_id, customer or None)
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    total = order["total_cents"] + order["tax_cents"]
+    sequence = next_in_sequence(conn, "customer_invoices", company_id)
+    due_at = iso(now_ms + terms * DAY_MS)
+    row = {"id": new_id("cin"), "company_id": company_id, "order_id": order_id,
+           "customer_id": order["customer_id"], "sequence": sequence,
+           "number": INVOICE_NUMBER.format(sequence), "status": "OPEN" if total else "PAID",
+           "subtotal_cents": order["total_cents"], "tax_rate": order["tax_rate"],
+           "tax_cents": order["tax_cents"], "total_cents": total, "paid_cents": 0,
+           "credited_cents": 0, "terms_days": terms, "issued_at": iso(now_ms),
+           "due_at": due_at, "reminders_sent": 0,
+           "next_reminder_at": first_reminder_at(due_at) if total else None,
+           "updated_at": iso(now_ms)}
+    insert_row(conn, "customer_invoices", row)
+    if customer and announce:
+        queue_invoice_email(conn, company_id, customer, row, "invoice_issued")
+    return customer_invoice_json(row)
+
+
+def invoice_facts(conn, invoice):
+    """An invoice's facts in its buyer's emails: its number linked to it in the store, the
+    total and balance due, when it is due."""
+    slug = conn.execute("SELECT slug FROM companies WHERE id = ?",
+                        (invoice["company_id"],)).fetchone()[0]
+    balance = balance_cents(invoice)
+    return [["Invoice", invoice["number"], f"/store/{slug}/invoices/{invoice['id']}"],
+            ["Total due", amount_text(money(invoice["total_cents"]))],
+            ["Balance due", amount_text(money(balance))], ["Due", invoice["due_at"][:10]]]
+
+
+def invoice_lines(conn, invoice):
+    """The invoice's order lines at their frozen prices, as the order shows its items."""
+    return order_with_items(conn, invoice["company_id"], invoice["order_id"])["items"]
+
+
+def queue_invoice_email(conn, company_id, customer, invoice, kind):
+    """An invoice's email to its buyer (invoice_issued, invoice_reminder): its lines, totals
+    and balance, and a link to it in the store."""
+    company = load_company(conn, company_id)
+    lines = [{"name": item["productName"], "sku": item["productSku"],
+              "quantity": item["quantity"], "unitPrice": item["unitPrice"],
+              "lineTotal": money(line_total_cents(item))}
+             for item in invoice_lines(conn, invoice)]
+    queue_email(conn, company_id, kind, customer["email"], {
+        "number": invoice["number"], "customerName": customer["name"] or customer["email"],
+        "store": company["name"], "path": f"/store/{company['slug']}/invoices/{invoice['id']}",
+        "lines": lines, "total": money(invoice["subtotal_cents"]),
+        "taxRate": invoice["tax_rate"], "tax": money(invoice["tax_cents"]),
+        "facts": [["Order", invoice["order_id"]], ["Issued", invoice["issued_at"][:10]],
+                  *invoice_facts(conn, invoice)]}, to_name=customer["name"])
+
+
+def require_open(invoice):
+    if invoice["status"] != "OPEN":
+        raise ApiError(422, INVOICE_NOT_OPEN.format(number=invoice["number"],
+                                                    status=invoice["status"]))
+
+
+def _settle(conn, invoice, paid=0, credited=0, at=None):
+    """Payments or credit added to an invoice; PAID once its balance is 0 (then no reminder
+    is to come). Returns the invoice as it is now."""
+    balance = balance_cents(invoice)
+    settled = balance - paid - credited == 0
+    conn.execute(
+        "UPDATE customer_invoices SET paid_cents = paid_cents + ?, credited_cents = "
+        "credited_cents + ?, status = ?, next_reminder_at = ?, updated_at = ? WHERE id = ?",
+        (paid, credited, "PAID" if settled else "OPEN",
+         None if settled else invoice["next_reminder_at"], at or now_iso(), invoice["id"]))
+    return customer_invoice_json(load_invoice(conn, invoice["company_id"], invoice["id"]))
+
+
+def _settling_amount(amount_cents, most, what):
+    if not isinstance(amount_cents, int) or isinstance(amount_cents, bool) or amount_cents < 1:
+        raise invalid("amount", "must be an amount > 0")
+    if amount_cents > most:
+        raise invalid("amount", f"must be at most {amount_text(money(most))}, {what}")
+    return amount_cents
+
+
+def _payment_text(value, field, most):
+    text = one_line(value)
+    if len(text) > most:
+        raise invalid(field, f"must be at most {most} characters")
+    return text or None
+
+
+def record_payment(conn, company_id, invoice_id, amount_cents, method=None, reference=None,
+                   paid_at=None, now_ms=None):
+    """A payment staff received against an open invoice (partial or whole; never more than its
+    balance), paid at paid_at (ISO text, not in the future; now by default). Returns the
+    invoice."""
+    invoice = load_invoice(conn, company_id, invoice_id)
+    require_open(invoice)
+    balance = balance_cents(invoice)
+    _settling_amount(amount_cents, balance, "the invoice's balance")
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    paid_ms = now_ms if paid_at is None else js_parse_date(paid_at)
+    if paid_ms is None or paid_ms > now_ms:
+        raise invalid("paidAt", "must be an ISO 8601 date or time, not in the future")
+    insert_row(conn, "payments", {
+        "id": new_id("pay"), "company_id": company_id, "invoice_id": invoice_id,
+        "amount_cents": amount_cents, "paid_at": iso(paid_ms),
+        "method": _payment_text(method, "method", MAX_PAYMENT_METHOD),
+        "reference": _payment_text(reference, "reference", MAX_PAYMENT_REFERENCE),
+        "created_at": iso(now_ms)})
+    return _settle(conn, invoice, paid=amount_cents, at=iso(now_ms))
+
+
+def void_invoice(conn, company_id, invoice_id):
+    """An open invoice voided while nothing is paid or credited to it; its number stays used
+    and nothing more can be paid or credited to it. Returns the invoice."""
+    invoice = load_invoice(conn, company_id, invoice_id)
+    require_open(invoice)
+    if invoice["paid_cents"] or invoice["credited_cents"]:
+        raise ApiError(422, INVOICE_SETTLED.format(number=invoice["number"]))
+    conn.execute("UPDATE customer_invoices SET status = 'VOID', next_reminder_at = NULL, "
+                 "updated_at = ? WHERE id = ?", (now_iso(), invoice_id))
+    return customer_invoice_json(load_invoice(conn, company_id, invoice_id))
+
+
+def issue_credit_note(conn, company_id, customer_id, refund_id, amount_cents, at):
+    """The credit note of a CREDIT refund, for its amount (a refund of nothing issues none)."""
+    if not customer_id or not amount_cents:
+        return None
+    sequence = next_in_sequence(conn, "credit_notes", company_id)
+    row = {"id": new_id("crn"), "company_id": company_id, "customer_id": customer_id,
+           "refund_id": refund_id, "sequence": sequence,
+           "number": CREDIT_NOTE_NUMBER.format(sequence), "amount_cents": amount_cents,
+           "remaining_cents": amount_cents, "created_at": at}
+    insert_row(conn, "credit_notes", row)
+    return credit_note_json(row)
+
+
+def apply_credit(conn, company_id, credit_note_id, invoice_id, amount_cents=None):
+    """Credit from a credit note applied to an open invoice of the same customer: amount_cents,
+    or as much as both allow. Returns {"creditNote", "invoice"} as they are now."""
+    note = load_credit_note(conn, company_id, credit_note_id)
+    invoice = load_invoice(conn, company_id, invoice_id)
+    require_open(invoice)
+    if invoice["customer_id"] != note["customer_id"]:
+        raise ApiError(422, CREDIT_OTHER_CUSTOMER)
+    if not note["remaining_cents"]:
+        raise ApiError(422, CREDIT_USED_UP.format(number=note["number"]))
+    balance = balance_cents(invoice)
+    if amount_cents is None:
+        amount_cents = min(note["remaining_cents"], balance)
+    _settling_amount(amount_cents, note["remaining_cents"], "what the credit note has left")
+    _settling_amount(amount_cents, balance, "the invoice's balance")
+    application_id, at = new_id_at("cap")
+    insert_row(conn, "credit_applications", {
+        "id": application_id, "company_id": company_id, "credit_note_id": credit_note_id,
+        "invoice_id": invoice_id, "amount_cents": amount_cents, "created_at": at})
+    conn.execute("UPDATE credit_notes SET remaining_cents = remaining_cents - ? WHERE id = ?",
+                 (amount_cents, credit_note_id))
+    invoice = _settle(conn, invoice, credited=amount_cents, at=at)
+    return {"creditNote": credit_note_json(load_credit_note(conn, company_id, credit_note_id)),
+            "invoice": invoice}
+
+
+def invoice_details(conn, company_id, invoice_id):
+    """An invoice with its lines, its payments and the credit applied to it (invoice-show,
+    the invoice's pages)."""
+    invoice = load_invoice(conn, company_id, invoice_id)
+    return dict(customer_invoice_json(invoice), lines=invoice_lines(conn, invoice), payments=[
+        payment_json(row) for row in conn.execute(
+            "SELECT * FROM payments WHERE invoice_id = ? ORDER BY paid_at, id", (invoice_id,))],
+        credits=[dict(credit_application_json(row), creditNoteNumber=row["number"])
+                 for row in conn.execute(
+            "SELECT a.*, n.number FROM credit_applications a JOIN credit_notes n ON n.id = "
+            "a.credit_note_id WHERE a.invoice_id = ? ORDER BY a.created_at, a.id",
+            (invoice_id,))])
+
+
+def find_customer_invoices(conn, company_id, status=None, customer_id=None, overdue_at=None):
+    """The company's invoices, newest first: of a status, of a customer, or overdue at a
+    time (ISO text: open, and due before that day began)."""
+    filters, params = ["company_id = ?"], [company_id]
+    for column, value in (("status", status), ("customer_id", customer_id)):
+        if value is not None:
+            filters.append(f"{column} = ?")
+            params.append(value)
+    if status is not None and status not in INVOICE_STATUSES:
+        raise invalid("status", f"must be one of {', '.join(INVOICE_STATUSES)}")
+    if overdue_at is not None:
+        filters.append("status = 'OPEN' AND due_at < ?")
+        params.append(overdue_at[:10])
+    return conn.execute(f"SELECT * FROM customer_invoices WHERE {' AND '.join(filters)} "
+                        "ORDER BY sequence DESC", params).fetchall()
+
+
+def customer_credit_notes(conn, company_id, customer_id):
+    load_customer(conn, company_id, customer_id)
+    return conn.execute("SELECT * FROM credit_notes WHERE customer_id = ? "
+                        "ORDER BY sequence DESC", (customer_id,)).fetchall()
+
+
+def credit_standing(conn, company_id, customer):
+    """A customer's (a row) exposure, in cents: its open invoices' balances and the totals,
+    tax included, of its orders neither invoiced nor cancelled, less its unapplied credit;
+    with its credit limit and what is available under it (None: no limit)."""
+    ((exposure,),) = conn.execute(
+        "SELECT COALESCE((SELECT SUM(total_cents - paid_cents - credited_cents) FROM "
+        "customer_invoices WHERE company_id = ? AND customer_id = ? AND status = 'OPEN'), 0) "
+        "+ COALESCE((SELECT SUM(o.total_cents + o.tax_cents) FROM orders o WHERE "
+        "o.company_id = ? AND o.customer_id = ? AND o.status <> 'CANCELLED' AND NOT EXISTS "
+        "(SELECT 1 FROM customer_invoices i WHERE i.order_id = o.id)), 0) - COALESCE((SELECT "
+        "SUM(remaining_cents) FROM credit_notes WHERE customer_id = ?), 0)",
+        (company_id, customer["id"], company_id, customer["id"], customer["id"]))
+    limit = customer["credit_limit_cents"]
+    return {"exposure": exposure, "limit": limit,
+            "available": None if limit is None else max(limit - exposure, 0)}
+
+
+def require_credit(conn, company_id, customer_id, order_id):
+    """Refuses a storefront order just placed (and so all its transaction wrote) that takes
+    its customer's exposure past its credit limit, saying how much was available. The API
+    never does: there the limit is informational (the spec)."""
+    customer = load_customer(conn, company_id, customer_id)
+    if customer["credit_limit_cents"] is None:
+        return
+    standing = credit_standing(conn, company_id, customer)
+    if standing["exposure"] <= standing["limit"]:
+        return
+    order = load_order(conn, company_id, order_id)
+    total = order["total_cents"] + order["tax_cents"]
+    available = max(standing["limit"] - standing["exposure"] + total, 0)
+    raise ApiError(400, CREDIT_LIMIT_REACHED.format(total=amount_text(money(total)),
+                                                    available=amount_text(money(available))))
+
+
+def statement(conn, company_id, customer_id):
+    """A customer's account: its invoices (void ones aside), payments and credit notes by
+    date, each line's amount (what it adds to what the customer owes, or takes off) and the
+    balance after it; the balance is what its open invoices owe less its unapplied credit."""
+    load_customer(conn, company_id, customer_id)
+    entries = [(row["issued_at"], "INVOICE", row["number"], row["total_cents"]) for row in
+               conn.execute("SELECT * FROM customer_invoices WHERE customer_id = ? AND "
+                            "status <> 'VOID'", (customer_id,))]
+    entries += [(row["paid_at"], "PAYMENT", " ".join(filter(None, [
+        row["number"], row["method"], row["reference"]])), -row["amount_cents"])
+        for row in conn.execute(
+            "SELECT p.*, i.number FROM payments p JOIN customer_invoices i ON i.id = "
+            "p.invoice_id WHERE i.customer_id = ?", (customer_id,))]
+    entries += [(row["created_at"], "CREDIT_NOTE", row["number"], -row["amount_cents"])
+                for row in conn.execute("SELECT * FROM credit_notes WHERE customer_id = ?",
+                                        (customer_id,))]
+    lines, balance = [], 0
+    for at, kind, reference, cents in sorted(entries, key=lambda entry: entry[0]):
+        balance += cents
+        lines.append({"date": at, "kind": kind, "reference": reference, "amount": money(cents),
+                      "balance": money(balance)})
+    return {"customerId": customer_id, "lines": lines, "balance": money(balance)}
+
+
+def days_past_due(due_at, now_ms):
+    """Whole days from an invoice's due date to now's date (0 or less: not overdue)."""
+    return (now_ms // DAY_MS) - (js_parse_date(due_at[:10]) // DAY_MS)
+
+
+def aging_bucket(due_at, now_ms):
+    """The index in AGING_BUCKETS of an open invoice due at due_at."""
+    days = days_past_due(due_at, now_ms)
+    return next(index for index, (_, low, high) in enumerate(AGING_BUCKETS)
+                if (low is None or days >= low) and (high is None or days <= high))
+
+
+def receivables(conn, company_id, now_ms):
+    """The company's open invoices, oldest due first, each with its customer's email and name
+    and its aging bucket (bucket), and the balances per customer in each bucket:
+    (invoices, {customer ID: {"name", "email", "buckets": [cents per bucket], "total"}})."""
+    invoices = [dict(row, bucket=aging_bucket(row["due_at"], now_ms),
+                     balance_cents=balance_cents(row))
+                for row in conn.execute(
+        "SELECT i.*, c.email, c.name FROM customer_invoices i LEFT JOIN customers c ON c.id = "
+        "i.customer_id WHERE i.company_id = ? AND i.status = 'OPEN' ORDER BY i.due_at, i.id",
+        (company_id,))]
+    customers = {}
+    for invoice in invoices:
+        owed = customers.setdefault(invoice["customer_id"], {
+            "name": invoice["name"], "email": invoice["email"],
+            "buckets": [0] * len(AGING_BUCKETS), "total": 0})
+        owed["buckets"][invoice["bucket"]] += invoice["balance_cents"]
+        owed["total"] += invoice["balance_cents"]
+    return invoices, customers
+
+
+def send_reminders(conn, now_ms, batch=100):
+    """The reminders due at now_ms (epoch ms): one email to the buyer of each open invoice
+    whose next reminder is due, the next a week from now (so an invoice found long overdue
+    gets one, not a backlog), MAX_REMINDERS at most. Each is claimed by a conditional update
+    in the caller's write transaction: however many processes run this, each reminder is
+    written once. Returns how many reminders it claimed."""
+    rows = conn.execute(
+        "SELECT * FROM customer_invoices WHERE next_reminder_at IS NOT NULL AND "
+        "next_reminder_at <= ? ORDER BY next_reminder_at LIMIT ?", (iso(now_ms), batch)
+    ).fetchall()
+    sent = 0
+    for row in rows:
+        count = row["reminders_sent"] + 1
+        next_at = iso(now_ms + REMINDER_INTERVAL_DAYS * DAY_MS) if count < MAX_REMINDERS \
+            else None
+        claimed = conn.execute(
+            "UPDATE customer_invoices SET reminders_sent = ?, next_reminder_at = ? WHERE id = ? "
+            "AND reminders_sent = ? AND status = 'OPEN'",
+            (count, next_at, row["id"], row["reminders_sent"])).rowcount
+        if claimed and row["customer_id"]:
+            customer = load_customer(conn, row["company_id"], row["customer_id"])
+            queue_invoice_email(conn, row["company_id"], customer, row, "invoice_reminder")
+        sent += claimed
+    return sent
+
+
+# 9.3 Status changes --------------------------------------------------------------------------
+
 def queue_shipping_email(conn, company_id, order):
-    """The shipping email to the order's customer: the order, its PO number and, when the
-    order has tracking, the carrier, the tracking number and the tracking URL."""
+    """The shipping email to the order's customer: the order, its PO number, its invoice (the
+    one a shipment issues: no email of its own goes with it) and, when the order has
+    tracking, the carrier, the tracking number and the tracking URL."""
     customer = load_customer(conn, company_id, order["customerId"])
     facts = [["Order", order["id"]], ["PO number", order["poNumber"] or "none"]]
     if order["tracking"]:
         facts += [["Carrier", order["tracking"]["carrier"]],
                   ["Tracking number", order["tracking"]["number"]],
                   ["Track it", order["tracking"]["url"], order["tracking"]["url"]]]
+    invoice = order_invoice(conn, order["id"])
+    if invoice is not None:
+        facts += invoice_facts(conn, invoice)
     queue_email(conn, company_id, "order_shipped", customer["email"], {
         "orderId": order["id"], "customerName": customer["name"] or customer["email"],
         "facts": facts}, to_name=customer["name"])
@@ -3906,10 +4448,15 @@ def parse_status_update(body, templates):
     return status, {"carrier": carrier, "number": number, "url": url}
 
 
+#: An order is invoiced as it first reaches one of these (DELIVERED: one that skipped SHIPPED).
+INVOICED_STATUSES = ("SHIPPED", "DELIVERED")
+
+
 def update_order_status(conn, company_id, order_id, status, tracking=None, source="api"):
     """The API's rule: any status to any status, except out of CANCELLED. Tracking, once set,
-    stays through later transitions. Cancelling touches neither stock nor returns. source
-    (api or dashboard) is recorded with the change."""
+    stays through later transitions. Cancelling touches neither stock, returns nor an
+    invoice (staff void or credit it). The order is invoiced as it first ships. source (api
+    or dashboard) is recorded with the change."""
     before = load_order(conn, company_id, order_id)
     if before["status"] == "CANCELLED":
         raise ApiError(422, ORDER_CANCELLED)
@@ -3929,9 +4476,13 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
     emit(conn, company_id, "order.status_changed", dict(order, previousStatus=previous))
     summary = {"id": order_id, "previousStatus": previous, "total": order["total"],
                "customerId": order["customerId"]}
+    # once, as it becomes SHIPPED
+    shipping_email = status == "SHIPPED" and previous != "SHIPPED" and order["customerId"]
+    if status in INVOICED_STATUSES and order_invoice(conn, order_id) is None:
+        invoice_order(conn, company_id, order_id, announce=not shipping_email)
     if status == "SHIPPED":
         emit(conn, company_id, "order.shipped", dict(summary, tracking=order["tracking"]))
-        if previous != "SHIPPED" and order["customerId"]:  # once, as it becomes SHIPPED
+        if shipping_email:
             queue_shipping_email(conn, company_id, order)
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
@@ -3973,7 +4524,7 @@ def dashboard_update_order_status(conn, company_id, order_id, status, tracking=N
     return update_order_status(conn, company_id, order_id, status, tracking, "dashboard")
 
 
-# 9.2 Returns, refunds and invoices -----------------------------------------------------------
+# 9.4 Returns and refunds ---------------------------------------------------------------------
 
 def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
@@ -4147,6 +4698,8 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
               "damaged_units": damaged_units, "subtotal_cents": subtotal_cents,
               "created_at": at}
     insert_row(conn, "refunds", refund)
+    if method == "CREDIT":
+        issue_credit_note(conn, company_id, row["customer_id"], refund_id, amount_cents, at)
     move_stock(conn, company_id, restock, "return", actor or SYSTEM, order_id=row["order_id"],
                return_id=return_id)
     processed = record_json(PROCESSED_REFUND_FIELDS, dict(
@@ -4231,6 +4784,14 @@ def refund_restock(conn, return_id, lines, good_units, damaged_units):
     return restock
 
 
+# 9.5 Billing ---------------------------------------------------------------------------------
+# An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
+# transaction: an invoice.paid of a company's Stripe customer is recorded through
+# record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
+# may send one twice, and retries until it is answered) finds the ID and does nothing. Other
+# events, and invoices no company can take, are answered and ignored, and leave no ID behind:
+# Stripe can send them again (its dashboard's "Resend") once the company is mapped.
+
 def check_currency(currency):
     """A currency code as Stripe writes it: three lower-case letters."""
     if not re.fullmatch(r"[a-z]{3}", currency or ""):
@@ -4273,14 +4834,6 @@ def record_invoice_paid(conn, company_id, stripe_invoice_id, amount_paid, curren
     emit(conn, company_id, "invoice.paid", invoice)
     return invoice
 
-
-# 9.3 Billing ---------------------------------------------------------------------------------
-# An event whose signature passed (HTTP API, Billing) is acted on here, in the caller's write
-# transaction: an invoice.paid of a company's Stripe customer is recorded through
-# record_invoice_paid together with Stripe's event ID, so that a repeat of the event (Stripe
-# may send one twice, and retries until it is answered) finds the ID and does nothing. Other
-# events, and invoices no company can take, are answered and ignored, and leave no ID behind:
-# Stripe can send them again (its dashboard's "Resend") once the company is mapped.
 
 def parse_stripe_event(body):
     """The event object of a verified body, checked for what receive_stripe_event reads."""
@@ -5468,6 +6021,7 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
         conn, store_slug, customer_id,
         [{"productId": line["product"]["id"], "quantity": line["quantity"]} for line in lines],
         po_number, notes, shipping_address=address, checkout_token=token)
+    require_credit(conn, company["id"], customer_id, order["id"])
     conn.execute("DELETE FROM cart_lines WHERE customer_id = ?", (customer_id,))
     return order
 
@@ -6785,9 +7339,14 @@ class Service:
         return self.outbox
 
     def housekeeping(self):
-        """The app's own, run by the outbox's dispatcher about once a minute."""
+        """The app's own, run by the outbox's dispatcher as it starts and about once a minute:
+        expired idempotency keys, and the reminders of overdue invoices that are due."""
         with self.db.write() as conn:
             expire_idempotency_keys(conn, now_iso())
+        while True:
+            with self.db.write() as conn:
+                if not send_reminders(conn, int(self.clock() * 1000)):
+                    break
 
     def health(self):
         """GET /healthz, for load balancers and supervisors: 200 while the database answers.
@@ -7936,6 +8495,49 @@ def total_rows(total, rate, tax):
              render(TOTAL_CELL, text=cents_text(total + tax)))]
 
 
+def invoice_document(visit, invoice, order_href):
+    """An invoice (a row) as it prints, on the dashboard and in the store; order_href: where
+    its order number leads."""
+    conn, company_id = visit.conn, invoice["company_id"]
+    order = load_order(conn, company_id, invoice["order_id"])
+    customer = invoice["customer_id"] and load_customer(conn, company_id, invoice["customer_id"])
+    return render(
+        INVOICE_DOCUMENT, seller=load_company(conn, company_id)["name"],
+        number=invoice["number"], status=status_tag(invoice["status"]),
+        buyer=f"{customer['name'] or ''} <{customer['email']}>" if customer else "none",
+        issued=invoice["issued_at"][:10], due=invoice["due_at"][:10],
+        terms=terms_text(invoice["terms_days"]), order=link(order_href, order["id"]),
+        po=order["po_number"] or "none", lines=invoice_lines_table(conn, invoice),
+        paid=cents_text(invoice["paid_cents"]),
+        credited=cents_text(invoice["credited_cents"]), balance=cents_text(
+            balance_cents(invoice)))
+
+
+def invoice_lines_table(conn, invoice):
+    return table(("Product", "SKU", "Quantity", "Unit price", "Line total"),
+                 [(item["productName"], item["productSku"] or "", item["quantity"],
+                   amount_text(item["unitPrice"]), cents_text(line_total_cents(item)))
+                  for item in invoice_lines(conn, invoice)] +
+                 [("", "", "", label, amount) for label, amount in total_rows(
+                     invoice["subtotal_cents"], invoice["tax_rate"], invoice["tax_cents"])],
+                 numeric=("Quantity", "Unit price", "Line total"))
+
+
+#: How a statement names each kind of line.
+STATEMENT_KINDS = {"INVOICE": "Invoice", "PAYMENT": "Payment", "CREDIT_NOTE": "Credit note"}
+
+
+def statement_table(account):
+    """A statement (statement()): its lines by date, and the balance under them."""
+    rows = [(line["date"][:10], STATEMENT_KINDS[line["kind"]], line["reference"],
+             amount_text(line["amount"]), amount_text(line["balance"]))
+            for line in account["lines"]]
+    rows.append(("", "", render(TOTAL_CELL, text="Balance"), "",
+                 render(TOTAL_CELL, text=amount_text(account["balance"]))))
+    return table(("Date", "Kind", "Reference", "Amount", "Balance"), rows,
+                 numeric=("Amount", "Balance"))
+
+
 def address_lines(address):
     """A shipping address's fields that are filled, a line each."""
     return Markup(LINE_BREAK.join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
@@ -8207,6 +8809,7 @@ class Surface:
 
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
+              ("Receivables", "/dashboard/receivables"),
               ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
               ("Billing", "/dashboard/billing"), ("Emails", "/dashboard/emails"),
               ("Settings", "/dashboard/settings"))
@@ -8289,8 +8892,19 @@ def order_facts(visit, order):
         customer=link(f"/dashboard/customers/{customer['id']}",
                       f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
-        updated=order["updatedAt"],
+        updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
         tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
+
+
+def order_invoice_cell(visit, order):
+    """The order's invoice, or the button that issues it now (a cancelled order: none)."""
+    invoice = order_invoice(visit.conn, order["id"])
+    if invoice is not None:
+        return join([link(f"/dashboard/invoices/{invoice['id']}", invoice["number"]), " ",
+                     status_tag(invoice["status"])])
+    if order["status"] == "CANCELLED":
+        return "none"
+    return visit.button(f"/dashboard/orders/{order['id']}/invoice", "Invoice now", "secondary")
 
 
 def order_lines(order, row):
@@ -8584,7 +9198,9 @@ def customer_fields(visit, customer):
         visit.field("creditLimit", "Credit limit", "" if credit is None else
                     decimal_text(credit), inputmode="decimal"),
         visit.field("taxRateOverride", f"Tax rate override (0 to {MAX_TAX_RATE})",
-                    customer.get("tax_rate_override"), inputmode="decimal")])),
+                    customer.get("tax_rate_override"), inputmode="decimal"),
+        visit.field("paymentTermsDays", "Payment terms in days (empty: the company's)",
+                    customer.get("payment_terms_days"), inputmode="numeric")])),
         visit.field("notes", "Internal notes", customer.get("notes"), kind="textarea")])
 
 
@@ -8601,6 +9217,7 @@ def create_customer_action(visit):
     body = dict(customer_body(visit.form), email=visit.form.get("email", ""))
     with visit.write() as conn:
         customer = create_customer(conn, visit.company_id, body, source="dashboard")
+        save_customer_terms(visit, conn, customer["id"])
     return redirect(f"/dashboard/customers/{customer['id']}")
 
 
@@ -8621,8 +9238,9 @@ def customer_page(visit, customer_id):
     edit = visit.form_tag(f"/dashboard/customers/{customer_id}", join([
         customer_fields(visit, dict(customer)), render(SUBMIT, text="Save")]))
     orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
-    return visit.page(customer["email"], join([status, edit, render(PARAGRAPH, text=orders),
-                                               customer_prices_section(visit, customer_id)]))
+    return visit.page(customer["email"], join([
+        status, edit, render(PARAGRAPH, text=orders), credit_section(visit, customer),
+        customer_prices_section(visit, customer_id)]))
 
 
 def customer_prices_section(visit, customer_id):
@@ -8666,7 +9284,15 @@ def clear_customer_price_action(visit, customer_id, product_id):
 def update_customer_action(visit, customer_id):
     with visit.write() as conn:
         update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
+        save_customer_terms(visit, conn, customer_id)
     return redirect(f"/dashboard/customers/{customer_id}")
+
+
+def save_customer_terms(visit, conn, customer_id):
+    """The customer form's payment terms (empty: the company's), where the form has them."""
+    if "paymentTermsDays" in visit.form:
+        set_customer_terms(conn, visit.company_id, customer_id,
+                           form_text(visit.form, "paymentTermsDays"))
 
 
 @page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page)
@@ -8773,6 +9399,146 @@ def return_step_action(visit, return_id, step):
         else:
             raise not_found("Page")
     return redirect("/dashboard/returns")
+
+
+#: What an invoice's page says once a form on it did what it asked (?done=...).
+INVOICE_DONE = {"issued": "Invoiced: the buyer is emailed a link to this invoice.",
+                "payment": "Saved: the payment is recorded.",
+                "credit": "Saved: the credit is applied.", "void": "Saved: the invoice is void."}
+
+
+@page("GET", "/dashboard/invoices/<invoice_id>")
+def invoice_page(visit, invoice_id):
+    invoice = load_invoice(visit.conn, visit.company_id, invoice_id)
+    visit.notice = INVOICE_DONE.get(visit.query.get("done"))
+    return visit.page(f"Invoice {invoice['number']}", join([
+        invoice_document(visit, invoice, f"/dashboard/orders/{invoice['order_id']}"),
+        render(SCREEN_ONLY, body=join([invoice_settlements(visit, invoice_id),
+                                       *invoice_actions(visit, invoice)]))]))
+
+
+def invoice_settlements(visit, invoice_id):
+    """The payments recorded against an invoice and the credit applied to it."""
+    details = invoice_details(visit.conn, visit.company_id, invoice_id)
+    rows = [(payment["paidAt"][:10], "Payment", " ".join(filter(None, (
+        payment["method"], payment["reference"]))), amount_text(payment["amount"]))
+        for payment in details["payments"]] + [
+        (credit["createdAt"][:10], "Credit", credit["creditNoteNumber"],
+         amount_text(credit["amount"])) for credit in details["credits"]]
+    return join([render(HEADING, text="Payments and credit"), table(
+        ("Date", "Kind", "Reference", "Amount"), rows, numeric=("Amount",))])
+
+
+def invoice_actions(visit, invoice):
+    """The forms that settle an open invoice: a payment, credit from the customer's notes,
+    and (while nothing is settled) voiding it."""
+    if invoice["status"] != "OPEN":
+        return []
+    path = f"/dashboard/invoices/{invoice['id']}"
+    paying = visit.for_form(path + "/payments", "payment")
+    actions = [paying.form_tag(path + "/payments", render(
+        TITLED_FORM, title="Record a payment", button="Record payment", fields=render(
+            GRID, cells=join([
+                paying.field("amount", "Amount", inputmode="decimal", required="required"),
+                paying.field("paidAt", "Paid on (empty: today)", kind="date"),
+                paying.field("method", "Method", maxlength=MAX_PAYMENT_METHOD),
+                paying.field("reference", "Reference", maxlength=MAX_PAYMENT_REFERENCE)]))))]
+    actions.append(credit_form(visit, invoice, path))
+    if not invoice["paid_cents"] and not invoice["credited_cents"]:
+        actions.append(visit.button(path + "/void", "Void this invoice", "danger"))
+    return actions
+
+
+def credit_form(visit, invoice, path):
+    """The form that applies one of the customer's credit notes (none with credit left: "")."""
+    notes = [note for note in customer_credit_notes(visit.conn, visit.company_id,
+                                                    invoice["customer_id"])
+             if note["remaining_cents"]] if invoice["customer_id"] else []
+    if not notes:
+        return ""
+    crediting = visit.for_form(path + "/credit", "credit")
+    return crediting.form_tag(path + "/credit", render(
+        TITLED_FORM, title="Apply credit", button="Apply credit", fields=render(
+            GRID, cells=join([crediting.select("creditNoteId", "Credit note", [
+                (note["id"], f"{note['number']} ({cents_text(note['remaining_cents'])} left)")
+                for note in notes]), crediting.field(
+                "amount", "Amount (empty: as much as both allow)", inputmode="decimal")]))))
+
+
+@page("POST", "/dashboard/orders/<order_id>/invoice", refused=order_page)
+def invoice_order_action(visit, order_id):
+    with visit.write() as conn:
+        invoice = invoice_order(conn, visit.company_id, order_id, visit.surface.now_ms())
+    return redirect(f"/dashboard/invoices/{invoice['id']}?done=issued")
+
+
+@page("POST", "/dashboard/invoices/<invoice_id>/payments", refused=invoice_page)
+def record_payment_action(visit, invoice_id):
+    form = visit.form
+    with visit.write() as conn:
+        record_payment(conn, visit.company_id, invoice_id, form_amount(form, "amount"),
+                       form.get("method"), form.get("reference"),
+                       form_text(form, "paidAt"), visit.surface.now_ms())
+    return redirect(f"/dashboard/invoices/{invoice_id}?done=payment")
+
+
+@page("POST", "/dashboard/invoices/<invoice_id>/credit", refused=invoice_page)
+def apply_credit_action(visit, invoice_id):
+    with visit.write() as conn:
+        apply_credit(conn, visit.company_id, visit.form.get("creditNoteId"), invoice_id,
+                     form_amount(visit.form, "amount", required=False))
+    return redirect(f"/dashboard/invoices/{invoice_id}?done=credit")
+
+
+@page("POST", "/dashboard/invoices/<invoice_id>/void", refused=invoice_page)
+def void_invoice_action(visit, invoice_id):
+    with visit.write() as conn:
+        void_invoice(conn, visit.company_id, invoice_id)
+    return redirect(f"/dashboard/invoices/{invoice_id}?done=void")
+
+
+@page("GET", "/dashboard/receivables")
+def receivables_page(visit):
+    invoices, customers = receivables(visit.conn, visit.company_id, visit.surface.now_ms())
+    labels = [label for label, _, _ in AGING_BUCKETS]
+    rows = [(link(f"/dashboard/customers/{customer_id}/statement",
+                  owed["name"] or owed["email"]) if customer_id else "no customer",
+             *map(cents_text, owed["buckets"]), cents_text(owed["total"]))
+            for customer_id, owed in customers.items()]
+    sums = [sum(owed["buckets"][index] for owed in customers.values())
+            for index in range(len(labels))]
+    rows.append((render(TOTAL_CELL, text="Total"), *map(cents_text, sums),
+                 render(TOTAL_CELL, text=cents_text(sum(sums)))))
+    return visit.page("Receivables", join([
+        render(HEADING, text="Owed by customer, by days past due"),
+        table(("Customer", *labels, "Total"), rows, numeric=(*labels, "Total")),
+        render(HEADING, text="Open invoices"), table(
+            ("Invoice", "Customer", "Issued", "Due", "Past due", "Balance"),
+            [(link(f"/dashboard/invoices/{i['id']}", i["number"]), i["email"] or "",
+              i["issued_at"][:10], i["due_at"][:10], labels[i["bucket"]],
+              cents_text(i["balance_cents"])) for i in invoices], numeric=("Balance",))]))
+
+
+@page("GET", "/dashboard/customers/<customer_id>/statement")
+def customer_statement_page(visit, customer_id):
+    customer = load_customer(visit.conn, visit.company_id, customer_id)
+    return visit.page(f"Statement of {customer['name'] or customer['email']}", join([
+        statement_table(statement(visit.conn, visit.company_id, customer_id)),
+        render(PARAGRAPH, text=link(f"/dashboard/customers/{customer_id}",
+                                    "Back to the customer"))]))
+
+
+def credit_section(visit, customer):
+    """A customer's exposure and what its credit limit leaves available, its payment terms,
+    and a link to its statement."""
+    standing = credit_standing(visit.conn, visit.company_id, customer)
+    return render(
+        CREDIT_STANDING, exposure=cents_text(standing["exposure"]),
+        limit="none" if standing["limit"] is None else cents_text(standing["limit"]),
+        available="no limit" if standing["available"] is None else
+        cents_text(standing["available"]),
+        terms=terms_text(terms_of(visit.conn, visit.company_id, customer)),
+        statement=link(f"/dashboard/customers/{customer['id']}/statement", "Statement"))
 
 
 @page("GET", "/dashboard/webhooks")
@@ -8975,7 +9741,10 @@ def settings_fields(visit, company):
         tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} "
                              "(0.0825 is 8.25%; a customer's own rate wins)",
                              rate_field_text(company["tax_rate"]),
-                             inputmode="decimal"))
+                             inputmode="decimal"),
+        terms=visit.field("paymentTerms", f"Payment terms: days from an invoice to its due "
+                          f"date, 0 (due on receipt) to {MAX_PAYMENT_TERMS}; a customer's own "
+                          f"terms win", company["payment_terms_days"], inputmode="numeric"))
 
 
 @page("POST", "/dashboard/settings", refused=settings_page)
@@ -8984,7 +9753,7 @@ def update_settings_action(visit):
                "reply_to": form_text(visit.form, "replyTo"),
                "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
     for field, column in (("storefrontApproval", "storefront_approval"),
-                          ("taxRate", "tax_rate")):
+                          ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days")):
         if field in visit.form:  # (a form of an older page may not have it)
             changes[column] = visit.form.get(field)
     with visit.write() as conn:
@@ -9051,7 +9820,8 @@ class StoreSurface(Surface):
     def navigation_of(self, visit):
         prefix, lines = self.prefix, cart_size(visit.conn, visit.session["account_id"])
         return (("Catalog", prefix + "/products"), (f"Cart ({lines})", prefix + "/cart"),
-                ("Orders", prefix + "/orders"), ("Account", prefix + "/account"))
+                ("Orders", prefix + "/orders"), ("Statement", prefix + "/statement"),
+                ("Account", prefix + "/account"))
 
     def store(self):
         return bottle.request.environ["ordering.store"]
@@ -9600,7 +10370,7 @@ def store_order_page(visit, order_id):
         STORE_ORDER_PAGE, facts=render(
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
             placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
-            notes=order["notes"] or "none",
+            notes=order["notes"] or "none", invoice=buyer_invoice_link(visit, order_id),
             total=cents_text(row["total_cents"] + row["tax_cents"])),
         tracking=tracking_card(order["tracking"]),
         ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
@@ -9608,6 +10378,38 @@ def store_order_page(visit, order_id):
         timeline=order_timeline(visit, order_id),
         again=visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
                            orderId=order_id), returns=buyer_order_returns(visit, row)))
+
+
+def buyer_invoice_link(visit, order_id):
+    invoice = order_invoice(visit.conn, order_id)
+    if invoice is None:
+        return "not yet: an order is invoiced as it ships"
+    return join([link(f"{visit.surface.prefix}/invoices/{invoice['id']}", invoice["number"]),
+                 " ", status_tag(invoice["status"])])
+
+
+@buyer_page("GET", "/store/<slug>/invoices/<invoice_id>")
+def store_invoice_page(visit, invoice_id):
+    invoice = load_invoice(visit.conn, visit.company_id, invoice_id)
+    if invoice["customer_id"] != visit.session["account_id"]:
+        raise not_found("Invoice")
+    return visit.page(f"Invoice {invoice['number']}", invoice_document(
+        visit, invoice, f"{visit.surface.prefix}/orders/{invoice['order_id']}"))
+
+
+@buyer_page("GET", "/store/<slug>/statement")
+def store_statement_page(visit):
+    conn, me, prefix = visit.conn, visit.session["account_id"], visit.surface.prefix
+    invoices = find_customer_invoices(conn, visit.company_id, customer_id=me)
+    rows = [(link(f"{prefix}/invoices/{row['id']}", row["number"]), row["issued_at"][:10],
+             row["due_at"][:10], status_tag(row["status"]), cents_text(row["total_cents"]),
+             cents_text(balance_cents(row)))
+            for row in invoices]
+    return visit.page("Statement", join([
+        statement_table(statement(conn, visit.company_id, me)),
+        render(HEADING, text="Invoices"), table(
+            ("Invoice", "Issued", "Due", "Status", "Total", "Balance"), rows,
+            numeric=("Total", "Balance"))]))
 
 
 def tracking_card(tracking):
@@ -10368,7 +11170,7 @@ def cmd_company_create(conn, args):
 #: company-update's options and the company settings they change.
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
                     ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"),
-                    ("tax_rate", "tax_rate"))
+                    ("tax_rate", "tax_rate"), ("payment_terms", "payment_terms_days"))
 
 
 @command("company-update", "change a company's settings and print the company",
@@ -10386,7 +11188,10 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                      "(required, the default) or are active at once (automatic)"),
          option("--tax-rate", metavar="RATE",
                 help=f"the company-wide tax rate, a fraction from 0 to {MAX_TAX_RATE} "
-                     "(0.0825 is 8.25%%; 0 charges none); a customer's override wins"))
+                     "(0.0825 is 8.25%%; 0 charges none); a customer's override wins"),
+         option("--payment-terms", metavar="DAYS",
+                help=f"days from an invoice's issue to its due date, 0 (on receipt, the "
+                     f"default) to {MAX_PAYMENT_TERMS}; a customer's own terms win"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}
@@ -10593,6 +11398,89 @@ def cmd_stock_history(conn, args):
 def cmd_order_restock(conn, args):
     return {"orderId": args.id, "data": restock_order(
         conn, company_of(conn, "Order", args.id), args.id, COMMAND)}
+
+
+@command("invoice-create", "invoice an order now and print the invoice (an order invoiced "
+                           "already: its invoice, unchanged)", option("order_id", metavar="ORDER_ID"))
+def cmd_invoice_create(conn, args):
+    return invoice_order(conn, company_of(conn, "Order", args.order_id), args.order_id)
+
+
+@command("invoice-list", 'print a company\'s invoices, newest first, as {"data": [...]}',
+         option("--company", required=True, help="company ID"),
+         option("--status", choices=INVOICE_STATUSES, metavar="|".join(INVOICE_STATUSES)),
+         option("--customer", metavar="CUSTOMER_ID", help="one customer's"),
+         option("--overdue", action="store_true", help="open and past their due date"))
+def cmd_invoice_list(conn, args):
+    load_company(conn, args.company)
+    if args.customer:
+        load_customer(conn, args.company, args.customer)
+    rows = find_customer_invoices(conn, args.company, args.status, args.customer,
+                                  now_iso() if args.overdue else None)
+    return {"data": [customer_invoice_json(row) for row in rows]}
+
+
+@command("invoice-show", "print an invoice with its lines, its payments and the credit applied "
+                         "to it", option("id", metavar="INVOICE_ID"))
+def cmd_invoice_show(conn, args):
+    return invoice_details(conn, company_of(conn, "Invoice", args.id), args.id)
+
+
+@command("payment-record", "record a payment against an open invoice and print the invoice",
+         option("id", metavar="INVOICE_ID"),
+         option("--amount", type=_amount, required=True,
+                help="such as 10.00: more than 0, at most the invoice's balance"),
+         option("--method", help=f"how it was paid, such as bank transfer (at most "
+                                 f"{MAX_PAYMENT_METHOD} characters)"),
+         option("--reference", help=f"the payment's reference (at most {MAX_PAYMENT_REFERENCE} "
+                                    f"characters)"),
+         option("--paid-at", type=_moment, metavar="ISO",
+                help="when it was paid, not in the future (default: now)"))
+def cmd_payment_record(conn, args):
+    return record_payment(conn, company_of(conn, "Invoice", args.id), args.id, args.amount,
+                          args.method, args.reference, args.paid_at)
+
+
+@command("invoice-void", "void an open invoice nothing was paid or credited to (its number "
+                         "stays used) and print it", option("id", metavar="INVOICE_ID"))
+def cmd_invoice_void(conn, args):
+    return void_invoice(conn, company_of(conn, "Invoice", args.id), args.id)
+
+
+@command("credit-list", 'print a customer\'s credit notes, newest first, as {"data": [...]}',
+         option("--customer", required=True, metavar="CUSTOMER_ID"))
+def cmd_credit_list(conn, args):
+    return {"data": [credit_note_json(row) for row in customer_credit_notes(
+        conn, company_of(conn, "Customer", args.customer), args.customer)]}
+
+
+@command("credit-apply", "apply a credit note to an open invoice of its customer and print "
+                         "both", option("id", metavar="CREDIT_NOTE_ID"),
+         option("--invoice", required=True, metavar="INVOICE_ID"),
+         option("--amount", type=_amount,
+                help="such as 5.00 (default: as much as the note and the invoice allow)"))
+def cmd_credit_apply(conn, args):
+    return apply_credit(conn, company_of(conn, "Credit note", args.id), args.id, args.invoice,
+                        args.amount)
+
+
+@command("statement", "print a customer's statement: invoices, payments and credit notes, "
+                      "and the balance", option("id", metavar="CUSTOMER_ID"))
+def cmd_statement(conn, args):
+    return statement(conn, company_of(conn, "Customer", args.id), args.id)
+
+
+@command("customer-terms", "set a customer's own payment terms, or give it the company's "
+                           "again, and print the terms in force",
+         option("id", metavar="CUSTOMER_ID"),
+         one_of(option("--days", help=f"its invoices fall due N days after issue (0 to "
+                                      f"{MAX_PAYMENT_TERMS}; 0: on receipt)"),
+                option("--default", action="store_true", help="the company's terms")))
+def cmd_customer_terms(conn, args):
+    if args.days is None and not args.default:
+        raise invalid("days", "give --days N or --default")
+    return set_customer_terms(conn, company_of(conn, "Customer", args.id), args.id,
+                              None if args.default else args.days)
 
 
 @command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",

@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS companies (
     reply_to            TEXT,               -- the Reply-To of its emails
     staff_alerts        TEXT,               -- JSON array of the addresses that get staff alerts
     storefront_approval TEXT NOT NULL DEFAULT 'required', -- or 'automatic': new buyers ACTIVE at once
-    tax_rate            REAL NOT NULL DEFAULT 0 -- a fraction; a customer's override wins
+    tax_rate            REAL NOT NULL DEFAULT 0, -- a fraction; a customer's override wins
+    payment_terms_days  INTEGER NOT NULL DEFAULT 0 -- invoices fall due N days after issue (0: on receipt)
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -80,7 +81,8 @@ CREATE TABLE IF NOT EXISTS customers (
     updated_at         TEXT NOT NULL,
     company_id         TEXT NOT NULL REFERENCES companies(id),
     email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
-    password_hash      TEXT
+    password_hash      TEXT,
+    payment_terms_days INTEGER             -- its own payment terms (null: the company's)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
     ON customers (company_id, email_key);
@@ -265,6 +267,83 @@ CREATE TABLE IF NOT EXISTS invoices (
 );
 CREATE INDEX IF NOT EXISTS invoices_by_company_newest    -- the dashboard's Billing page
     ON invoices (company_id, created_at, id);
+
+-- Money owed by customers (see docs/money.md). An order is invoiced once (order_id is
+-- unique); each company numbers its invoices 1, 2, 3... (sequence, unique per company: the
+-- next is taken in the write transaction that issues it, so numbers have no gaps). paid_cents
+-- and credited_cents are the sums of its payments and of the credit applied to it, kept in
+-- the transaction that records them; its balance is total_cents less both.
+CREATE TABLE IF NOT EXISTS customer_invoices (
+    id                TEXT PRIMARY KEY,
+    company_id        TEXT NOT NULL REFERENCES companies(id),
+    order_id          TEXT NOT NULL UNIQUE REFERENCES orders(id),
+    customer_id       TEXT REFERENCES customers(id),
+    sequence          INTEGER NOT NULL,
+    number            TEXT NOT NULL,             -- INV-000001
+    status            TEXT NOT NULL CHECK (status = 'OPEN' OR status = 'PAID' OR status = 'VOID'),
+    subtotal_cents    INTEGER NOT NULL,          -- the order's lines at their frozen prices
+    tax_rate          REAL NOT NULL,             -- the order's, frozen when it was placed
+    tax_cents         INTEGER NOT NULL,
+    total_cents       INTEGER NOT NULL,          -- subtotal and tax
+    paid_cents        INTEGER NOT NULL DEFAULT 0,
+    credited_cents    INTEGER NOT NULL DEFAULT 0,
+    terms_days        INTEGER NOT NULL,          -- the payment terms it was issued on
+    issued_at         TEXT NOT NULL,
+    due_at            TEXT NOT NULL,             -- issued_at and terms_days days
+    reminders_sent    INTEGER NOT NULL DEFAULT 0,
+    next_reminder_at  TEXT,                      -- null: no reminder is to come
+    updated_at        TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS customer_invoices_by_company_sequence
+    ON customer_invoices (company_id, sequence);
+CREATE INDEX IF NOT EXISTS customer_invoices_of_customer
+    ON customer_invoices (company_id, customer_id, issued_at);
+CREATE INDEX IF NOT EXISTS customer_invoices_by_company_status
+    ON customer_invoices (company_id, status, due_at);
+CREATE INDEX IF NOT EXISTS customer_invoices_to_remind
+    ON customer_invoices (next_reminder_at) WHERE next_reminder_at IS NOT NULL;
+
+-- A payment staff recorded against an invoice: when the buyer paid, how, and its reference.
+CREATE TABLE IF NOT EXISTS payments (
+    id            TEXT PRIMARY KEY,
+    company_id    TEXT NOT NULL REFERENCES companies(id),
+    invoice_id    TEXT NOT NULL REFERENCES customer_invoices(id),
+    amount_cents  INTEGER NOT NULL CHECK (amount_cents > 0),
+    paid_at       TEXT NOT NULL,
+    method        TEXT,
+    reference     TEXT,
+    created_at    TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS payments_of_invoice ON payments (invoice_id, paid_at);
+
+-- A credit note: what a CREDIT refund owes the customer, numbered in its own sequence per
+-- company (CN-000001); remaining_cents is what is not yet applied to its invoices.
+CREATE TABLE IF NOT EXISTS credit_notes (
+    id               TEXT PRIMARY KEY,
+    company_id       TEXT NOT NULL REFERENCES companies(id),
+    customer_id      TEXT NOT NULL REFERENCES customers(id),
+    refund_id        TEXT NOT NULL UNIQUE REFERENCES refunds(id),
+    sequence         INTEGER NOT NULL,
+    number           TEXT NOT NULL,
+    amount_cents     INTEGER NOT NULL CHECK (amount_cents > 0),
+    remaining_cents  INTEGER NOT NULL CHECK (remaining_cents >= 0),
+    created_at       TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS credit_notes_by_company_sequence
+    ON credit_notes (company_id, sequence);
+CREATE INDEX IF NOT EXISTS credit_notes_of_customer ON credit_notes (customer_id, created_at);
+
+-- Credit applied from a credit note to an invoice of the same customer.
+CREATE TABLE IF NOT EXISTS credit_applications (
+    id              TEXT PRIMARY KEY,
+    company_id      TEXT NOT NULL REFERENCES companies(id),
+    credit_note_id  TEXT NOT NULL REFERENCES credit_notes(id),
+    invoice_id      TEXT NOT NULL REFERENCES customer_invoices(id),
+    amount_cents    INTEGER NOT NULL CHECK (amount_cents > 0),
+    created_at      TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS credit_applications_of_note ON credit_applications (credit_note_id);
+CREATE INDEX IF NOT EXISTS credit_applications_of_invoice ON credit_applications (invoice_id);
 
 -- Stripe events acted on, by Stripe's event ID, written in the transaction of what they did:
 -- Stripe may send an event more than once, and a repeat finds its ID here.

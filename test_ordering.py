@@ -3084,6 +3084,16 @@ def back_to_schema_7(conn):
     conn.engine.set_schema_version(conn, 7)
 
 
+def back_to_schema_8(conn):
+    """A database as version 8 left it: no payment terms, invoices, payments or credit."""
+    for statement in ("DROP TABLE credit_applications", "DROP TABLE credit_notes",
+                      "DROP TABLE payments", "DROP TABLE customer_invoices",
+                      "ALTER TABLE companies DROP COLUMN payment_terms_days",
+                      "ALTER TABLE customers DROP COLUMN payment_terms_days"):
+        conn.execute(statement)
+    conn.engine.set_schema_version(conn, 8)
+
+
 def buyer_order(tenant, customer, product, source="storefront", quantity=1, **fields):
     """An order of the customer's placed through the operation of its source."""
     items = [{"productId": product["id"], "quantity": quantity}]
@@ -3218,10 +3228,10 @@ def back_to_schema_6(conn):
     numbers and checkout forms, the ledger and the status record in tables of their own, and
     order checks that test IN."""
     engine = conn.engine
+    changed = {step.split()[-1] for step in ordering.MIGRATIONS[7] if isinstance(step, str)}
     for statement in ordering.schema_statements():
         name = re.search(r"CREATE (?:UNIQUE )?INDEX IF NOT EXISTS (\w+)", statement)
-        if name and (name.group(1).endswith("_newest") or " WHERE " in statement) \
-                and "stock_movements" not in statement:
+        if name and name.group(1) in changed:
             conn.execute(f"DROP INDEX {name.group(1)}")
             older = statement.replace("created_at, id)", "created_at DESC, id DESC)")
             conn.execute(engine.translate(re.sub(r"\s+WHERE [^;]*;", ";", older)))
@@ -3341,6 +3351,92 @@ def rice_return(tenant, ordered, returned):
                                                        "items": [{"productId": rice["id"],
                                                                   "quantity": ordered}]})
     return order, received_return(tenant, order, {order["items"][0]["id"]: returned})
+
+
+#: Noon UTC of days in the money tests (epoch ms), and a day.
+DAY_MS = 86_400_000
+NOV_1 = 1_793_534_400_000  # 2026-11-01T12:00:00Z
+#: Noon UTC of a day years ahead: the reminders a running app's housekeeping sends (by the
+#: clock on the wall) never include those of invoices issued then.
+LATER = NOV_1 + 1000 * DAY_MS  # 2029-07-28
+
+
+def money_tenant(tenant, rate=0.08, terms=30):
+    with tenant.db.write() as conn:
+        ordering.update_company(conn, tenant.id, {"tax_rate": rate, "payment_terms_days": terms})
+
+
+def invoiced(tenant, customer=None, quantity=2, price_cents=4250, now_ms=NOV_1, product=None):
+    """An order of customer (a new one by default) placed and invoiced at now_ms:
+    (invoice, order, customer)."""
+    customer = customer or tenant.customer(name="Corner Cafe")
+    product = product or tenant.product(price_cents=price_cents, stock=1000)
+    with tenant.db.write() as conn:
+        order = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": product["id"], "quantity": quantity}]}, source="dashboard")
+        invoice = ordering.invoice_order(conn, tenant.id, order["id"], now_ms)
+    return invoice, order, customer
+
+
+def invoice_of(tenant, invoice_id):
+    return ordering.customer_invoice_json(ordering.load_invoice(tenant.db.conn, tenant.id,
+                                                                invoice_id))
+
+
+def credit_noted(tenant, order, amount_cents, method="CREDIT"):
+    """A refund of one unit of the order's first line, by method, for amount_cents."""
+    item = order["items"][0]
+    opened = received_return(tenant, order, {item["id"]: 1})
+    with tenant.db.write() as conn:
+        return ordering.refund_return(conn, tenant.id, opened["id"], method, 1, 0,
+                                      amount_cents, amount_cents)
+
+
+def emails_of_kind(db, kind):
+    return [dict(row) for row in db.conn.execute(
+        "SELECT * FROM emails WHERE kind = ? ORDER BY created_at, id", (kind,))]
+
+
+def assert_prints_on_one_page(driver):
+    """The page as Chromium prints it: one page of A4 and one of Letter, and in print the
+    header, the forms and what is for the screen only are not shown."""
+    from selenium.webdriver.common.print_page_options import PrintOptions
+    for width, height in ((21.0, 29.7), (21.59, 27.94)):
+        options = PrintOptions()
+        options.page_width, options.page_height = width, height
+        pdf = base64.b64decode(driver.print_page(options))
+        assert len(re.findall(rb"/Type\s*/Page(?!s)", pdf)) == 1
+    driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"media": "print"})
+    try:
+        assert driver.execute_script(
+            "return ['header', 'form', '.no-print'].map(s => Array.from("
+            "document.querySelectorAll(s)).every(e => getComputedStyle(e).display === 'none'))"
+        ) == [True, True, True]
+    finally:
+        driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"media": ""})
+
+
+def pay_partly_and_credit_the_return(browser, send, order_id, return_id):
+    """Staff on the dashboard (signed in): 79.00 paid on the order's invoice, the return
+    refunded as CREDIT (a credit note of its subtotal), and that credit applied to it."""
+    driver = browser.driver
+    browser.open(f"/dashboard/orders/{order_id}")
+    browser.submit(driver.find_element("link text", "INV-000001"))
+    send("/payments", amount="79.00", method="bank transfer")
+    assert driver.find_element("css selector", ".notice").text == \
+        "Saved: the payment is recorded."
+    browser.open("/dashboard/returns")
+    browser.submit(browser.form(f"/{return_id}/approve").find_element("css selector", "button"))
+    browser.submit(browser.form(f"/{return_id}/receive").find_element("css selector", "button"))
+    good = browser.form(f"/{return_id}/refund").find_element(
+        "css selector", "input[name^='good.']").get_attribute("name")
+    send(f"/{return_id}/refund", method="CREDIT", **{good: "1"})
+    browser.open(f"/dashboard/orders/{order_id}")
+    browser.submit(driver.find_element("link text", "INV-000001"))
+    send("/credit")
+    assert driver.find_element("css selector", ".notice").text == \
+        "Saved: the credit is applied."
+    assert "INV-000001 PAID" in driver.find_element("tag name", "article").text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3567,7 +3663,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3591,7 +3687,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 8
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 9
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3608,7 +3704,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 8
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 9
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM customer_tokens").fetchone()[0] == 0
@@ -3629,7 +3725,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3649,11 +3745,29 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
             2500, 0, 0)
+    finally:
+        db.close()
+
+
+def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_owed(
+        app, api, tenant, database):
+    order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
+    db = reopened_from(app, database, back_to_schema_8)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
+        assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
+            == (0,)
+        assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
+            == (None,)
+        with db.write() as conn:  # an order placed before is invoiced now, on demand
+            invoice = ordering.invoice_order(conn, tenant.id, order["data"]["id"])
+        assert (invoice["number"], invoice["total"], invoice["dueAt"]) == (
+            "INV-000001", 25, invoice["issuedAt"])
     finally:
         db.close()
 
@@ -3663,7 +3777,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -3703,7 +3817,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 8
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 9
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -5205,10 +5319,11 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
                        "cus_NffrFeUfNV2Hib")
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
                 "storefrontApproval": "required", "taxRate": 0, "createdAt": printed["createdAt"]}
-    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", **unmailed)
+    assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", paymentTermsDays=0,
+                           **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
     assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
-        company, stripeCustomerId=None, **unmailed)
+        company, stripeCustomerId=None, paymentTermsDays=0, **unmailed)
 
 
 def test_company_update_refuses_and_writes_nothing(db_path):
@@ -5254,7 +5369,7 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
                        "storefrontApproval": "required", "taxRate": 0,
-                       "createdAt": updated["createdAt"]}
+                       "paymentTermsDays": 0, "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "")
     assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
@@ -6948,7 +7063,395 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     assert tenant.stock(kept_product) == 50
 
 
-# 9.2 Returns, refunds and invoices -----------------------------------------------------------
+# 9.2 Invoices, payments and credit -----------------------------------------------------------
+
+def test_an_order_is_invoiced_once_as_it_first_ships_at_its_frozen_lines_tax_and_terms(
+        api, tenant):
+    money_tenant(tenant)
+    product = tenant.product(price_cents=4250, stock=50)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 2}]).json["data"]
+    money_tenant(tenant, rate=0.2, terms=60)  # changes after it was placed change nothing
+    tenant.update_product(product["id"], price_cents=9999)
+    path = f"/api/v1/orders/{order['id']}"
+    api.patch_json(path, {"status": "CONFIRMED"}, headers=tenant.headers)
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM customer_invoices").fetchone()[0] == 0
+    for status in ("SHIPPED", "DELIVERED", "SHIPPED"):
+        answer = api.patch_json(path, {"status": status}, headers=tenant.headers).json["data"]
+        assert answer["total"] == 85 and set(answer) == set(order)  # nothing on the wire changes
+    (row,) = tenant.db.conn.execute("SELECT * FROM customer_invoices").fetchall()
+    invoice = ordering.customer_invoice_json(row)
+    issued = ordering.js_parse_date(invoice["issuedAt"])
+    assert invoice == {
+        "id": row["id"], "number": "INV-000001", "orderId": order["id"],
+        "customerId": order["customerId"], "status": "OPEN", "issuedAt": invoice["issuedAt"],
+        "dueAt": ordering.iso(issued + 60 * DAY_MS), "paymentTermsDays": 60, "subtotal": 85,
+        "taxRate": 0.08, "tax": 6.8, "total": 91.8, "paid": 0, "credited": 0, "balance": 91.8,
+        "remindersSent": 0, "updatedAt": invoice["issuedAt"]}
+    # the shipping email carries the invoice, which sends no email of its own
+    assert emails_of_kind(tenant.db, "invoice_issued") == []
+    mail = emails_of_kind(tenant.db, "order_shipped")[0]  # (and again back from DELIVERED)
+    text, html = ordering.email_bodies("order_shipped", json.loads(mail["data"]),
+                                       "http://shop.example", "Acme")
+    link = f"http://shop.example/store/acme-wholesale/invoices/{row['id']}"
+    assert text.endswith(f"Invoice: INV-000001 ({link})\nTotal due: 91.80\nBalance due: 91.80\n"
+                         f"Due: {invoice['dueAt'][:10]}\n\nAcme\n")
+    assert f'<a href="{link}">INV-000001</a>' in html
+    # staff invoicing earlier email the invoice on its own: its lines, totals and link
+    second = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+    with tenant.db.write() as conn:
+        ordering.invoice_order(conn, tenant.id, second["id"])
+    (mail,) = emails_of_kind(tenant.db, "invoice_issued")
+    text, _ = ordering.email_bodies("invoice_issued", json.loads(mail["data"]),
+                                    "http://shop.example", "Acme")
+    assert mail["subject"] == "Invoice INV-000002 from Acme Wholesale"
+    assert "1 x Rice 25kg (-) at 99.99 = 99.99\nSubtotal: 99.99\nTax (20%): 20.00\nTotal due: " \
+           "119.99" in text and "See and print the invoice: http://shop.example/store/" in text
+    # customer invoices are not the company's subscription: no invoice.paid
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM events WHERE name = 'invoice.paid'"
+                                  ).fetchone()[0] == 0
+
+
+def test_an_order_is_invoiced_by_staff_earlier_never_twice_and_never_when_cancelled(
+        app, tenant):
+    money_tenant(tenant, rate=0, terms=0)
+    first, order, customer = invoiced(tenant, quantity=1)
+    assert (first["number"], first["dueAt"], first["total"], first["tax"]) == (
+        "INV-000001", ordering.iso(NOV_1), 42.5, 0)
+    with tenant.db.write() as conn:
+        again = ordering.invoice_order(conn, tenant.id, order["id"], NOV_1 + DAY_MS)
+        ordering.update_order_status(conn, tenant.id, order["id"], "SHIPPED")
+        cancelled = ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": order["items"][0]["productId"], "quantity": 1}]}, source="dashboard")
+        ordering.update_order_status(conn, tenant.id, cancelled["id"], "CANCELLED")
+    assert again == first
+    refused(lambda: ordering.invoice_order(tenant.db.conn, tenant.id, cancelled["id"]), 422,
+            "A cancelled order is not invoiced.")
+    # an invoiced order cancelled later keeps its invoice, open, until staff void or credit it
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, order["id"], "CANCELLED")
+    assert invoice_of(tenant, first["id"])["status"] == "OPEN"
+    assert [r[0] for r in tenant.db.conn.execute("SELECT number FROM customer_invoices")] == [
+        "INV-000001"]
+
+
+def test_each_company_numbers_its_invoices_without_gaps_under_concurrent_processes(
+        app, tenant, other, database):
+    """Orders invoiced by three processes at once, through invoice-create, on both engines."""
+    product = tenant.product(stock=1000)
+    customer = tenant.customer()
+    with tenant.db.write() as conn:
+        orders = [ordering.place_order(conn, tenant.id, {"customerId": customer["id"], "items": [
+            {"productId": product["id"], "quantity": 1}]}, source="dashboard")["id"]
+            for _ in range(12)]
+    script = ("import sys, json, ordering\n"
+              "db = ordering.Database(sys.argv[1])\n"
+              "for order_id in sys.argv[2:]:\n"
+              "    with db.write() as conn:\n"
+              "        print(ordering.invoice_order(conn, ordering.company_of(conn, 'Order', "
+              "order_id), order_id)['number'])\n")
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(database), *orders[n::3]],
+                                cwd=HERE, stdout=subprocess.PIPE, text=True)
+               for n in range(3)]
+    printed = [number for worker in workers for number in worker.communicate(timeout=60)[0].split()]
+    assert all(worker.returncode == 0 for worker in workers)
+    assert sorted(printed) == [f"INV-{n:06d}" for n in range(1, 13)]
+    numbers = dict(tenant.db.conn.execute("SELECT order_id, number FROM customer_invoices"))
+    assert sorted(numbers) == sorted(orders) and sorted(numbers.values()) == sorted(printed)
+    # another company's sequence starts at 1
+    first, _, _ = invoiced(other)
+    assert first["number"] == "INV-000001"
+
+
+def test_payments_settle_an_invoice_in_exact_cents_and_refuse_what_they_must(app, tenant):
+    money_tenant(tenant)
+    invoice, _, _ = invoiced(tenant)  # 91.80
+    with tenant.db.write() as conn:
+        for cents in (10, 20):  # 0.10 + 0.20 is 0.30 exactly
+            partly = ordering.record_payment(conn, tenant.id, invoice["id"], cents, "card",
+                                             None, None, NOV_1 + DAY_MS)
+    assert (partly["paid"], partly["balance"], partly["status"]) == (0.3, 91.5, "OPEN")
+    error = refused(lambda: ordering.record_payment(tenant.db.conn, tenant.id, invoice["id"],
+                                                    9151), 400, "Validation failed.")
+    assert error.details == [{"field": "amount", "rule": "must be at most 91.50, the invoice's "
+                                                         "balance"}]
+    for cents, field, paid_at, rule in (
+            (0, "amount", None, "must be an amount > 0"),
+            (100, "paidAt", "2099-01-01", "must be an ISO 8601 date or time, not in the future"),
+            (100, "paidAt", "yesterday", "must be an ISO 8601 date or time, not in the future")):
+        error = refused(lambda: ordering.record_payment(
+            tenant.db.conn, tenant.id, invoice["id"], cents, paid_at=paid_at), 400,
+            "Validation failed.")
+        assert error.details == [{"field": field, "rule": rule}]
+    with tenant.db.write() as conn:
+        paid = ordering.record_payment(conn, tenant.id, invoice["id"], 9150, "bank transfer",
+                                       "REF\r\nBcc: x", "2026-11-20", NOV_1 + 30 * DAY_MS)
+    assert (paid["status"], paid["paid"], paid["balance"]) == ("PAID", 91.8, 0)
+    payments = [dict(row) for row in tenant.db.conn.execute(
+        "SELECT amount_cents, paid_at, method, reference FROM payments ORDER BY paid_at")]
+    assert payments[-1] == {"amount_cents": 9150, "paid_at": "2026-11-20T00:00:00.000Z",
+                            "method": "bank transfer", "reference": "REF Bcc: x"}
+    for call in (lambda: ordering.record_payment(tenant.db.conn, tenant.id, invoice["id"], 1),
+                 lambda: ordering.void_invoice(tenant.db.conn, tenant.id, invoice["id"])):
+        refused(call, 422, "Invoice INV-000001 is PAID: nothing more can be paid or credited "
+                           "to it.")
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM payments").fetchone()[0] == 3
+
+
+def test_an_invoice_is_voided_only_while_nothing_is_settled_and_keeps_its_number(app, tenant):
+    settled, _, _ = invoiced(tenant)
+    void, _, _ = invoiced(tenant)
+    with tenant.db.write() as conn:
+        ordering.record_payment(conn, tenant.id, settled["id"], 100)
+        voided = ordering.void_invoice(conn, tenant.id, void["id"])
+    assert (voided["status"], voided["number"]) == ("VOID", "INV-000002")
+    refused(lambda: ordering.void_invoice(tenant.db.conn, tenant.id, settled["id"]), 422,
+            "Invoice INV-000001 has payments or credit applied: it cannot be voided.")
+    refused(lambda: ordering.record_payment(tenant.db.conn, tenant.id, void["id"], 100), 422,
+            "Invoice INV-000002 is VOID: nothing more can be paid or credited to it.")
+    third, _, _ = invoiced(tenant)
+    assert third["number"] == "INV-000003"
+
+
+def test_a_credit_refund_issues_a_credit_note_that_staff_apply_to_its_customers_invoices(
+        app, tenant):
+    money_tenant(tenant, rate=0)
+    invoice, order, customer = invoiced(tenant, quantity=4, price_cents=1000)  # 40.00
+    stranger_invoice, _, _ = invoiced(tenant)
+    refund = credit_noted(tenant, order, 1500)
+    credit_noted(tenant, order, 700, method="MANUAL")  # out of band: no credit note
+    (note,) = [ordering.credit_note_json(row) for row in ordering.customer_credit_notes(
+        tenant.db.conn, tenant.id, customer["id"])]
+    assert note == {"id": note["id"], "number": "CN-000001", "customerId": customer["id"],
+                    "refundId": refund["id"], "amount": 15, "remaining": 15,
+                    "createdAt": note["createdAt"]}
+    refused(lambda: ordering.apply_credit(tenant.db.conn, tenant.id, note["id"],
+                                          stranger_invoice["id"]), 422,
+            "A credit note applies only to invoices of its own customer.")
+    error = refused(lambda: ordering.apply_credit(tenant.db.conn, tenant.id, note["id"],
+                                                  invoice["id"], 1501), 400, "Validation failed.")
+    assert error.details == [{"field": "amount", "rule": "must be at most 15.00, what the "
+                                                         "credit note has left"}]
+    with tenant.db.write() as conn:
+        part = ordering.apply_credit(conn, tenant.id, note["id"], invoice["id"], 500)
+        rest = ordering.apply_credit(conn, tenant.id, note["id"], invoice["id"])
+    assert (part["creditNote"]["remaining"], part["invoice"]["credited"],
+            part["invoice"]["balance"]) == (10, 5, 35)
+    assert (rest["creditNote"]["remaining"], rest["invoice"]["credited"],
+            rest["invoice"]["balance"], rest["invoice"]["status"]) == (0, 15, 25, "OPEN")
+    refused(lambda: ordering.apply_credit(tenant.db.conn, tenant.id, note["id"], invoice["id"]),
+            422, "Credit note CN-000001 has no credit left.")
+    with tenant.db.write() as conn:
+        paid = ordering.record_payment(conn, tenant.id, invoice["id"], 2500)
+    assert (paid["status"], paid["paid"], paid["credited"], paid["balance"]) == (
+        "PAID", 25, 15, 0)
+
+
+def test_exposure_is_open_balances_and_orders_not_invoiced_less_unapplied_credit(app, tenant):
+    money_tenant(tenant)
+    invoice, order, customer = invoiced(tenant)                       # 91.80 invoiced
+    invoiced_later = buyer_order(tenant, customer, tenant.product(price_cents=1000),
+                                 source="dashboard")                  # 10.80 not yet
+    cancelled = buyer_order(tenant, customer, tenant.product(price_cents=5000),
+                            source="dashboard")
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, cancelled["id"], "CANCELLED")
+        ordering.record_payment(conn, tenant.id, invoice["id"], 1800)  # 73.80 left
+    credit_noted(tenant, order, 1000)                                  # 10.00 unapplied
+    standing = ordering.credit_standing(tenant.db.conn, tenant.id, ordering.load_customer(
+        tenant.db.conn, tenant.id, customer["id"]))
+    assert standing == {"exposure": 7380 + 1080 - 1000, "limit": None, "available": None}
+    assert invoiced_later["total"] == 10
+
+
+def test_a_store_checkout_past_the_credit_limit_is_refused_and_writes_nothing(
+        app, tenant, database, browser):
+    money_tenant(tenant)
+    product = tenant.product(price_cents=4250, stock=10)
+    customer, buyer = shopper(app, tenant)
+    api = webtest.TestApp(app)
+    api.patch_json(f"/api/v1/customers/{customer['id']}", {"creditLimit": 100},
+                   headers=tenant.headers)
+    put_in_cart(buyer, tenant, product["id"], 2)  # 91.80 with tax
+    check_out(buyer, tenant, **ADDRESS)
+    put_in_cart(buyer, tenant, product["id"], 1)  # 45.90 more would make 137.70
+    before = table_counts(database)
+    page = check_out(buyer, tenant, status=400, **ADDRESS)
+    assert alert_of(page) == ("Not saved: This order (45.90) would take your account past its "
+                              "credit limit: 8.20 is available. Pay open invoices, or order "
+                              "less.")
+    assert table_counts(database) == before and tenant.stock(product["id"]) == 8
+    assert cart_rows(app, customer["id"]) == [(product["id"], 1)]
+    # the API's rule: informational, never enforced at placement
+    place(api, tenant, [{"productId": product["id"], "quantity": 3}], customer["id"])
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    credit = page.html.find("h2", string="Credit and invoices").find_next("dl").get_text(" ")
+    assert " ".join(credit.split()) == ("Credit limit 100.00 Exposure 229.50 Available 0.00 "
+                                        "Payment terms net 30 days")
+
+
+def test_a_statement_lists_invoices_payments_and_credit_notes_to_the_balance(app, tenant):
+    money_tenant(tenant, rate=0)
+    invoice, order, customer = invoiced(tenant, quantity=1, price_cents=6000)
+    voided, _, _ = invoiced(tenant, customer=customer, quantity=1, price_cents=999)
+    with tenant.db.write() as conn:
+        ordering.void_invoice(conn, tenant.id, voided["id"])
+        ordering.record_payment(conn, tenant.id, invoice["id"], 2500, "wire", "W-1",
+                                "2026-11-02T09:00:00Z", NOV_1 + 2 * DAY_MS)
+    credit_noted(tenant, order, 1000)
+    account = ordering.statement(tenant.db.conn, tenant.id, customer["id"])
+    assert [(line["kind"], line["reference"], line["amount"], line["balance"])
+            for line in account["lines"]] == [
+        ("INVOICE", "INV-000001", 60, 60), ("PAYMENT", "INV-000001 wire W-1", -25, 35),
+        ("CREDIT_NOTE", "CN-000001", -10, 25)]
+    assert account["balance"] == 25 and account["customerId"] == customer["id"]
+
+
+def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant, staff):
+    money_tenant(tenant, rate=0, terms=0)
+    cafe = tenant.customer(name="Cafe")
+    for days_ago, cents in ((0, 100), (1, 200), (30, 400), (31, 800), (90, 1600), (91, 3200)):
+        invoiced(tenant, customer=cafe, quantity=1, price_cents=cents,
+                 now_ms=NOV_1 + 100 * DAY_MS - days_ago * DAY_MS)
+    paid, _, bakery = invoiced(tenant, quantity=1, price_cents=5000, now_ms=NOV_1)
+    with tenant.db.write() as conn:
+        ordering.record_payment(conn, tenant.id, paid["id"], 4000, now_ms=NOV_1)
+    app.dashboard.clock = lambda: (NOV_1 + 100 * DAY_MS) / 1000
+    page = signed_in(app).get("/dashboard/receivables")  # (a session of that day)
+    owed, listed = ([[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+                     for row in body.find_all("tr")] for body in page.html.find_all("tbody"))
+    assert owed == [["Corner Cafe", "0.00", "0.00", "0.00", "0.00", "10.00", "10.00"],
+                    ["Cafe", "1.00", "6.00", "8.00", "16.00", "32.00", "63.00"],
+                    ["Total", "1.00", "6.00", "8.00", "16.00", "42.00", "73.00"]]
+    assert [(row[1], row[4], row[5]) for row in listed] == [
+        (bakery["email"], "Over 90", "10.00"), (cafe["email"], "Over 90", "32.00"),
+        (cafe["email"], "61-90", "16.00"), (cafe["email"], "31-60", "8.00"),
+        (cafe["email"], "1-30", "4.00"), (cafe["email"], "1-30", "2.00"),
+        (cafe["email"], "Current", "1.00")]
+
+
+def test_reminders_begin_the_day_after_due_then_weekly_three_at_most_never_when_paid(
+        app, tenant):
+    money_tenant(tenant, terms=10)
+    invoice, _, customer = invoiced(tenant, now_ms=LATER)  # due 2029-08-07
+    paid, _, _ = invoiced(tenant, customer=customer, now_ms=LATER)
+    long_overdue, _, _ = invoiced(tenant, customer=customer, now_ms=LATER - 200 * DAY_MS)
+    with tenant.db.write() as conn:
+        ordering.record_payment(conn, tenant.id, paid["id"], 9180, now_ms=LATER)
+
+    def remind(at):
+        with tenant.db.write() as conn:
+            return ordering.send_reminders(conn, ordering.js_parse_date(at))
+    assert remind("2029-08-07T23:59:59Z") == 1  # the long overdue one, once, not a backlog
+    assert remind("2029-08-08T00:00:00Z") == 1
+    assert remind("2029-08-14T23:59:59Z") == 1  # long_overdue's second, a week after its first
+    assert remind("2029-08-15T00:00:00Z") == 1
+    for at in ("2029-08-22T00:00:00Z", "2029-08-29T00:00:00Z", "2030-06-01T00:00:00Z"):
+        remind(at)
+    sent = [(json.loads(row["data"])["number"], row["to_address"], row["subject"])
+            for row in emails_of_kind(tenant.db, "invoice_reminder")]
+    assert sent == [(long_overdue["number"], customer["email"],
+                     f"Reminder: invoice {long_overdue['number']} from Acme Wholesale is "
+                     "overdue")] + [(invoice["number"], customer["email"], sent[1][2])] + [
+        (long_overdue["number"], customer["email"], sent[0][2]),
+        (invoice["number"], customer["email"], sent[1][2])] + [
+        (long_overdue["number"], customer["email"], sent[0][2]),
+        (invoice["number"], customer["email"], sent[1][2])]
+    assert [invoice_of(tenant, i["id"])["remindersSent"] for i in (invoice, paid, long_overdue)
+            ] == [3, 0, 3]
+
+
+def test_a_reminder_is_written_once_by_two_processes_and_by_the_servers_housekeeping(
+        app, tenant, database):
+    invoice, _, _ = invoiced(tenant, now_ms=LATER - 40 * DAY_MS)
+    script = ("import sys, ordering\n"
+              "db = ordering.Database(sys.argv[1])\n"
+              "claimed = 0\n"
+              "for _ in range(20):\n"
+              "    with db.write() as conn:\n"
+              "        claimed += ordering.send_reminders(conn, int(sys.argv[2]))\n"
+              "print(claimed)\n")
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(database), str(LATER)],
+                                cwd=HERE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    claimed = sorted(int(worker.communicate(timeout=60)[0]) for worker in workers)
+    assert claimed == [0, 1] and len(emails_of_kind(tenant.db, "invoice_reminder")) == 1
+    # the running app's housekeeping sends the next when it is due, and only then
+    app.service.clock = lambda: (LATER + 6 * DAY_MS) / 1000
+    app.service.housekeeping()
+    assert len(emails_of_kind(tenant.db, "invoice_reminder")) == 1
+    app.service.clock = lambda: (LATER + 7 * DAY_MS) / 1000
+    app.service.housekeeping()
+    assert len(emails_of_kind(tenant.db, "invoice_reminder")) == 2
+    assert invoice_of(tenant, invoice["id"])["remindersSent"] == 2
+
+
+def test_money_commands_invoice_pay_credit_void_list_and_print_a_statement(app, tenant, database):
+    money_tenant(tenant)
+    product = tenant.product(price_cents=4250, stock=50)
+    customer = tenant.customer(name="Corner Cafe")
+    order = buyer_order(tenant, customer, product, source="dashboard", quantity=2)
+    spare = buyer_order(tenant, customer, product, source="dashboard")
+    db = str(database)
+    invoice = cli_json(db, "invoice-create", order["id"])
+    assert cli_json(db, "invoice-create", order["id"]) == invoice
+    assert {key: invoice[key] for key in ("number", "orderId", "customerId", "status",
+                                           "subtotal", "taxRate", "tax", "total", "paid",
+                                           "credited", "balance")} == {
+        "number": "INV-000001", "orderId": order["id"], "customerId": customer["id"],
+        "status": "OPEN", "subtotal": 85, "taxRate": 0.08, "tax": 6.8, "total": 91.8,
+        "paid": 0, "credited": 0, "balance": 91.8}
+    paid = cli_json(db, "payment-record", invoice["id"], "--amount", "50.00", "--method",
+                    "wire", "--reference", "W-9", "--paid-at", invoice["issuedAt"])
+    assert (paid["paid"], paid["balance"]) == (50, 41.8)
+    cli_refuses(db, "payment-record", invoice["id"], "--amount", "41.81",
+                message="Validation failed.\n  amount: must be at most 41.80, the invoice's "
+                        "balance")
+    credit_noted(tenant, order, 1180)
+    (note,) = cli_json(db, "credit-list", "--customer", customer["id"])["data"]
+    applied = cli_json(db, "credit-apply", note["id"], "--invoice", invoice["id"], "--amount",
+                       "5.00")
+    assert (applied["creditNote"]["remaining"], applied["invoice"]["balance"]) == (6.8, 36.8)
+    shown = cli_json(db, "invoice-show", invoice["id"])
+    assert [(p["amount"], p["method"], p["reference"], p["paidAt"]) for p in shown["payments"]
+            ] == [(50, "wire", "W-9", invoice["issuedAt"])]
+    assert [(c["creditNoteNumber"], c["amount"]) for c in shown["credits"]] == [
+        ("CN-000001", 5)]
+    assert [(line["productId"], line["quantity"], line["unitPrice"]) for line in
+            shown["lines"]] == [(product["id"], 2, 42.5)]
+    second = cli_json(db, "invoice-create", spare["id"])
+    assert cli_json(db, "invoice-void", second["id"])["status"] == "VOID"
+    listed = cli_json(db, "invoice-list", "--company", tenant.id)["data"]
+    assert [i["number"] for i in listed] == ["INV-000002", "INV-000001"]
+    assert [i["number"] for i in cli_json(db, "invoice-list", "--company", tenant.id,
+                                          "--status", "VOID")["data"]] == ["INV-000002"]
+    assert cli_json(db, "invoice-list", "--company", tenant.id, "--customer", customer["id"],
+                    "--overdue")["data"] == []
+    account = cli_json(db, "statement", customer["id"])
+    assert [(line["kind"], line["amount"]) for line in account["lines"]] == [
+        ("INVOICE", 91.8), ("PAYMENT", -50), ("CREDIT_NOTE", -11.8)]
+    assert account["balance"] == 30
+    cli_refuses(db, "invoice-show", "cin_unknown", message="Invoice not found.")
+    cli_refuses(db, "invoice-list", "--company", tenant.id, "--status", "DUE",
+                message="argument --status: invalid choice: 'DUE' (choose from 'OPEN', 'PAID', "
+                        "'VOID')")
+
+
+def test_payment_terms_of_the_company_and_of_a_customer_set_by_commands(app, tenant, database):
+    db, customer = str(database), tenant.customer()
+    assert cli_json(db, "company-update", tenant.id, "--payment-terms", "30")[
+        "paymentTermsDays"] == 30
+    cli_refuses(db, "company-update", tenant.id, "--payment-terms", "366",
+                message="Payment terms must be a whole number of days from 0 to 365.")
+    assert cli_json(db, "customer-terms", customer["id"], "--days", "45") == {
+        "customerId": customer["id"], "own": True, "paymentTermsDays": 45}
+    cli_refuses(db, "customer-terms", customer["id"], "--days", "-1",
+                message="Payment terms must be a whole number of days from 0 to 365.")
+    cli_refuses(db, "customer-terms", customer["id"],
+                message="Validation failed.\n  days: give --days N or --default")
+    assert cli_json(db, "customer-terms", customer["id"], "--default") == {
+        "customerId": customer["id"], "own": False, "paymentTermsDays": 30}
+
+
+# 9.4 Returns and refunds ----------------------------------------------------------------------
 
 def test_a_return_takes_at_most_the_units_not_yet_returned(app, tenant, receiver, database):
     subscribe(webtest.TestApp(app), tenant, receiver.url, ["return.created"])
@@ -7547,7 +8050,7 @@ def test_the_refund_form_proposes_the_lines_subtotal_and_shows_their_units(app, 
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM refunds").fetchone()[0] == 0
 
 
-# 9.3 Billing ---------------------------------------------------------------------------------
+# 9.5 Billing ---------------------------------------------------------------------------------
 
 def test_the_same_stripe_event_twice_emits_one_invoice_paid(billing, billed, database):
     api = webtest.TestApp(billing)
@@ -9399,7 +9902,7 @@ def test_signed_out_visitors_see_no_prices_and_an_active_buyers_front_page_is_th
         store_of(tenant) + "/products")
     catalog = buyer.get(store_of(tenant) + "/products", status=200)
     assert [link.get_text() for link in catalog.html.select("header nav a")] == [
-        "Catalog", "Cart (0)", "Orders", "Account"]
+        "Catalog", "Cart (0)", "Orders", "Statement", "Account"]
 
 
 def test_the_catalog_shows_active_products_at_the_buyers_own_price_and_a_stock_level(
@@ -9871,7 +10374,8 @@ def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_c
     path = f"{store_of(tenant)}/orders/{order['id']}"
     page = buyer.get(path)
     facts = [dd.get_text() for dd in page.html.select("dl.facts dd")]
-    assert facts[:1] + facts[2:] == ["SUBMITTED", "PO-7781", "Back door", "85.00"]
+    assert facts[:1] + facts[2:] == ["SUBMITTED", "PO-7781", "Back door", "85.00",
+                                     "not yet: an order is invoiced as it ships"]
     assert table_rows(page) == [["Rice 25kg GR-RICE-25", "2", "42.50", "85.00"],
                                 ["Total", "", "", "85.00"]]
     assert page.html.find("h2", string="Ship to").find_next("p").get_text("|") == \
@@ -12352,6 +12856,79 @@ def test_browser_creates_and_revokes_a_key(visitor):
         401, {"error": INVALID})
 
 
+def test_staff_invoice_an_order_record_payments_apply_credit_and_void_on_its_pages(
+        app, tenant, browser):
+    money_tenant(tenant)
+    order = dashboard_order(tenant, "CONFIRMED", quantity=2)  # 2 x 12.50, 27.00 with tax
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    page = form_to(page, f"/orders/{order['id']}/invoice").submit(status=303).follow()
+    assert notice_of(page) == "Invoiced: the buyer is emailed a link to this invoice."
+    invoice = ordering.customer_invoice_json(ordering.order_invoice(tenant.db.conn, order["id"]))
+    assert page.request.path == f"/dashboard/invoices/{invoice['id']}"
+    document = " ".join(page.html.find("article").get_text(" ").split())
+    assert "Invoice INV-000001 OPEN" in document and "Subtotal 25.00 Tax (8%) 2.00" in document
+    assert "Total due 27.00" in document and "Balance due 27.00" in document
+    form = form_to(page, "/payments")
+    form["amount"], form["method"] = "27.01", "card"
+    refused_page = form.submit(status=400)
+    assert field_error(refused_page, "amount") == "must be at most 27.00, the invoice's balance"
+    form = form_to(refused_page, "/payments")
+    form["amount"], form["paidAt"], form["reference"] = "20.00", "2026-11-02", "R-1"
+    page = form.submit(status=303).follow()
+    assert notice_of(page) == "Saved: the payment is recorded."
+    settled = [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+               for row in page.html.find_all("tbody")[1].find_all("tr")]
+    assert settled == [["2026-11-02", "Payment", "card R-1", "20.00"]]
+    assert not [f for f in page.forms.values() if f.action.endswith("/void")]
+    credit_noted(tenant, order, 1000)  # a credit note of the same customer's, 10.00
+    (credit,) = ordering.customer_credit_notes(tenant.db.conn, tenant.id, order["customerId"])
+    page = browser.get(f"/dashboard/invoices/{invoice['id']}")
+    form = form_to(page, "/credit")
+    assert form["creditNoteId"].value == credit["id"]
+    page = form.submit(status=303).follow()  # as much as both allow: the 7.00 left
+    assert notice_of(page) == "Saved: the credit is applied."
+    assert "Invoice INV-000001 PAID" in " ".join(page.html.find("article").get_text(" ").split())
+    assert not [f for f in page.forms.values() if "/invoices/" in f.action]
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    assert page.html.find("dt", string="Invoice").find_next("dd").get_text(" ", strip=True) == \
+        "INV-000001 PAID"
+
+
+def test_a_void_invoice_keeps_its_number_and_a_cancelled_order_offers_no_invoice(
+        app, tenant, browser):
+    order = dashboard_order(tenant, "CONFIRMED")
+    cancelled = dashboard_order(tenant, "CANCELLED")
+    page = browser.get(f"/dashboard/orders/{cancelled['id']}")
+    assert page.html.find("dt", string="Invoice").find_next("dd").get_text() == "none"
+    with tenant.db.write() as conn:
+        invoice = ordering.invoice_order(conn, tenant.id, order["id"])
+    page = browser.get(f"/dashboard/invoices/{invoice['id']}")
+    page = form_to(page, "/void").submit(status=303).follow()
+    assert notice_of(page) == "Saved: the invoice is void."
+    assert "Invoice INV-000001 VOID" in " ".join(page.html.find("article").get_text(" ").split())
+    assert browser.get("/dashboard/invoices/cin_nope", status=404)
+
+
+def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenant, browser):
+    customer = tenant.customer(name="Corner Cafe")
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    form = form_to(page, f"/customers/{customer['id']}")
+    form["paymentTermsDays"] = "400"
+    page = form.submit(status=400)
+    assert alert_of(page) == ("Not saved: Payment terms must be a whole number of days from 0 "
+                              "to 365.")
+    form = form_to(page, f"/customers/{customer['id']}")
+    form["paymentTermsDays"] = "14"
+    page = form.submit(status=303).follow()
+    assert "Payment terms net 14 days" in " ".join(page.html.find(
+        "h2", string="Credit and invoices").find_next("dl").get_text(" ").split())
+    invoice, _, _ = invoiced(tenant, customer=customer)
+    assert invoice["paymentTermsDays"] == 14
+    page = page.click("Statement")
+    assert table_rows(page) == [[invoice["issuedAt"][:10], "Invoice", "INV-000001", "85.00",
+                                 "85.00"], ["", "", "Balance", "", "85.00"]]
+
+
 # 15.2 Billing, emails and settings -----------------------------------------------------------
 
 def test_the_settings_page_shows_the_stripe_customer_and_only_the_operator_maps_it(
@@ -12423,6 +13000,19 @@ def test_the_settings_page_sets_the_mail_settings(app, tenant, browser):
     page = browser.get("/dashboard/settings")
     assert main_form(page)["staffAlerts"].value == "staff@acme.example, owner@acme.example"
     assert 'href="/dashboard/settings" aria-current="page"' in page.text
+
+
+def test_settings_set_the_companys_payment_terms(app, tenant, browser):
+    form = main_form(browser.get("/dashboard/settings"))
+    assert form["paymentTerms"].value == "0"
+    form["paymentTerms"] = "30"
+    form.submit(status=303)
+    assert ordering.load_company(tenant.db.conn, tenant.id)["payment_terms_days"] == 30
+    form = main_form(browser.get("/dashboard/settings"))
+    form["paymentTerms"] = "net 30"
+    page = form.submit(status=400)
+    assert alert_of(page) == ("Not saved: Payment terms must be a whole number of days from 0 "
+                              "to 365.")
 
 
 # 15.3 Storefront -----------------------------------------------------------------------------
@@ -12638,15 +13228,18 @@ def test_store_forms_need_the_csrf_token(app, tenant):
                 assert form["csrf"].value == csrf_of(page), (path, form.action)
 
 
-def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chromium(
+def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_in_chromium(
         tmp_path, receiver):
+    """A buyer's whole path at a phone's width: an order with tax, shipped, its invoice emailed
+    and printed, partly paid, credit from a return applied, the statement at zero."""
     require_browser()
     mail = MailServer()
     path = tmp_path / "store.db"
     db = ordering.Database(str(path))
     with db.write() as conn:
         company = ordering.create_company(conn, "Phone Foods")
-        ordering.update_company(conn, company["id"], {"staff_alerts": ["alerts@phone.example"]})
+        ordering.update_company(conn, company["id"], {"staff_alerts": ["alerts@phone.example"],
+                                                      "tax_rate": 0.08, "payment_terms_days": 30})
         ordering.create_staff(conn, company["id"], "staff@phone.example", STAFF_PASSWORD)
         ordering.create_webhook(conn, company["id"], {"url": receiver.url + "/hook", "events": [
             "order.created", "order.shipped", "return.created"]})
@@ -12688,6 +13281,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
         send("/checkout", poNumber="PO-7781", **BUYER_ADDRESS)
         assert "your order is placed" in driver.page_source
         order_id = driver.current_url.split("/orders/")[1].split("?")[0]
+        assert "Tax (8%) 9.00" in driver.find_element("tag name", "table").text
         created = browser.delivered("order.created", order_id)[0]["json"]["data"]
         assert created == {"id": order_id, "status": "SUBMITTED", "total": 112.5,
                            "customerId": buyer["id"], "poNumber": "PO-7781", "itemCount": 3}
@@ -12708,9 +13302,12 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
         browser.submit(ship.find_element("css selector", "button[type=submit]"))
         shipped = browser.delivered("order.shipped", order_id)[0]["json"]["data"]
         assert shipped["tracking"]["number"] == "TN-4242"
-        shipping_email = mail.wait_for(3)[2]
-        assert shipping_email["to"] == ["buyer@phone.example"] and "TN-4242" in parts(
-            shipping_email)[0]
+        shipping_email = mail.wait_for(3)[2]  # which carries the invoice it issued
+        shipping_text = parts(shipping_email)[0]
+        assert shipping_email["to"] == ["buyer@phone.example"] and "TN-4242" in shipping_text
+        assert "Total due: 121.50\r\nBalance due: 121.50\r\n" in shipping_text
+        invoice_link = re.search(r"Invoice: INV-000001 \((\S+)\)", shipping_text).group(1)
+        assert invoice_link.startswith(base + store + "/invoices/cin_")
 
         browser.open(f"{store}/orders/{order_id}")
         card = driver.find_element("css selector", ".tracking")
@@ -12726,10 +13323,47 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_and_returns_in_chr
         returned = [r["json"]["data"] for r in receiver.wait_for(1, event="return.created")]
         assert [(r["orderId"], r["itemCount"], r["reason"], "actor" in r)
                 for r in returned] == [(order_id, 1, "One bag arrived torn", False)]
+
+        driver.get(invoice_link)  # the emailed link, to print
+        assert driver.find_element("tag name", "article").text.endswith("Balance due\n121.50")
+        assert_prints_on_one_page(driver)
+        pay_partly_and_credit_the_return(browser, send, order_id, returned[0]["id"])
+        browser.open(store + "/statement")
+        assert [[cell.text for cell in row.find_elements("tag name", "td")][1:]
+                for row in driver.find_elements("css selector", "tbody tr")][:4] == [
+            ["Invoice", "INV-000001", "121.50", "121.50"],
+            ["Payment", "INV-000001 bank transfer", "-79.00", "42.50"],
+            ["Credit note", "CN-000001", "-42.50", "0.00"], ["", "Balance", "", "0.00"]]
     finally:
         driver.quit()
         stop_server(process)
         mail.close()
+
+
+def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_elses(
+        app, tenant):
+    money_tenant(tenant, rate=0.08, terms=30)
+    customer, buyer = shopper(app, tenant)
+    _, other_buyer = shopper(app, tenant, email="other@cafe.example")
+    product = tenant.product(price_cents=4250, stock=20)
+    order = checked_out(tenant, customer["id"], product["id"])
+    page = buyer.get(f"{store_of(tenant)}/orders/{order['id']}")
+    assert page.html.find("dt", string="Invoice").find_next("dd").get_text() == \
+        "not yet: an order is invoiced as it ships"
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, order["id"], "SHIPPED")
+    invoice = ordering.order_invoice(tenant.db.conn, order["id"])
+    page = buyer.get(f"{store_of(tenant)}/orders/{order['id']}").click("INV-000001")
+    document = " ".join(page.html.find("article").get_text(" ").split())
+    assert document.startswith("Acme Wholesale Invoice INV-000001 OPEN Billed to")
+    assert "Total due 91.80" in document and "(net 30 days)" in document
+    assert 'media print' in buyer.get(f"{store_of(tenant)}/style.css").text.replace("@", "")
+    page = buyer.get(f"{store_of(tenant)}/statement")
+    assert table_rows(page) == [[invoice["issued_at"][:10], "Invoice", "INV-000001", "91.80",
+                                 "91.80"], ["", "", "Balance", "", "91.80"]]
+    other_buyer.get(f"{store_of(tenant)}/invoices/{invoice['id']}", status=404)
+    assert table_rows(other_buyer.get(f"{store_of(tenant)}/statement"))[-1] == [
+        "", "", "Balance", "", "0.00"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -13081,7 +13715,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 28
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 37
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
@@ -13257,6 +13891,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
             "postalCode": "EH6 6LX", "country": "GB"}))
         ordering.open_return(conn, tenant.id, placed.json["data"]["id"], "Torn bag",
                              lines={placed.json["data"]["items"][0]["id"]: 1})
+        invoice = ordering.invoice_order(conn, tenant.id, placed.json["data"]["id"])
+        ordering.record_payment(conn, tenant.id, invoice["id"], 1000, "wire", "W-1")
     pages = {path: api.get(path, headers=tenant.headers).json
              for path in ("/api/v1/orders", "/api/v1/products", "/api/v1/customers")}
     app.service.close(grace=0)
@@ -13269,7 +13905,9 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                 "order_status_changes": 2, "order_items": 3, "returns": 1, "return_lines": 1,
                 "refunds": 0, "stock_movements": 6, "invoices": 0, "stripe_events": 0,
                 "webhooks": 1, "events": 2,
-                "deliveries": 2, "emails": 0, "email_attempts": 0, "idempotency_keys": 1,
+                "customer_invoices": 1, "payments": 1, "credit_notes": 0,
+                "credit_applications": 0,
+                "deliveries": 2, "emails": 1, "email_attempts": 0, "idempotency_keys": 1,
                 "staff": 1, "staff_sessions": 2, "customer_sessions": 1, "customer_tokens": 1,
                 "account_requests": 0, "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
