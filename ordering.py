@@ -2783,9 +2783,11 @@ MAX_PAYMENT_REFERENCE = 100
 #: this many at most.
 MAX_REMINDERS = 3
 REMINDER_INTERVAL_DAYS = 7
-#: The receivables' aging: (label, fewest days past due, most), "current" not yet due.
+#: The receivables' aging: (label, fewest days past due, most), "current" not yet due; and
+#: the open invoices its page lists at most, those due longest ago.
 AGING_BUCKETS = (("Current", None, 0), ("1-30", 1, 30), ("31-60", 31, 60), ("61-90", 61, 90),
                  ("Over 90", 91, None))
+RECEIVABLES_SHOWN = 100
 CANCELLED_NOT_INVOICED = "A cancelled order is not invoiced."
 INVOICE_NOT_OPEN = "Invoice {number} is {status}: nothing more can be paid or credited to it."
 INVOICE_SETTLED = "Invoice {number} has payments or credit applied: it cannot be voided."
@@ -4340,36 +4342,43 @@ def statement(conn, company_id, customer_id):
     return {"customerId": customer_id, "lines": lines, "balance": money(balance)}
 
 
-def days_past_due(due_at, now_ms):
-    """Whole days from an invoice's due date to now's date (0 or less: not overdue)."""
-    return (now_ms // DAY_MS) - (js_parse_date(due_at[:10]) // DAY_MS)
+def aging_sql(now_ms):
+    """SQL for the index in AGING_BUCKETS of an open invoice (i) at now_ms, and its
+    parameters: one due on or after the day `high` days before today is at most `high` days
+    past due (ISO dates compare as text, alike on both engines)."""
+    limits = [high for _, _, high in AGING_BUCKETS[:-1]]
+    cases = " ".join(f"WHEN substr(i.due_at, 1, 10) >= ? THEN {index}"
+                     for index in range(len(limits)))
+    return (f"CASE {cases} ELSE {len(limits)} END",
+            [iso(now_ms - high * DAY_MS)[:10] for high in limits])
 
 
-def aging_bucket(due_at, now_ms):
-    """The index in AGING_BUCKETS of an open invoice due at due_at."""
-    days = days_past_due(due_at, now_ms)
-    return next(index for index, (_, low, high) in enumerate(AGING_BUCKETS)
-                if (low is None or days >= low) and (high is None or days <= high))
-
-
-def receivables(conn, company_id, now_ms):
-    """The company's open invoices, oldest due first, each with its customer's email and name
-    and its aging bucket (bucket), and the balances per customer in each bucket:
-    (invoices, {customer ID: {"name", "email", "buckets": [cents per bucket], "total"}})."""
-    invoices = [dict(row, bucket=aging_bucket(row["due_at"], now_ms),
-                     balance_cents=balance_cents(row))
-                for row in conn.execute(
-        "SELECT i.*, c.email, c.name FROM customer_invoices i LEFT JOIN customers c ON c.id = "
-        "i.customer_id WHERE i.company_id = ? AND i.status = 'OPEN' ORDER BY i.due_at, i.id",
-        (company_id,))]
+def receivables(conn, company_id, now_ms, shown=RECEIVABLES_SHOWN):
+    """What the company's open invoices owe at now_ms: ([{"customer_id", "name", "email",
+    "buckets": [cents owed in each of AGING_BUCKETS], "total"}], most owed first; the `shown`
+    invoices due longest ago, each with its customer's email and name and its bucket; how
+    many are open). The database sums, so the page costs about the same at any number of
+    invoices."""
+    bucket, params = aging_sql(now_ms)
     customers = {}
-    for invoice in invoices:
-        owed = customers.setdefault(invoice["customer_id"], {
-            "name": invoice["name"], "email": invoice["email"],
+    for row in conn.execute(
+            f"SELECT i.customer_id, c.name, c.email, {bucket} AS bucket, SUM(i.total_cents - "
+            "i.paid_cents - i.credited_cents) AS owed FROM customer_invoices i LEFT JOIN "
+            "customers c ON c.id = i.customer_id WHERE i.company_id = ? AND i.status = 'OPEN' "
+            "GROUP BY 1, 2, 3, 4", [*params, company_id]):
+        owed = customers.setdefault(row["customer_id"], {
+            "customer_id": row["customer_id"], "name": row["name"], "email": row["email"],
             "buckets": [0] * len(AGING_BUCKETS), "total": 0})
-        owed["buckets"][invoice["bucket"]] += invoice["balance_cents"]
-        owed["total"] += invoice["balance_cents"]
-    return invoices, customers
+        owed["buckets"][row["bucket"]] += row["owed"]
+        owed["total"] += row["owed"]
+    invoices = [dict(row, balance_cents=balance_cents(row)) for row in conn.execute(
+        f"SELECT i.*, c.email, c.name, {bucket} AS bucket FROM customer_invoices i LEFT JOIN "
+        "customers c ON c.id = i.customer_id WHERE i.company_id = ? AND i.status = 'OPEN' "
+        "ORDER BY i.due_at, i.id LIMIT ?", [*params, company_id, shown])]
+    (count,) = conn.execute("SELECT COUNT(*) FROM customer_invoices WHERE company_id = ? AND "
+                            "status = 'OPEN'", (company_id,)).fetchone()
+    return (sorted(customers.values(), key=lambda owed: (-owed["total"], owed["email"] or "")),
+            invoices, count)
 
 
 def send_reminders(conn, now_ms, batch=100):
@@ -9497,26 +9506,37 @@ def void_invoice_action(visit, invoice_id):
     return redirect(f"/dashboard/invoices/{invoice_id}?done=void")
 
 
+#: The aging buckets' labels, as the Receivables page heads its columns.
+AGING_LABELS = [label for label, _, _ in AGING_BUCKETS]
+
+
 @page("GET", "/dashboard/receivables")
 def receivables_page(visit):
-    invoices, customers = receivables(visit.conn, visit.company_id, visit.surface.now_ms())
-    labels = [label for label, _, _ in AGING_BUCKETS]
-    rows = [(link(f"/dashboard/customers/{customer_id}/statement",
-                  owed["name"] or owed["email"]) if customer_id else "no customer",
-             *map(cents_text, owed["buckets"]), cents_text(owed["total"]))
-            for customer_id, owed in customers.items()]
-    sums = [sum(owed["buckets"][index] for owed in customers.values())
-            for index in range(len(labels))]
-    rows.append((render(TOTAL_CELL, text="Total"), *map(cents_text, sums),
-                 render(TOTAL_CELL, text=cents_text(sum(sums)))))
+    customers, invoices, count = receivables(visit.conn, visit.company_id,
+                                             visit.surface.now_ms())
+    listed = "Open invoices" if count <= len(invoices) else \
+        f"The {len(invoices)} open invoices due longest ago, of {count}"
     return visit.page("Receivables", join([
-        render(HEADING, text="Owed by customer, by days past due"),
-        table(("Customer", *labels, "Total"), rows, numeric=(*labels, "Total")),
-        render(HEADING, text="Open invoices"), table(
+        render(HEADING, text="Owed by customer, by days past due"), owed_table(customers),
+        render(HEADING, text=listed), table(
             ("Invoice", "Customer", "Issued", "Due", "Past due", "Balance"),
             [(link(f"/dashboard/invoices/{i['id']}", i["number"]), i["email"] or "",
-              i["issued_at"][:10], i["due_at"][:10], labels[i["bucket"]],
+              i["issued_at"][:10], i["due_at"][:10], AGING_LABELS[i["bucket"]],
               cents_text(i["balance_cents"])) for i in invoices], numeric=("Balance",))]))
+
+
+def owed_table(customers):
+    """Each customer's open balances by aging bucket, and their totals."""
+    rows = [(link(f"/dashboard/customers/{owed['customer_id']}/statement",
+                  owed["name"] or owed["email"]) if owed["customer_id"] else "no customer",
+             *map(cents_text, owed["buckets"]), cents_text(owed["total"]))
+            for owed in customers]
+    sums = [sum(owed["buckets"][index] for owed in customers)
+            for index in range(len(AGING_LABELS))]
+    rows.append((render(TOTAL_CELL, text="Total"), *map(cents_text, sums),
+                 render(TOTAL_CELL, text=cents_text(sum(sums)))))
+    return table(("Customer", *AGING_LABELS, "Total"), rows,
+                 numeric=(*AGING_LABELS, "Total"))
 
 
 @page("GET", "/dashboard/customers/<customer_id>/statement")

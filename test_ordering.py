@@ -7319,14 +7319,22 @@ def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant
     page = signed_in(app).get("/dashboard/receivables")  # (a session of that day)
     owed, listed = ([[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
                      for row in body.find_all("tr")] for body in page.html.find_all("tbody"))
-    assert owed == [["Corner Cafe", "0.00", "0.00", "0.00", "0.00", "10.00", "10.00"],
-                    ["Cafe", "1.00", "6.00", "8.00", "16.00", "32.00", "63.00"],
+    assert owed == [["Cafe", "1.00", "6.00", "8.00", "16.00", "32.00", "63.00"],
+                    ["Corner Cafe", "0.00", "0.00", "0.00", "0.00", "10.00", "10.00"],
                     ["Total", "1.00", "6.00", "8.00", "16.00", "42.00", "73.00"]]
     assert [(row[1], row[4], row[5]) for row in listed] == [
         (bakery["email"], "Over 90", "10.00"), (cafe["email"], "Over 90", "32.00"),
         (cafe["email"], "61-90", "16.00"), (cafe["email"], "31-60", "8.00"),
         (cafe["email"], "1-30", "4.00"), (cafe["email"], "1-30", "2.00"),
         (cafe["email"], "Current", "1.00")]
+    assert page.html.find_all("h2")[1].get_text() == "Open invoices"
+    with tenant.db.write() as conn:  # a long list shows those due longest ago, and says so
+        customers, shown, count = ordering.receivables(conn, tenant.id, NOV_1 + 100 * DAY_MS,
+                                                       shown=2)
+    assert [(i["customer_id"], i["bucket"]) for i in shown] == [
+        (bakery["id"], 4), (cafe["id"], 4)] and count == 7
+    assert [(owed["name"], owed["total"]) for owed in customers] == [
+        ("Cafe", 6300), ("Corner Cafe", 1000)]
 
 
 def test_reminders_begin_the_day_after_due_then_weekly_three_at_most_never_when_paid(
