@@ -2148,6 +2148,8 @@ ol.timeline li { margin: 2px 0; }
 fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
 .invoice-head { display: flex; flex-wrap: wrap; justify-content: space-between; gap: 8px 24px; }
 .invoice-head h2 { margin-top: 0; }
+.invoice-head > * { min-width: 0; }
+dl.facts dd { overflow-wrap: anywhere; min-width: 0; }
 dl.totals { margin: 12px 0 0 auto; max-width: 320px; }
 .status-OPEN { background: #fff4d6; } .status-PAID { background: #e3f6e8; }
 .status-VOID { background: #fde7e5; }
@@ -2392,6 +2394,11 @@ CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
 <div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
 {approve}{button}{invite}</div>""")
 #: Where Approve would be, for a customer whose address is not confirmed yet.
+VOID_FORM = Template("number error", """\
+<h2>Void</h2><label class="check"><input type="checkbox" name="confirm" value="yes" required> \
+Void {number}: its number stays used, nothing more can be paid or credited to it, and its \
+order can be invoiced again</label>{error}<div><button type="submit" class="danger">Void \
+this invoice</button></div>""")
 CREDIT_STANDING = Template("limit exposure available terms statement", """\
 <h2>Credit and invoices</h2><div class="card"><dl class="facts"><dt>Credit limit</dt>\
 <dd>{limit}</dd><dt>Exposure</dt><dd>{exposure}</dd><dt>Available</dt><dd>{available}</dd>\
@@ -3142,7 +3149,10 @@ def invoice_json(row):
 
 
 def balance_cents(invoice):
-    """What an invoice (a row) still owes: its total less its payments and applied credit."""
+    """What an invoice (a row) still owes: its total less its payments and applied credit;
+    nothing, once void."""
+    if invoice["status"] == "VOID":
+        return 0
     return invoice["total_cents"] - invoice["paid_cents"] - invoice["credited_cents"]
 
 
@@ -4070,14 +4080,16 @@ def first_reminder_at(due_at):
 
 
 def order_invoice(conn, order_id):
-    """The order's invoice (a row), or None."""
-    return conn.execute("SELECT * FROM customer_invoices WHERE order_id = ?",
-                        (order_id,)).fetchone()
+    """The order's invoice that is not void (a row), or None."""
+    return conn.execute("SELECT * FROM customer_invoices WHERE order_id = ? AND "
+                        "status <> 'VOID'", (order_id,)).fetchone()
 
 
 def invoice_order(conn, company_id, order_id, now_ms=None, announce=True):
     """The order's invoice, issued now (epoch ms) on the customer's payment terms unless it
-    has one already (then that one, unchanged); a cancelled order is not invoiced. The
+    has one already (then that one, unchanged: a void one does not count, so an order whose
+    invoice was voided is invoiced again, under a new number); a cancelled order is not
+    invoiced. The
     buyer is emailed a link to it (unless announce is false: the shipping email that goes
     with it carries it)."""
     order = load_order(conn, company_id, order_id)
@@ -4185,8 +4197,10 @@ def record_payment(conn, company_id, invoice_id, amount_cents, method=None, refe
     _settling_amount(amount_cents, balance, "the invoice's balance")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     paid_ms = now_ms if paid_at is None else js_parse_date(paid_at)
-    if paid_ms is None or paid_ms > now_ms:
-        raise invalid("paidAt", "must be an ISO 8601 date or time, not in the future")
+    issued_on = invoice["issued_at"][:10]
+    if paid_ms is None or paid_ms > now_ms or iso(paid_ms)[:10] < issued_on:
+        raise invalid("paidAt", f"must be an ISO 8601 date or time from the invoice's issue "
+                                f"date ({issued_on}) to now")
     insert_row(conn, "payments", {
         "id": new_id("pay"), "company_id": company_id, "invoice_id": invoice_id,
         "amount_cents": amount_cents, "paid_at": iso(paid_ms),
@@ -4293,7 +4307,8 @@ def credit_standing(conn, company_id, customer):
         "customer_invoices WHERE company_id = ? AND customer_id = ? AND status = 'OPEN'), 0) "
         "+ COALESCE((SELECT SUM(o.total_cents + o.tax_cents) FROM orders o WHERE "
         "o.company_id = ? AND o.customer_id = ? AND o.status <> 'CANCELLED' AND NOT EXISTS "
-        "(SELECT 1 FROM customer_invoices i WHERE i.order_id = o.id)), 0) - COALESCE((SELECT "
+        "(SELECT 1 FROM customer_invoices i WHERE i.order_id = o.id AND i.status <> 'VOID')), "
+        "0) - COALESCE((SELECT "
         "SUM(remaining_cents) FROM credit_notes WHERE customer_id = ?), 0)",
         (company_id, customer["id"], company_id, customer["id"], customer["id"]))
     limit = customer["credit_limit_cents"]
@@ -4318,27 +4333,34 @@ def require_credit(conn, company_id, customer_id, order_id):
                                                     available=amount_text(money(available))))
 
 
+#: The kinds of a statement's lines, in the order a day's lines of each kind come.
+STATEMENT_LINE_KINDS = ("INVOICE", "PAYMENT", "CREDIT_NOTE")
+
+
 def statement(conn, company_id, customer_id):
     """A customer's account: its invoices (void ones aside), payments and credit notes by
-    date, each line's amount (what it adds to what the customer owes, or takes off) and the
-    balance after it; the balance is what its open invoices owe less its unapplied credit."""
+    day (an invoice before what settles it on the same day), each line's amount (what it
+    adds to what the customer owes, or takes off), the balance after it and the invoice it
+    concerns (invoiceId; none for a credit note); the balance is what its open invoices owe
+    less its unapplied credit."""
     load_customer(conn, company_id, customer_id)
-    entries = [(row["issued_at"], "INVOICE", row["number"], row["total_cents"]) for row in
-               conn.execute("SELECT * FROM customer_invoices WHERE customer_id = ? AND "
-                            "status <> 'VOID'", (customer_id,))]
+    entries = [(row["issued_at"], "INVOICE", row["number"], row["total_cents"], row["id"])
+               for row in conn.execute("SELECT * FROM customer_invoices WHERE customer_id = ? "
+                                       "AND status <> 'VOID'", (customer_id,))]
     entries += [(row["paid_at"], "PAYMENT", " ".join(filter(None, [
-        row["number"], row["method"], row["reference"]])), -row["amount_cents"])
-        for row in conn.execute(
+        row["number"], row["method"], row["reference"]])), -row["amount_cents"],
+        row["invoice_id"]) for row in conn.execute(
             "SELECT p.*, i.number FROM payments p JOIN customer_invoices i ON i.id = "
             "p.invoice_id WHERE i.customer_id = ?", (customer_id,))]
-    entries += [(row["created_at"], "CREDIT_NOTE", row["number"], -row["amount_cents"])
+    entries += [(row["created_at"], "CREDIT_NOTE", row["number"], -row["amount_cents"], None)
                 for row in conn.execute("SELECT * FROM credit_notes WHERE customer_id = ?",
                                         (customer_id,))]
     lines, balance = [], 0
-    for at, kind, reference, cents in sorted(entries, key=lambda entry: entry[0]):
+    for at, kind, reference, cents, invoice_id in sorted(entries, key=lambda entry: (
+            entry[0][:10], STATEMENT_LINE_KINDS.index(entry[1]), entry[0])):
         balance += cents
         lines.append({"date": at, "kind": kind, "reference": reference, "amount": money(cents),
-                      "balance": money(balance)})
+                      "balance": money(balance), "invoiceId": invoice_id})
     return {"customerId": customer_id, "lines": lines, "balance": money(balance)}
 
 
@@ -4689,9 +4711,11 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     if not isinstance(amount_cents, int) or amount_cents < 0:
         raise invalid("amount", "must be an amount >= 0")
     row = _move_return(conn, company_id, return_id, "RECEIVED", "REFUNDED")
-    # An order is never refunded more than it cost, over all of its returns together.
+    # An order is never refunded more than it cost (tax included: a refund, or its credit
+    # note, gives back the tax paid on what came back), over all of its returns together.
     left = conn.execute(
-        "SELECT o.total_cents - COALESCE((SELECT SUM(f.amount_cents) FROM refunds f JOIN "
+        "SELECT o.total_cents + o.tax_cents - COALESCE((SELECT SUM(f.amount_cents) FROM "
+        "refunds f JOIN "
         "returns r ON r.id = f.return_id WHERE r.order_id = o.id), 0) FROM orders o "
         "WHERE o.id = ?", (row["order_id"],)).fetchone()[0]
     if amount_cents > left:
@@ -8536,10 +8560,12 @@ def invoice_lines_table(conn, invoice):
 STATEMENT_KINDS = {"INVOICE": "Invoice", "PAYMENT": "Payment", "CREDIT_NOTE": "Credit note"}
 
 
-def statement_table(account):
-    """A statement (statement()): its lines by date, and the balance under them."""
-    rows = [(line["date"][:10], STATEMENT_KINDS[line["kind"]], line["reference"],
-             amount_text(line["amount"]), amount_text(line["balance"]))
+def statement_table(account, invoice_path):
+    """A statement (statement()): its lines by date, each invoice's and payment's linked to
+    the invoice (invoice_path and its ID), and the balance under them."""
+    rows = [(line["date"][:10], STATEMENT_KINDS[line["kind"]],
+             link(invoice_path + line["invoiceId"], line["reference"]) if line["invoiceId"]
+             else line["reference"], amount_text(line["amount"]), amount_text(line["balance"]))
             for line in account["lines"]]
     rows.append(("", "", render(TOTAL_CELL, text="Balance"), "",
                  render(TOTAL_CELL, text=amount_text(account["balance"]))))
@@ -8832,7 +8858,7 @@ def orders_page(visit):
                                 [row["customer_id"] for row in result["data"]])
     rows = [(link(f"/dashboard/orders/{row['id']}", row["id"]), row["created_at"][:16]
              .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
-             status_tag(row["status"]), amount_text(money(row["total_cents"])))
+             status_tag(row["status"]), cents_text(row["total_cents"] + row["tax_cents"]))
             for row in result["data"]]
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
     choices = [("", "Any customer")] + customer_choices(visit.conn, visit.company_id)
@@ -9104,6 +9130,8 @@ def movements_table(visit, product_id):
                  numeric=("Change", "Level after"))
 
 
+#: What a page says once its form's changes are saved.
+SAVED = "Saved: the changes are in force."
 #: What the stock page says once a movement is saved.
 STOCK_SAVED = "Saved: the movement is at the top of the list below."
 
@@ -9233,6 +9261,7 @@ def create_customer_action(visit):
 @page("GET", "/dashboard/customers/<customer_id>")
 def customer_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
+    visit.notice = SAVED if "saved" in visit.query else visit.notice
     blocked = customer["status"] == "BLOCKED"
     status_path = f"/dashboard/customers/{customer_id}/status"
     invite = "" if blocked else visit.button(
@@ -9294,7 +9323,7 @@ def update_customer_action(visit, customer_id):
     with visit.write() as conn:
         update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
         save_customer_terms(visit, conn, customer_id)
-    return redirect(f"/dashboard/customers/{customer_id}")
+    return redirect(f"/dashboard/customers/{customer_id}?saved=1")
 
 
 def save_customer_terms(visit, conn, customer_id):
@@ -9412,6 +9441,7 @@ def return_step_action(visit, return_id, step):
 
 #: What an invoice's page says once a form on it did what it asked (?done=...).
 INVOICE_DONE = {"issued": "Invoiced: the buyer is emailed a link to this invoice.",
+                "invoiced": "The order was invoiced already: this is its invoice.",
                 "payment": "Saved: the payment is recorded.",
                 "credit": "Saved: the credit is applied.", "void": "Saved: the invoice is void."}
 
@@ -9454,7 +9484,9 @@ def invoice_actions(visit, invoice):
                 paying.field("reference", "Reference", maxlength=MAX_PAYMENT_REFERENCE)]))))]
     actions.append(credit_form(visit, invoice, path))
     if not invoice["paid_cents"] and not invoice["credited_cents"]:
-        actions.append(visit.button(path + "/void", "Void this invoice", "danger"))
+        voiding = visit.for_form(path + "/void", "void")
+        actions.append(voiding.form_tag(path + "/void", render(
+            VOID_FORM, number=invoice["number"], error=voiding.error("confirm"))))
     return actions
 
 
@@ -9477,8 +9509,10 @@ def credit_form(visit, invoice, path):
 @page("POST", "/dashboard/orders/<order_id>/invoice", refused=order_page)
 def invoice_order_action(visit, order_id):
     with visit.write() as conn:
+        invoiced = order_invoice(conn, order_id)  # (a form sent twice finds it)
         invoice = invoice_order(conn, visit.company_id, order_id, visit.surface.now_ms())
-    return redirect(f"/dashboard/invoices/{invoice['id']}?done=issued")
+    return redirect(f"/dashboard/invoices/{invoice['id']}?done="
+                    f"{'invoiced' if invoiced else 'issued'}")
 
 
 @page("POST", "/dashboard/invoices/<invoice_id>/payments", refused=invoice_page)
@@ -9501,6 +9535,8 @@ def apply_credit_action(visit, invoice_id):
 
 @page("POST", "/dashboard/invoices/<invoice_id>/void", refused=invoice_page)
 def void_invoice_action(visit, invoice_id):
+    if visit.form.get("confirm") != "yes":
+        raise invalid("confirm", "tick the box to void the invoice")
     with visit.write() as conn:
         void_invoice(conn, visit.company_id, invoice_id)
     return redirect(f"/dashboard/invoices/{invoice_id}?done=void")
@@ -9543,7 +9579,8 @@ def owed_table(customers):
 def customer_statement_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
     return visit.page(f"Statement of {customer['name'] or customer['email']}", join([
-        statement_table(statement(visit.conn, visit.company_id, customer_id)),
+        statement_table(statement(visit.conn, visit.company_id, customer_id),
+                        "/dashboard/invoices/"),
         render(PARAGRAPH, text=link(f"/dashboard/customers/{customer_id}",
                                     "Back to the customer"))]))
 
@@ -9738,6 +9775,8 @@ def send_email_again_action(visit, email_id):
 @page("GET", "/dashboard/settings")
 def settings_page(visit):
     company = load_company(visit.conn, visit.company_id)
+    if "saved" in visit.query:
+        visit.notice = SAVED
     settings = visit.settings
     server = render("Emails go through {url}, from {sender}; links in them begin with {base}.",
                     url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
@@ -9778,7 +9817,7 @@ def update_settings_action(visit):
             changes[column] = visit.form.get(field)
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
-    return redirect("/dashboard/settings")
+    return redirect("/dashboard/settings?saved=1")
 
 
 def refuse_greedy_forms():
@@ -10363,8 +10402,8 @@ def store_orders_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result = buyer_orders(visit.conn, visit.company_id, visit.session["account_id"], query)
     rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
-             status_tag(row["status"]), row["po_number"] or "", cents_text(row["total_cents"]))
-            for row in result["data"]]
+             status_tag(row["status"]), row["po_number"] or "",
+             cents_text(row["total_cents"] + row["tax_cents"])) for row in result["data"]]
     filters = render(FILTERS, path=prefix + "/orders", button="Filter", fields=visit.select(
         "status", "Status", [("", "Any")] + [(s, s) for s in ORDER_STATUSES],
         query.get("status")))
@@ -10426,7 +10465,7 @@ def store_statement_page(visit):
              cents_text(balance_cents(row)))
             for row in invoices]
     return visit.page("Statement", join([
-        statement_table(statement(conn, visit.company_id, me)),
+        statement_table(statement(conn, visit.company_id, me), prefix + "/invoices/"),
         render(HEADING, text="Invoices"), table(
             ("Invoice", "Issued", "Due", "Status", "Total", "Balance"), rows,
             numeric=("Total", "Balance"))]))
@@ -11286,7 +11325,8 @@ def _id_counts(texts, option, shape):
 
 
 @command("storefront-order",
-         "place an order as the storefront does (order.created, storefront shape)",
+         "place an order as the storefront does (order.created, storefront shape; refused "
+         "past the customer's credit limit)",
          option("--store", required=True, help="company slug"),
          option("--customer", required=True, help="customer ID"),
          option("--item", action="append", required=True,
@@ -11295,8 +11335,10 @@ def _id_counts(texts, option, shape):
 def cmd_storefront_order(conn, args):
     items = [{"productId": product_id, "quantity": quantity} for product_id, quantity
              in _id_counts(args.item, "item", "PRODUCT_ID:QUANTITY")]
-    return storefront_place_order(conn, args.store, args.customer, items, args.po_number,
-                                  args.notes)
+    order = storefront_place_order(conn, args.store, args.customer, items, args.po_number,
+                                   args.notes)
+    require_credit(conn, company_of(conn, "Order", order["id"]), args.customer, order["id"])
+    return order
 
 
 _CUSTOMER_PRODUCT = (option("--customer", required=True, help="customer ID"),

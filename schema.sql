@@ -268,15 +268,16 @@ CREATE TABLE IF NOT EXISTS invoices (
 CREATE INDEX IF NOT EXISTS invoices_by_company_newest    -- the dashboard's Billing page
     ON invoices (company_id, created_at, id);
 
--- Money owed by customers (see docs/money.md). An order is invoiced once (order_id is
--- unique); each company numbers its invoices 1, 2, 3... (sequence, unique per company: the
+-- Money owed by customers (see docs/money.md). An order has one invoice that is not void
+-- (a void one's order may be invoiced again, under a new number); each company numbers its
+-- invoices 1, 2, 3... (sequence, unique per company: the
 -- next is taken in the write transaction that issues it, so numbers have no gaps). paid_cents
 -- and credited_cents are the sums of its payments and of the credit applied to it, kept in
 -- the transaction that records them; its balance is total_cents less both.
 CREATE TABLE IF NOT EXISTS customer_invoices (
     id                TEXT PRIMARY KEY,
     company_id        TEXT NOT NULL REFERENCES companies(id),
-    order_id          TEXT NOT NULL UNIQUE REFERENCES orders(id),
+    order_id          TEXT NOT NULL REFERENCES orders(id),
     customer_id       TEXT REFERENCES customers(id),
     sequence          INTEGER NOT NULL,
     number            TEXT NOT NULL,             -- INV-000001
@@ -296,6 +297,8 @@ CREATE TABLE IF NOT EXISTS customer_invoices (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customer_invoices_by_company_sequence
     ON customer_invoices (company_id, sequence);
+CREATE UNIQUE INDEX IF NOT EXISTS customer_invoices_of_order
+    ON customer_invoices (order_id) WHERE status <> 'VOID';
 CREATE INDEX IF NOT EXISTS customer_invoices_of_customer
     ON customer_invoices (company_id, customer_id, issued_at);
 CREATE INDEX IF NOT EXISTS customer_invoices_by_company_status

@@ -3359,6 +3359,9 @@ NOV_1 = 1_793_534_400_000  # 2026-11-01T12:00:00Z
 #: Noon UTC of a day years ahead: the reminders a running app's housekeeping sends (by the
 #: clock on the wall) never include those of invoices issued then.
 LATER = NOV_1 + 1000 * DAY_MS  # 2029-07-28
+#: The refusal of a payment dated outside an invoice issued on NOV_1 and now.
+PAID_AT_RULE = ("must be an ISO 8601 date or time from the invoice's issue date (2026-11-01) "
+                "to now")
 
 
 def money_tenant(tenant, rate=0.08, terms=30):
@@ -7176,8 +7179,8 @@ def test_payments_settle_an_invoice_in_exact_cents_and_refuse_what_they_must(app
                                                          "balance"}]
     for cents, field, paid_at, rule in (
             (0, "amount", None, "must be an amount > 0"),
-            (100, "paidAt", "2099-01-01", "must be an ISO 8601 date or time, not in the future"),
-            (100, "paidAt", "yesterday", "must be an ISO 8601 date or time, not in the future")):
+            (100, "paidAt", "2099-01-01", PAID_AT_RULE), (100, "paidAt", "yesterday", PAID_AT_RULE),
+            (100, "paidAt", "2026-10-31T23:59:59Z", PAID_AT_RULE)):
         error = refused(lambda: ordering.record_payment(
             tenant.db.conn, tenant.id, invoice["id"], cents, paid_at=paid_at), 400,
             "Validation failed.")
@@ -7261,6 +7264,69 @@ def test_exposure_is_open_balances_and_orders_not_invoiced_less_unapplied_credit
         tenant.db.conn, tenant.id, customer["id"]))
     assert standing == {"exposure": 7380 + 1080 - 1000, "limit": None, "available": None}
     assert invoiced_later["total"] == 10
+
+
+def test_a_void_invoices_order_is_invoiced_again_and_owed_again(app, tenant):
+    money_tenant(tenant, rate=0)
+    invoice, order, customer = invoiced(tenant, quantity=1, price_cents=1000)
+
+    def exposure():
+        return ordering.credit_standing(tenant.db.conn, tenant.id, ordering.load_customer(
+            tenant.db.conn, tenant.id, customer["id"]))["exposure"]
+    with tenant.db.write() as conn:
+        void = ordering.void_invoice(conn, tenant.id, invoice["id"])
+    assert (void["status"], void["balance"], exposure()) == ("VOID", 0, 1000)
+    assert ordering.statement(tenant.db.conn, tenant.id, customer["id"])["lines"] == []
+    with tenant.db.write() as conn:
+        ordering.update_order_status(conn, tenant.id, order["id"], "SHIPPED")
+    again = ordering.order_invoice(tenant.db.conn, order["id"])
+    assert (again["number"], again["status"], exposure()) == ("INV-000002", "OPEN", 1000)
+    (mail,) = emails_of_kind(tenant.db, "order_shipped")  # with the new invoice, not the void
+    assert [fact[1] for fact in json.loads(mail["data"])["facts"] if fact[0] == "Invoice"] == [
+        "INV-000002"]
+
+
+def test_a_payment_dated_its_invoices_day_comes_after_it_on_the_statement(app, tenant):
+    money_tenant(tenant, rate=0)
+    invoice, _, customer = invoiced(tenant, quantity=1, price_cents=1000)  # issued at noon
+    with tenant.db.write() as conn:  # today's date alone: midnight, before the invoice
+        ordering.record_payment(conn, tenant.id, invoice["id"], 400, paid_at="2026-11-01",
+                                now_ms=NOV_1 + DAY_MS)
+    account = ordering.statement(tenant.db.conn, tenant.id, customer["id"])
+    assert [(line["kind"], line["date"], line["balance"], line["invoiceId"])
+            for line in account["lines"]] == [
+        ("INVOICE", "2026-11-01T12:00:00.000Z", 10, invoice["id"]),
+        ("PAYMENT", "2026-11-01T00:00:00.000Z", 6, invoice["id"])]
+
+
+def test_a_credit_refund_gives_back_the_tax_paid_on_what_came_back(app, tenant):
+    money_tenant(tenant, rate=0.0825)
+    invoice, order, customer = invoiced(tenant, quantity=1, price_cents=1150)  # 11.50 + 0.95
+    opened = received_return(tenant, order, {order["items"][0]["id"]: 1})
+    with pytest.raises(ordering.ApiError) as refusal:
+        with tenant.db.write() as conn:
+            ordering.refund_return(conn, tenant.id, opened["id"], "CREDIT", 1, 0, 1150, 1246)
+    assert refusal.value.details == [{"field": "amount", "rule": "must be at most 12.45, what "
+                                                                 "the order has left to refund"}]
+    with tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, opened["id"], "CREDIT", 1, 0, 1150, 1245)
+        (note,) = ordering.customer_credit_notes(conn, tenant.id, customer["id"])
+        credited = ordering.apply_credit(conn, tenant.id, note["id"], invoice["id"])["invoice"]
+    assert (credited["status"], credited["credited"], credited["balance"]) == ("PAID", 12.45, 0)
+
+
+def test_storefront_order_is_held_to_the_credit_limit_as_the_checkout_is(app, tenant, database):
+    product = tenant.product(price_cents=1250, stock=5)
+    customer = store_buyer(app, tenant)
+    webtest.TestApp(app).patch_json(f"/api/v1/customers/{customer['id']}", {"creditLimit": 20},
+                                    headers=tenant.headers)
+    order = ("storefront-order", "--store", tenant.company["slug"], "--customer",
+             customer["id"], "--item", f"{product['id']}:1")
+    cli_json(str(database), *order)
+    cli_refuses(str(database), *order, message="This order (12.50) would take your account past "
+                                               "its credit limit: 7.50 is available. Pay open "
+                                               "invoices, or order less.")
+    assert tenant.stock(product["id"]) == 4
 
 
 def test_a_store_checkout_past_the_credit_limit_is_refused_and_writes_nothing(
@@ -12868,6 +12934,7 @@ def test_staff_invoice_an_order_record_payments_apply_credit_and_void_on_its_pag
         app, tenant, browser):
     money_tenant(tenant)
     order = dashboard_order(tenant, "CONFIRMED", quantity=2)  # 2 x 12.50, 27.00 with tax
+    assert table_rows(browser.get("/dashboard/orders"))[0][-1] == "27.00"  # tax included
     page = browser.get(f"/dashboard/orders/{order['id']}")
     page = form_to(page, f"/orders/{order['id']}/invoice").submit(status=303).follow()
     assert notice_of(page) == "Invoiced: the buyer is emailed a link to this invoice."
@@ -12881,12 +12948,13 @@ def test_staff_invoice_an_order_record_payments_apply_credit_and_void_on_its_pag
     refused_page = form.submit(status=400)
     assert field_error(refused_page, "amount") == "must be at most 27.00, the invoice's balance"
     form = form_to(refused_page, "/payments")
-    form["amount"], form["paidAt"], form["reference"] = "20.00", "2026-11-02", "R-1"
+    today = invoice["issuedAt"][:10]
+    form["amount"], form["paidAt"], form["reference"] = "20.00", today, "R-1"
     page = form.submit(status=303).follow()
     assert notice_of(page) == "Saved: the payment is recorded."
     settled = [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
                for row in page.html.find_all("tbody")[1].find_all("tr")]
-    assert settled == [["2026-11-02", "Payment", "card R-1", "20.00"]]
+    assert settled == [[today, "Payment", "card R-1", "20.00"]]
     assert not [f for f in page.forms.values() if f.action.endswith("/void")]
     credit_noted(tenant, order, 1000)  # a credit note of the same customer's, 10.00
     (credit,) = ordering.customer_credit_notes(tenant.db.conn, tenant.id, order["customerId"])
@@ -12911,10 +12979,23 @@ def test_a_void_invoice_keeps_its_number_and_a_cancelled_order_offers_no_invoice
     with tenant.db.write() as conn:
         invoice = ordering.invoice_order(conn, tenant.id, order["id"])
     page = browser.get(f"/dashboard/invoices/{invoice['id']}")
-    page = form_to(page, "/void").submit(status=303).follow()
+    page = form_to(page, "/void").submit(status=400)  # the box says it is meant
+    assert field_error(page, "confirm") == "tick the box to void the invoice"
+    form = form_to(page, "/void")
+    form["confirm"] = True
+    page = form.submit(status=303).follow()
     assert notice_of(page) == "Saved: the invoice is void."
-    assert "Invoice INV-000001 VOID" in " ".join(page.html.find("article").get_text(" ").split())
+    document = " ".join(page.html.find("article").get_text(" ").split())
+    assert "Invoice INV-000001 VOID" in document and document.endswith("Balance due 0.00")
     assert browser.get("/dashboard/invoices/cin_nope", status=404)
+    # its order may be invoiced again, under the next number; sent twice, the form says so
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    action = form_to(page, f"/orders/{order['id']}/invoice")
+    assert notice_of(action.submit(status=303).follow()) == \
+        "Invoiced: the buyer is emailed a link to this invoice."
+    page = action.submit(status=303).follow()
+    assert notice_of(page) == "The order was invoiced already: this is its invoice."
+    assert "Invoice INV-000002 OPEN" in " ".join(page.html.find("article").get_text(" ").split())
 
 
 def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenant, browser):
@@ -12928,6 +13009,7 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
     form = form_to(page, f"/customers/{customer['id']}")
     form["paymentTermsDays"] = "14"
     page = form.submit(status=303).follow()
+    assert notice_of(page) == "Saved: the changes are in force."
     assert "Payment terms net 14 days" in " ".join(page.html.find(
         "h2", string="Credit and invoices").find_next("dl").get_text(" ").split())
     invoice, _, _ = invoiced(tenant, customer=customer)
@@ -13014,7 +13096,7 @@ def test_settings_set_the_companys_payment_terms(app, tenant, browser):
     form = main_form(browser.get("/dashboard/settings"))
     assert form["paymentTerms"].value == "0"
     form["paymentTerms"] = "30"
-    form.submit(status=303)
+    assert notice_of(form.submit(status=303).follow()) == "Saved: the changes are in force."
     assert ordering.load_company(tenant.db.conn, tenant.id)["payment_terms_days"] == 30
     form = main_form(browser.get("/dashboard/settings"))
     form["paymentTerms"] = "net 30"
@@ -13366,6 +13448,7 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
     assert document.startswith("Acme Wholesale Invoice INV-000001 OPEN Billed to")
     assert "Total due 91.80" in document and "(net 30 days)" in document
     assert 'media print' in buyer.get(f"{store_of(tenant)}/style.css").text.replace("@", "")
+    assert table_rows(buyer.get(f"{store_of(tenant)}/orders"))[0][-1] == "91.80"  # tax in
     page = buyer.get(f"{store_of(tenant)}/statement")
     assert table_rows(page) == [[invoice["issued_at"][:10], "Invoice", "INV-000001", "91.80",
                                  "91.80"], ["", "", "Balance", "", "91.80"]]
