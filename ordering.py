@@ -2057,10 +2057,11 @@ SCREEN_ONLY = Template("body", '<div class="no-print">{body}</div>')
 #: An invoice as it is printed, from the dashboard or the store: who sends it, to whom, its
 #: dates and lines, and what is left to pay.
 INVOICE_DOCUMENT = Template(
-    "seller number status buyer issued due terms order po lines paid credited balance", """\
+    "seller number status buyer ship_to issued due terms order po lines paid credited balance",
+    """\
 <article class="card invoice"><div class="invoice-head"><div><h2>{seller}</h2>\
 <p>Invoice <strong>{number}</strong> {status}</p></div><dl class="facts"><dt>Billed to</dt>\
-<dd>{buyer}</dd><dt>Issued</dt><dd>{issued}</dd><dt>Due</dt><dd>{due} ({terms})</dd>\
+<dd>{buyer}</dd><dt>Ship to</dt><dd>{ship_to}</dd><dt>Issued</dt><dd>{issued}</dd><dt>Due</dt><dd>{due} ({terms})</dd>\
 <dt>Order</dt><dd>{order}</dd><dt>PO number</dt><dd>{po}</dd></dl></div>{lines}\
 <dl class="facts totals"><dt>Paid</dt><dd>{paid}</dd><dt>Credited</dt><dd>{credited}</dd>\
 <dt>Balance due</dt><dd><strong>{balance}</strong></dd></dl></article>\
@@ -2796,6 +2797,7 @@ AGING_BUCKETS = (("Current", None, 0), ("1-30", 1, 30), ("31-60", 31, 60), ("61-
                  ("Over 90", 91, None))
 RECEIVABLES_SHOWN = 100
 CANCELLED_NOT_INVOICED = "A cancelled order is not invoiced."
+INVOICE_STATUS_FILTER = f"Status must be one of {', '.join(INVOICE_STATUSES)}."
 INVOICE_NOT_OPEN = "Invoice {number} is {status}: nothing more can be paid or credited to it."
 INVOICE_SETTLED = "Invoice {number} has payments or credit applied: it cannot be voided."
 CREDIT_OTHER_CUSTOMER = "A credit note applies only to invoices of its own customer."
@@ -4026,13 +4028,17 @@ def shipping_address_of(order_row):
     return json.loads(text) if text else None
 
 
+def email_lines(items):
+    """An order's items as an email's "lines" (see Email templates)."""
+    return [{"name": item["productName"], "sku": item["productSku"],
+             "quantity": item["quantity"], "unitPrice": item["unitPrice"],
+             "lineTotal": money(line_total_cents(item))} for item in items]
+
+
 def queue_order_emails(conn, company, customer, order):
     """A storefront order's emails: the confirmation to the customer, and an alert to each of
     the company's staff addresses (orders from the API or the dashboard send neither)."""
-    lines = [{"name": item["productName"], "sku": item["productSku"],
-              "quantity": item["quantity"], "unitPrice": item["unitPrice"],
-              "lineTotal": money(line_total_cents(item))}
-             for item in order["items"]]
+    lines = email_lines(order["items"])
     rate, tax = conn.execute("SELECT tax_rate, tax_cents FROM orders WHERE id = ?",
                              (order["id"],)).fetchone()
     common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
@@ -4112,21 +4118,21 @@ def invoice_order(conn, company_id, order_id, now_ms=None, announce=True):
            "credited_cents": 0, "terms_days": terms, "issued_at": iso(now_ms),
            "due_at": due_at, "reminders_sent": 0,
            "next_reminder_at": first_reminder_at(due_at) if total else None,
-           "updated_at": iso(now_ms)}
+           "created_at": now_iso(), "updated_at": iso(now_ms)}
     insert_row(conn, "customer_invoices", row)
     if customer and announce:
         queue_invoice_email(conn, company_id, customer, row, "invoice_issued")
     return customer_invoice_json(row)
 
 
-def invoice_facts(conn, invoice):
+def invoice_facts(conn, invoice, total=True):
     """An invoice's facts in its buyer's emails: its number linked to it in the store, the
-    total and balance due, when it is due."""
+    total (unless lines show it) and balance due, when it is due."""
     slug = conn.execute("SELECT slug FROM companies WHERE id = ?",
                         (invoice["company_id"],)).fetchone()[0]
     balance = balance_cents(invoice)
     return [["Invoice", invoice["number"], f"/store/{slug}/invoices/{invoice['id']}"],
-            ["Total due", amount_text(money(invoice["total_cents"]))],
+            *([["Total due", amount_text(money(invoice["total_cents"]))]] if total else []),
             ["Balance due", amount_text(money(balance))], ["Due", invoice["due_at"][:10]]]
 
 
@@ -4139,17 +4145,14 @@ def queue_invoice_email(conn, company_id, customer, invoice, kind):
     """An invoice's email to its buyer (invoice_issued, invoice_reminder): its lines, totals
     and balance, and a link to it in the store."""
     company = load_company(conn, company_id)
-    lines = [{"name": item["productName"], "sku": item["productSku"],
-              "quantity": item["quantity"], "unitPrice": item["unitPrice"],
-              "lineTotal": money(line_total_cents(item))}
-             for item in invoice_lines(conn, invoice)]
+    lines = email_lines(invoice_lines(conn, invoice))
     queue_email(conn, company_id, kind, customer["email"], {
         "number": invoice["number"], "customerName": customer["name"] or customer["email"],
         "store": company["name"], "path": f"/store/{company['slug']}/invoices/{invoice['id']}",
         "lines": lines, "total": money(invoice["subtotal_cents"]),
         "taxRate": invoice["tax_rate"], "tax": money(invoice["tax_cents"]),
         "facts": [["Order", invoice["order_id"]], ["Issued", invoice["issued_at"][:10]],
-                  *invoice_facts(conn, invoice)]}, to_name=customer["name"])
+                  *invoice_facts(conn, invoice, total=False)]}, to_name=customer["name"])
 
 
 def require_open(invoice):
@@ -5679,6 +5682,15 @@ def find_emails(conn, company_id, query):
 def find_invoices(conn, company_id, query):
     """A page of the company's paid invoices (rows)."""
     return paginate(conn, "invoices", company_id, query)
+
+
+def find_customer_invoices_page(conn, company_id, query):
+    """A page of the company's invoices to its customers, newest first: of a status, of a
+    customer (query's status, customerId)."""
+    filters, params = equal_filters(query, (
+        ("status", "status", INVOICE_STATUSES, INVOICE_STATUS_FILTER),
+        ("customerId", "customer_id", None, None)))
+    return paginate(conn, "customer_invoices", company_id, query, filters, params)
 
 
 def find_returns(conn, company_id, query):
@@ -8538,6 +8550,8 @@ def invoice_document(visit, invoice, order_href):
         INVOICE_DOCUMENT, seller=load_company(conn, company_id)["name"],
         number=invoice["number"], status=status_tag(invoice["status"]),
         buyer=f"{customer['name'] or ''} <{customer['email']}>" if customer else "none",
+        ship_to=address_lines(shipping_address_of(order)) if order["shipping_address"] else
+        "none given",
         issued=invoice["issued_at"][:10], due=invoice["due_at"][:10],
         terms=terms_text(invoice["terms_days"]), order=link(order_href, order["id"]),
         po=order["po_number"] or "none", lines=invoice_lines_table(conn, invoice),
@@ -9542,6 +9556,25 @@ def void_invoice_action(visit, invoice_id):
     return redirect(f"/dashboard/invoices/{invoice_id}?done=void")
 
 
+@page("GET", "/dashboard/invoices")
+def invoices_page(visit):
+    query = visit.filters()
+    result = find_customer_invoices_page(visit.conn, visit.company_id, query)
+    customers = customer_emails(visit.conn, visit.company_id,
+                                [row["customer_id"] for row in result["data"]])
+    rows = [(link(f"/dashboard/invoices/{row['id']}", row["number"]),
+             customers.get(row["customer_id"], ""), row["issued_at"][:10], row["due_at"][:10],
+             status_tag(row["status"]), cents_text(row["total_cents"]),
+             cents_text(balance_cents(row))) for row in result["data"]]
+    return visit.page("Invoices", join([render(FILTERS, path="/dashboard/invoices", fields=join([
+        visit.select("status", "Status", [("", "Any status")] + [
+            (status, status) for status in INVOICE_STATUSES], query.get("status")),
+        visit.select("customerId", "Customer", [("", "Any customer")] + customer_choices(
+            visit.conn, visit.company_id), query.get("customerId"))]), button="Filter"),
+        table(("Invoice", "Customer", "Issued", "Due", "Status", "Total", "Balance"), rows,
+              numeric=("Total", "Balance")), pager(visit, result, "/dashboard/invoices")]))
+
+
 #: The aging buckets' labels, as the Receivables page heads its columns.
 AGING_LABELS = [label for label, _, _ in AGING_BUCKETS]
 
@@ -9553,6 +9586,7 @@ def receivables_page(visit):
     listed = "Open invoices" if count <= len(invoices) else \
         f"The {len(invoices)} open invoices due longest ago, of {count}"
     return visit.page("Receivables", join([
+        render(PARAGRAPH, text=link("/dashboard/invoices", "Every invoice, paid and void too")),
         render(HEADING, text="Owed by customer, by days past due"), owed_table(customers),
         render(HEADING, text=listed), table(
             ("Invoice", "Customer", "Issued", "Due", "Past due", "Balance"),

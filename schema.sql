@@ -293,14 +293,17 @@ CREATE TABLE IF NOT EXISTS customer_invoices (
     due_at            TEXT NOT NULL,             -- issued_at and terms_days days
     reminders_sent    INTEGER NOT NULL DEFAULT 0,
     next_reminder_at  TEXT,                      -- null: no reminder is to come
+    created_at        TEXT NOT NULL,
     updated_at        TEXT NOT NULL
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customer_invoices_by_company_sequence
     ON customer_invoices (company_id, sequence);
 CREATE UNIQUE INDEX IF NOT EXISTS customer_invoices_of_order
     ON customer_invoices (order_id) WHERE status <> 'VOID';
+CREATE INDEX IF NOT EXISTS customer_invoices_by_company_newest   -- the dashboard's Invoices
+    ON customer_invoices (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customer_invoices_of_customer
-    ON customer_invoices (company_id, customer_id, issued_at);
+    ON customer_invoices (company_id, customer_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customer_invoices_by_company_status
     ON customer_invoices (company_id, status, due_at);
 CREATE INDEX IF NOT EXISTS customer_invoices_to_remind

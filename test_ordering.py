@@ -12996,6 +12996,13 @@ def test_a_void_invoice_keeps_its_number_and_a_cancelled_order_offers_no_invoice
     page = action.submit(status=303).follow()
     assert notice_of(page) == "The order was invoiced already: this is its invoice."
     assert "Invoice INV-000002 OPEN" in " ".join(page.html.find("article").get_text(" ").split())
+    listed = browser.get("/dashboard/receivables").click("Every invoice, paid and void too")
+    assert [(row[0], row[4], row[6]) for row in table_rows(listed)] == [
+        ("INV-000002", "OPEN", "12.50"), ("INV-000001", "VOID", "0.00")]
+    assert [row[0] for row in table_rows(browser.get("/dashboard/invoices?status=VOID"))] == [
+        "INV-000001"]
+    assert "Status must be one of OPEN, PAID, VOID." in browser.get(
+        "/dashboard/invoices?status=DUE", status=400).text
 
 
 def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenant, browser):
@@ -13447,6 +13454,7 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
     document = " ".join(page.html.find("article").get_text(" ").split())
     assert document.startswith("Acme Wholesale Invoice INV-000001 OPEN Billed to")
     assert "Total due 91.80" in document and "(net 30 days)" in document
+    assert "Ship to Dock 4 Receiving 1 Quay Street Unit 7 Leith" in document
     assert 'media print' in buyer.get(f"{store_of(tenant)}/style.css").text.replace("@", "")
     assert table_rows(buyer.get(f"{store_of(tenant)}/orders"))[0][-1] == "91.80"  # tax in
     page = buyer.get(f"{store_of(tenant)}/statement")
