@@ -4348,13 +4348,14 @@ def statement(conn, company_id, customer_id):
     less its unapplied credit."""
     load_customer(conn, company_id, customer_id)
     entries = [(row["issued_at"], "INVOICE", row["number"], row["total_cents"], row["id"])
-               for row in conn.execute("SELECT * FROM customer_invoices WHERE customer_id = ? "
-                                       "AND status <> 'VOID'", (customer_id,))]
+               for row in conn.execute("SELECT * FROM customer_invoices WHERE company_id = ? AND "
+                                       "customer_id = ? AND status <> 'VOID'",
+                                       (company_id, customer_id))]
     entries += [(row["paid_at"], "PAYMENT", " ".join(filter(None, [
         row["number"], row["method"], row["reference"]])), -row["amount_cents"],
         row["invoice_id"]) for row in conn.execute(
-            "SELECT p.*, i.number FROM payments p JOIN customer_invoices i ON i.id = "
-            "p.invoice_id WHERE i.customer_id = ?", (customer_id,))]
+            "SELECT p.*, i.number FROM customer_invoices i JOIN payments p ON p.invoice_id = "
+            "i.id WHERE i.company_id = ? AND i.customer_id = ?", (company_id, customer_id))]
     entries += [(row["created_at"], "CREDIT_NOTE", row["number"], -row["amount_cents"], None)
                 for row in conn.execute("SELECT * FROM credit_notes WHERE customer_id = ?",
                                         (customer_id,))]
@@ -4387,10 +4388,11 @@ def receivables(conn, company_id, now_ms, shown=RECEIVABLES_SHOWN):
     bucket, params = aging_sql(now_ms)
     customers = {}
     for row in conn.execute(
-            f"SELECT i.customer_id, c.name, c.email, {bucket} AS bucket, SUM(i.total_cents - "
-            "i.paid_cents - i.credited_cents) AS owed FROM customer_invoices i LEFT JOIN "
-            "customers c ON c.id = i.customer_id WHERE i.company_id = ? AND i.status = 'OPEN' "
-            "GROUP BY 1, 2, 3, 4", [*params, company_id]):
+            f"SELECT g.customer_id, c.name, c.email, g.bucket, g.owed FROM (SELECT "
+            f"i.customer_id, {bucket} AS bucket, SUM(i.total_cents - i.paid_cents - "
+            "i.credited_cents) AS owed FROM customer_invoices i WHERE i.company_id = ? AND "
+            "i.status = 'OPEN' GROUP BY 1, 2) g LEFT JOIN customers c ON c.id = g.customer_id",
+            [*params, company_id]):
         owed = customers.setdefault(row["customer_id"], {
             "customer_id": row["customer_id"], "name": row["name"], "email": row["email"],
             "buckets": [0] * len(AGING_BUCKETS), "total": 0})

@@ -306,6 +306,9 @@ CREATE INDEX IF NOT EXISTS customer_invoices_of_customer
     ON customer_invoices (company_id, customer_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customer_invoices_by_company_status
     ON customer_invoices (company_id, status, due_at);
+-- Receivables sum what each customer's open invoices owe from this index alone.
+CREATE INDEX IF NOT EXISTS customer_invoices_owed ON customer_invoices
+    (company_id, status, customer_id, due_at, total_cents, paid_cents, credited_cents);
 CREATE INDEX IF NOT EXISTS customer_invoices_to_remind
     ON customer_invoices (next_reminder_at) WHERE next_reminder_at IS NOT NULL;
 
