@@ -8469,7 +8469,8 @@ class Visit:
         header = render(HEADER, company=self.session["company_name"], links=links,
                         email=self.session["email"], prefix=self.surface.prefix,
                         csrf=render(HIDDEN, name="csrf", value=self.csrf))
-        notice = render(NOTICE, message=self.notice) if self.notice else ""
+        message = self.notice or DONE.get(self.query.get("done"))
+        notice = render(NOTICE, message=message) if message else ""
         if self.errors:  # a message that belongs to no field the page shows is shown here
             elsewhere = [message for field, message in self.errors.items()
                          if field not in self.shown and field != "form"]
@@ -8485,7 +8486,43 @@ class Visit:
         return self.page(title, render(ALERT, message=error.message), error.status)
 
 
-def redirect(location):
+#: What a page says once the form that led to it did its work (the redirect's ?done=KEY,
+#: see redirect()): every change on the dashboard, and the store's orders and returns,
+#: answer so, in their reader's words.
+DONE = {
+    "placed": "Thank you: your order is placed. A confirmation is on its way to your email "
+              "address.",
+    "returned": "Your return is requested. This page shows its progress.",
+    "order": "Saved: the order is placed.",
+    "status": "Saved: the order's status is changed (its history below says so).",
+    "restocked": "Saved: its units are back in stock.",
+    "return": "Saved: the return is opened; its next step is in the list below.",
+    "approve": "Saved: the return is approved.",
+    "receive": "Saved: the return is marked received.",
+    "refund": "Saved: the refund is recorded.",
+    "created": "Saved: it is created.",
+    "saved": "Saved: the changes are in force.",
+    "stock": "Saved: the movement is at the top of the list below.",
+    "price": "Saved: the customer's price is set.",
+    "price-cleared": "Saved: the catalog price applies to the customer again.",
+    "ACTIVE": "Saved: the customer is active and may order at the store.",
+    "BLOCKED": "Saved: the customer is blocked, and signed out everywhere.",
+    "issued": "Invoiced: the buyer is emailed a link to this invoice.",
+    "invoiced": "The order was invoiced already: this is its invoice.",
+    "payment": "Saved: the payment is recorded.",
+    "credit": "Saved: the credit is applied.",
+    "void": "Saved: the invoice is void.",
+    "webhook": "Saved: the webhook is switched.",
+    "revoked": "Saved: the key is revoked; requests with it are refused from now on.",
+    "again": "Saved: the email waits to be sent again.",
+}
+
+
+def redirect(location, done=None):
+    """303 to location; done: a key of DONE, which the page there says."""
+    if done is not None:
+        path, mark, fragment = location.partition("#")
+        location = f"{path}{'&' if '?' in path else '?'}done={done}{mark}{fragment}"
     bottle.response.status = 303
     bottle.response.set_header("Location", location)
     return ""
@@ -8919,7 +8956,7 @@ def create_order_action(visit):
             "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
     with visit.write() as conn:
         order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor)
-    return redirect(f"/dashboard/orders/{order['id']}")
+    return redirect(f"/dashboard/orders/{order['id']}", "order")
 
 
 @page("GET", "/dashboard/orders/<order_id>")
@@ -9048,14 +9085,14 @@ def order_status_action(visit, order_id):
         dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking)
         if status == "CANCELLED" and visit.form.get("restock"):
             restock_order(conn, visit.company_id, order_id, visit.actor)
-    return redirect(f"/dashboard/orders/{order_id}")
+    return redirect(f"/dashboard/orders/{order_id}", "status")
 
 
 @page("POST", "/dashboard/orders/<order_id>/restock", refused=order_page)
 def restock_order_action(visit, order_id):
     with visit.write() as conn:
         restock_order(conn, visit.company_id, order_id, visit.actor)
-    return redirect(f"/dashboard/orders/{order_id}")
+    return redirect(f"/dashboard/orders/{order_id}", "restocked")
 
 
 @page("GET", "/dashboard/products")
@@ -9117,7 +9154,7 @@ def create_product_action(visit):
     fields = product_fields(visit.form)
     with visit.write() as conn:
         product = create_product(conn, visit.company_id, visit.actor, **fields)
-    return redirect(f"/dashboard/products/{product['id']}")
+    return redirect(f"/dashboard/products/{product['id']}", "created")
 
 
 @page("GET", "/dashboard/products/<product_id>")
@@ -9146,18 +9183,12 @@ def movements_table(visit, product_id):
                  numeric=("Change", "Level after"))
 
 
-#: What a page says once its form's changes are saved.
-SAVED = "Saved: the changes are in force."
-#: What the stock page says once a movement is saved.
-STOCK_SAVED = "Saved: the movement is at the top of the list below."
 
 
 @page("GET", "/dashboard/products/<product_id>/stock")
 def stock_page(visit, product_id):
     product = load_product(visit.conn, visit.company_id, product_id)
     path = f"/dashboard/products/{product_id}/stock"
-    if "saved" in visit.query:
-        visit.notice = STOCK_SAVED
     adjust, count = (visit.for_form(f"{path}/{kind}", kind) for kind in ("adjust", "count"))
     adjust_form = adjust.form_tag(path + "/adjust", render(
         TITLED_FORM, title="Adjust", button="Adjust stock", fields=join([
@@ -9185,7 +9216,7 @@ def stock_action(visit, product_id, kind):
                         visit.form.get("reason"), visit.actor)
         else:
             raise not_found("Page")
-    return redirect(f"/dashboard/products/{product_id}/stock?saved")
+    return redirect(f"/dashboard/products/{product_id}/stock", "stock")
 
 
 @page("POST", "/dashboard/products/<product_id>", refused=product_page)
@@ -9193,7 +9224,7 @@ def update_product_action(visit, product_id):
     fields = product_fields(visit.form)
     with visit.write() as conn:
         update_product(conn, visit.company_id, product_id, visit.actor, **fields)
-    return redirect(f"/dashboard/products/{product_id}")
+    return redirect(f"/dashboard/products/{product_id}", "saved")
 
 
 @page("GET", "/dashboard/customers")
@@ -9271,13 +9302,12 @@ def create_customer_action(visit):
     with visit.write() as conn:
         customer = create_customer(conn, visit.company_id, body, source="dashboard")
         save_customer_terms(visit, conn, customer["id"])
-    return redirect(f"/dashboard/customers/{customer['id']}")
+    return redirect(f"/dashboard/customers/{customer['id']}", "created")
 
 
 @page("GET", "/dashboard/customers/<customer_id>")
 def customer_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
-    visit.notice = SAVED if "saved" in visit.query else visit.notice
     blocked = customer["status"] == "BLOCKED"
     status_path = f"/dashboard/customers/{customer_id}/status"
     invite = "" if blocked else visit.button(
@@ -9323,7 +9353,7 @@ def set_customer_price_action(visit, customer_id):
     with visit.write() as conn:
         set_customer_price(conn, visit.company_id, customer_id, visit.form["productId"],
                            form_amount(visit.form, "price"))
-    return redirect(f"/dashboard/customers/{customer_id}#prices")
+    return redirect(f"/dashboard/customers/{customer_id}#prices", "price")
 
 
 @page("POST", "/dashboard/customers/<customer_id>/prices/<product_id>/clear",
@@ -9331,7 +9361,7 @@ def set_customer_price_action(visit, customer_id):
 def clear_customer_price_action(visit, customer_id, product_id):
     with visit.write() as conn:
         clear_customer_price(conn, visit.company_id, customer_id, product_id)
-    return redirect(f"/dashboard/customers/{customer_id}#prices")
+    return redirect(f"/dashboard/customers/{customer_id}#prices", "price-cleared")
 
 
 @page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
@@ -9339,7 +9369,7 @@ def update_customer_action(visit, customer_id):
     with visit.write() as conn:
         update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
         save_customer_terms(visit, conn, customer_id)
-    return redirect(f"/dashboard/customers/{customer_id}?saved=1")
+    return redirect(f"/dashboard/customers/{customer_id}", "saved")
 
 
 def save_customer_terms(visit, conn, customer_id):
@@ -9352,8 +9382,9 @@ def save_customer_terms(visit, conn, customer_id):
 @page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page)
 def customer_status_action(visit, customer_id):
     with visit.write() as conn:
-        set_customer_status(conn, visit.company_id, customer_id, visit.form.get("status"))
-    return redirect(f"/dashboard/customers/{customer_id}")
+        customer = set_customer_status(conn, visit.company_id, customer_id,
+                                       visit.form.get("status"))
+    return redirect(f"/dashboard/customers/{customer_id}", customer["status"])
 
 
 @page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page)
@@ -9430,7 +9461,7 @@ def open_return_action(visit, order_id):
     with visit.write() as conn:
         open_return(conn, visit.company_id, order_id, visit.form.get("reason"), actor="staff",
                     lines=form_units(visit.form, "units."))
-    return redirect("/dashboard/returns")
+    return redirect("/dashboard/returns", "return")
 
 
 @page("POST", "/dashboard/returns/<return_id>/<step>", refused=returns_page)
@@ -9452,20 +9483,12 @@ def return_step_action(visit, return_id, step):
                           actor=visit.actor)
         else:
             raise not_found("Page")
-    return redirect("/dashboard/returns")
-
-
-#: What an invoice's page says once a form on it did what it asked (?done=...).
-INVOICE_DONE = {"issued": "Invoiced: the buyer is emailed a link to this invoice.",
-                "invoiced": "The order was invoiced already: this is its invoice.",
-                "payment": "Saved: the payment is recorded.",
-                "credit": "Saved: the credit is applied.", "void": "Saved: the invoice is void."}
+    return redirect("/dashboard/returns", step)
 
 
 @page("GET", "/dashboard/invoices/<invoice_id>")
 def invoice_page(visit, invoice_id):
     invoice = load_invoice(visit.conn, visit.company_id, invoice_id)
-    visit.notice = INVOICE_DONE.get(visit.query.get("done"))
     return visit.page(f"Invoice {invoice['number']}", join([
         invoice_document(visit, invoice, f"/dashboard/orders/{invoice['order_id']}"),
         render(SCREEN_ONLY, body=join([invoice_settlements(visit, invoice_id),
@@ -9527,8 +9550,7 @@ def invoice_order_action(visit, order_id):
     with visit.write() as conn:
         invoiced = order_invoice(conn, order_id)  # (a form sent twice finds it)
         invoice = invoice_order(conn, visit.company_id, order_id, visit.surface.now_ms())
-    return redirect(f"/dashboard/invoices/{invoice['id']}?done="
-                    f"{'invoiced' if invoiced else 'issued'}")
+    return redirect(f"/dashboard/invoices/{invoice['id']}", "invoiced" if invoiced else "issued")
 
 
 @page("POST", "/dashboard/invoices/<invoice_id>/payments", refused=invoice_page)
@@ -9538,7 +9560,7 @@ def record_payment_action(visit, invoice_id):
         record_payment(conn, visit.company_id, invoice_id, form_amount(form, "amount"),
                        form.get("method"), form.get("reference"),
                        form_text(form, "paidAt"), visit.surface.now_ms())
-    return redirect(f"/dashboard/invoices/{invoice_id}?done=payment")
+    return redirect(f"/dashboard/invoices/{invoice_id}", "payment")
 
 
 @page("POST", "/dashboard/invoices/<invoice_id>/credit", refused=invoice_page)
@@ -9546,7 +9568,7 @@ def apply_credit_action(visit, invoice_id):
     with visit.write() as conn:
         apply_credit(conn, visit.company_id, visit.form.get("creditNoteId"), invoice_id,
                      form_amount(visit.form, "amount", required=False))
-    return redirect(f"/dashboard/invoices/{invoice_id}?done=credit")
+    return redirect(f"/dashboard/invoices/{invoice_id}", "credit")
 
 
 @page("POST", "/dashboard/invoices/<invoice_id>/void", refused=invoice_page)
@@ -9555,7 +9577,7 @@ def void_invoice_action(visit, invoice_id):
         raise invalid("confirm", "tick the box to void the invoice")
     with visit.write() as conn:
         void_invoice(conn, visit.company_id, invoice_id)
-    return redirect(f"/dashboard/invoices/{invoice_id}?done=void")
+    return redirect(f"/dashboard/invoices/{invoice_id}", "void")
 
 
 @page("GET", "/dashboard/invoices")
@@ -9680,7 +9702,7 @@ def toggle_webhook_action(visit, webhook_id):
     with visit.write() as conn:
         hook = load_webhook(conn, visit.company_id, webhook_id)
         update_webhook(conn, visit.company_id, webhook_id, {"isActive": not hook["is_active"]})
-    return redirect("/dashboard/webhooks")
+    return redirect("/dashboard/webhooks", "webhook")
 
 
 @page("POST", "/dashboard/webhooks/<webhook_id>/rotate", refused=webhooks_page)
@@ -9727,7 +9749,7 @@ def create_key_action(visit):
 @page("POST", "/dashboard/keys/<key_id>/revoke", refused=keys_page)
 def revoke_key_action(visit, key_id):
     visit.service.revoke_key(visit.company_id, key_id)
-    return redirect("/dashboard/keys")
+    return redirect("/dashboard/keys", "revoked")
 
 
 # 15.2 Billing, emails and settings -----------------------------------------------------------
@@ -9805,14 +9827,12 @@ def email_page(visit, email_id):
 def send_email_again_action(visit, email_id):
     with visit.write() as conn:
         send_email_again(conn, visit.company_id, email_id)
-    return redirect(f"/dashboard/emails/{email_id}")
+    return redirect(f"/dashboard/emails/{email_id}", "again")
 
 
 @page("GET", "/dashboard/settings")
 def settings_page(visit):
     company = load_company(visit.conn, visit.company_id)
-    if "saved" in visit.query:
-        visit.notice = SAVED
     settings = visit.settings
     server = render("Emails go through {url}, from {sender}; links in them begin with {base}.",
                     url=describe_smtp_url(settings.smtp_url), sender=settings.mail_from,
@@ -9853,7 +9873,7 @@ def update_settings_action(visit):
             changes[column] = visit.form.get(field)
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
-    return redirect("/dashboard/settings?saved=1")
+    return redirect("/dashboard/settings", "saved")
 
 
 def refuse_greedy_forms():
@@ -10430,7 +10450,7 @@ def checkout_action(visit):
         order_id = checkout_order_id(visit.conn, me, form.get("token"))
         if order_id is None:
             raise
-    return redirect(f"{visit.surface.prefix}/orders/{order_id}?placed=1")
+    return redirect(f"{visit.surface.prefix}/orders/{order_id}", "placed")
 
 
 @buyer_page("GET", "/store/<slug>/orders")
@@ -10448,9 +10468,6 @@ def store_orders_page(visit):
                        numeric=("Total",)), pager(visit, result, prefix + "/orders")]))
 
 
-ORDER_PLACED = ("Thank you: your order is placed. A confirmation is on its way to your email "
-                "address.")
-RETURN_REQUESTED = "Your return is requested. This page shows its progress."
 
 
 @buyer_page("GET", "/store/<slug>/orders/<order_id>")
@@ -10458,8 +10475,6 @@ def store_order_page(visit, order_id):
     conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["account_id"]
     row = buyer_order(conn, visit.company_id, me, order_id)
     order = orders_with_items(conn, [row])[0]
-    visit.notice = ORDER_PLACED if "placed" in visit.query else \
-        RETURN_REQUESTED if "returned" in visit.query else None
     address = shipping_address_of(row)
     return visit.page(f"Order {order_id}", render(
         STORE_ORDER_PAGE, facts=render(
@@ -10573,7 +10588,7 @@ def request_return_action(visit, order_id):
     with visit.write() as conn:
         open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
                     lines=form_units(visit.form, "units-"), customer_id=visit.session["account_id"])
-    return redirect(f"{visit.surface.prefix}/orders/{order_id}?returned=1")
+    return redirect(f"{visit.surface.prefix}/orders/{order_id}", "returned")
 
 
 @page("POST", "/store/<slug>/account/addresses/<address_id>/delete", refused=account_page)

@@ -5859,7 +5859,8 @@ def test_staff_adjust_and_count_on_the_stock_page_and_the_product_page_lists_mov
     form = form_to(page, "/stock/adjust")
     form["by"], form["reason"] = "-3", "Torn in the store"
     saved = form.submit(status=303).follow()
-    assert notice_of(saved) == ordering.STOCK_SAVED
+    assert notice_of(saved) == ordering.DONE["stock"] == \
+        "Saved: the movement is at the top of the list below."
     form = form_to(saved, "/stock/count")
     form["to"], form["reason"] = "15", "Shelf count"
     form.submit(status=303)
@@ -6252,7 +6253,7 @@ def test_dashboard_and_storefront_orders_take_the_customers_price_and_api_orders
         form = main_form(browser.get("/dashboard/orders/new"))
         form["customerId"], form["productId0"], form["quantity0"] = (
             buyer["id"], product["id"], "2")
-        order_id = form.submit(status=303).location.rsplit("/", 1)[1]
+        order_id = form.submit(status=303).location.rsplit("/", 1)[1].split("?")[0]
         totals[buyer["id"]] = tenant.db.conn.execute(
             "SELECT o.total_cents, i.unit_price_cents FROM orders o JOIN order_items i ON "
             "i.order_id = o.id WHERE o.id = ?", (order_id,)).fetchone()[:]
@@ -10212,7 +10213,7 @@ def test_checkout_places_one_storefront_order_with_its_event_emails_and_saved_ad
     put_in_cart(buyer, tenant, rice["id"], 3)
     put_in_cart(buyer, tenant, salt["id"], 2)
     placed = check_out(buyer, tenant, poNumber="PO-7781", notes="Back door", **BUYER_ADDRESS)
-    order_id = re.fullmatch(rf".*{store_of(tenant)}/orders/(ord_\w+)\?placed=1",
+    order_id = re.fullmatch(rf".*{store_of(tenant)}/orders/(ord_\w+)\?done=placed",
                             placed.location).group(1)
     assert store_events(app, "order.created") == [{
         "id": order_id, "status": "SUBMITTED", "total": 126.1, "customerId": customer["id"],
@@ -12757,6 +12758,66 @@ def test_root_redirects_to_the_dashboard_and_the_sign_in_page(api):
     page = api.get("/dashboard/sign-in", status=200)
     assert page.content_type == "text/html"
     assert set(main_form(page).fields) >= {"email", "password"}
+
+
+def test_every_change_on_the_dashboard_says_what_it_did_in_a_status_element(app, tenant,
+                                                                           browser):
+    def done(page, action_end, match=None, **fields):
+        """The page a form (whose fields match) leads to, and what its status element says."""
+        form = form_to(page, action_end, **(match or {}))
+        for name, value in fields.items():
+            form[name] = value
+        shown = form.submit(status=303).follow()
+        (status,) = shown.html.select('[role="status"]')
+        return shown, status.get_text(" ", strip=True)
+    customer = tenant.customer(name="Corner Cafe")
+    page, said = done(browser.get("/dashboard/products/new"), "/dashboard/products",
+                      name="Rice", price="12.50", stock="10")
+    assert said == "Saved: it is created."
+    product_id = page.request.path.rsplit("/", 1)[1]
+    page, said = done(page, f"/products/{product_id}", name="Rice 25kg")
+    assert said == "Saved: the changes are in force."
+    page, said = done(browser.get(f"/dashboard/products/{product_id}/stock"), "/stock/adjust",
+                      by="5", reason="Delivery")
+    assert said == "Saved: the movement is at the top of the list below."
+    customer_path = f"/dashboard/customers/{customer['id']}"
+    page, said = done(browser.get(customer_path), "/prices", productId=product_id, price="9.00")
+    assert said == "Saved: the customer's price is set." and page.request.path == customer_path
+    page, said = done(page, f"/prices/{product_id}/clear")
+    assert said == "Saved: the catalog price applies to the customer again."
+    page, said = done(page, "/status")
+    assert said == "Saved: the customer is blocked, and signed out everywhere."
+    page, said = done(page, "/status")
+    assert said == "Saved: the customer is active and may order at the store."
+    page, said = done(browser.get("/dashboard/orders/new"), "/dashboard/orders",
+                      customerId=customer["id"], productId0=product_id, quantity0="2")
+    assert said == "Saved: the order is placed."
+    order_path = page.request.path
+    page, said = done(page, "/status", {"status": "CONFIRMED"})
+    assert said == "Saved: the order's status is changed (its history below says so)."
+    page, said = done(page, "/returns", **{
+        f"units.{page.html.find('input', attrs={'name': re.compile('^units')})['name'][6:]}":
+        "1", "reason": "One bag arrived torn"})
+    assert said == "Saved: the return is opened; its next step is in the list below."
+    for step, text in (("approve", "Saved: the return is approved."),
+                       ("receive", "Saved: the return is marked received.")):
+        page, said = done(page, f"/{step}")
+        assert said == text
+    good = page.html.find("input", attrs={"name": re.compile(r"^good\.")})["name"]
+    page, said = done(page, "/refund", method="MANUAL", **{good: "1"})
+    assert said == "Saved: the refund is recorded."
+    page, said = done(browser.get(order_path), "/status", {"status": "CANCELLED"})
+    page, said = done(page, "/restock")
+    assert said == "Saved: its units are back in stock."
+    with tenant.db.write() as conn:
+        ordering.create_webhook(conn, tenant.id, {"url": "https://hooks.example/a",
+                                                  "events": ["order.created"]})
+    assert done(browser.get("/dashboard/webhooks"), "/toggle")[1] == \
+        "Saved: the webhook is switched."
+    assert done(browser.get("/dashboard/keys"), f"/{tenant.key['id']}/revoke")[1] == \
+        "Saved: the key is revoked; requests with it are refused from now on."
+    page = browser.get(order_path)  # (a page reached otherwise says nothing)
+    assert page.html.select('[role="status"]') == []
 
 
 def test_a_customer_named_like_a_script_is_escaped(tenant, browser):
