@@ -643,9 +643,13 @@ MIGRATIONS = {
         add_column("orders", "tax_rate REAL NOT NULL DEFAULT 0"),
         add_column("orders", "tax_cents INTEGER NOT NULL DEFAULT 0")),
     # Money owed: payment terms, the company's and a customer's own (the invoices, payments
-    # and credit notes are new tables).
+    # and credit notes are new tables); the buyer emails a company turns off; a status
+    # change's note.
     9: (add_column("companies", "payment_terms_days INTEGER NOT NULL DEFAULT 0"),
-        add_column("customers", "payment_terms_days INTEGER")),
+        add_column("customers", "payment_terms_days INTEGER"),
+        # The buyer emails a company turns off, and a status change's note.
+        add_column("companies", "buyer_emails_off TEXT"),
+        add_column("order_status_changes", "note TEXT")),
 }
 
 
@@ -2268,6 +2272,26 @@ EMAIL_TEMPLATES = {
         html="<p>Hello {customerName},</p>\n<p>The password of your account at {store} was "
              "just changed, and every other signed-in browser signed out. If it was not you, "
              '<a href="{link}">set a new one at once</a>.</p>'),
+    "order_cancelled": EmailTemplate(
+        subject="Your order {orderId} is cancelled",
+        text="Hello {customerName},\n\n{store} cancelled your order {orderId}.\n\n{facts}\n\n"
+             "See it in the store: {link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{store} cancelled your order <strong>{orderId}"
+             '</strong>.</p>\n{facts}\n<p><a href="{link}">See it in the store</a></p>'),
+    "return_approved": EmailTemplate(
+        subject="Your return for order {orderId} is approved",
+        text="Hello {customerName},\n\n{store} approved your return. Send the goods back as "
+             "agreed; we will write again when they are refunded.\n\n{facts}\n\n"
+             "See it in the store: {link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{store} approved your return. Send the goods "
+             "back as agreed; we will write again when they are refunded.</p>\n{facts}\n"
+             '<p><a href="{link}">See it in the store</a></p>'),
+    "return_refunded": EmailTemplate(
+        subject="Your return for order {orderId} is refunded",
+        text="Hello {customerName},\n\n{store} refunded your return.\n\n{facts}\n\n"
+             "See it in the store: {link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{store} refunded your return.</p>\n{facts}\n"
+             '<p><a href="{link}">See it in the store</a></p>'),
     "invoice_issued": EmailTemplate(
         subject="Invoice {number} from {store}",
         text="Hello {customerName},\n\n{store} invoiced you for your order.\n\n{facts}\n\n"
@@ -2363,10 +2387,12 @@ price where one is set (on the customer's page), else the catalog price.</p>\
 SHIP_FORM = Template("carrier number url", """\
 <h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
 <div class="grid">{carrier}{number}{url}</div><button type="submit">Mark SHIPPED</button>""")
-CANCEL_FORM = Template("", """\
-<input type="hidden" name="status" value="CANCELLED"><label class="check">\
+CANCEL_FORM = Template("reason error", """\
+<h3>Cancel</h3><input type="hidden" name="status" value="CANCELLED">{reason}<label class="check">\
 <input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
-<button type="submit" class="danger">Mark CANCELLED</button>""")
+<label class="check"><input type="checkbox" name="confirm" value="yes" required> Yes, cancel \
+this order (its buyer is emailed, with the reason)</label>{error}\
+<div><button type="submit" class="danger">Cancel the order</button></div>""")
 FINAL_STATUS = Template("status", '<p class="muted">{status} is final: no further status.</p>')
 RESTOCKED = Template("", '<p class="muted">Its units are back in stock.</p>')
 
@@ -2400,6 +2426,12 @@ VOID_FORM = Template("number error", """\
 Void {number}: its number stays used, nothing more can be paid or credited to it, and its \
 order can be invoiced again</label>{error}<div><button type="submit" class="danger">Void \
 this invoice</button></div>""")
+BUYER_EMAILS = Template("switches", """\
+<fieldset><legend>Email buyers when</legend><input type="hidden" name="buyerEmailsShown" \
+value="1">{switches}</fieldset>""")
+BUYER_EMAIL_SWITCH = Template("value checked text", """\
+<label class="check"><input type="checkbox" name="buyerEmails" value="{value}"{checked}> \
+{text}</label>""")
 CREDIT_STANDING = Template("limit exposure available terms statement", """\
 <h2>Credit and invoices</h2><div class="card"><dl class="facts"><dt>Credit limit</dt>\
 <dd>{limit}</dd><dt>Exposure</dt><dd>{exposure}</dd><dt>Available</dt><dd>{available}</dd>\
@@ -2441,8 +2473,9 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dd>{subject}</dd><dt>State</dt><dd>{state}</dd><dt>Written</dt><dd>{written}</dd>\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
-SETTINGS_FORM = Template("server mail_name reply_to alerts approval tax_rate terms stripe", """\
-<h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}\
+SETTINGS_FORM = Template(
+    "server mail_name reply_to alerts buyer_emails approval tax_rate terms stripe", """\
+<h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
@@ -2797,6 +2830,12 @@ AGING_BUCKETS = (("Current", None, 0), ("1-30", 1, 30), ("31-60", 31, 60), ("61-
                  ("Over 90", 91, None))
 RECEIVABLES_SHOWN = 100
 CANCELLED_NOT_INVOICED = "A cancelled order is not invoiced."
+#: The emails to buyers a company may turn off (Settings), with what each is about.
+BUYER_NOTICES = {"order_cancelled": "an order is cancelled",
+                 "return_approved": "a return is approved",
+                 "return_refunded": "a return is refunded"}
+BUYER_EMAILS_MESSAGE = f"Buyer emails off must be among {', '.join(BUYER_NOTICES)}."
+MAX_CANCEL_REASON = 500
 INVOICE_STATUS_FILTER = f"Status must be one of {', '.join(INVOICE_STATUSES)}."
 INVOICE_NOT_OPEN = "Invoice {number} is {status}: nothing more can be paid or credited to it."
 INVOICE_SETTLED = "Invoice {number} has payments or credit applied: it cannot be voided."
@@ -3015,7 +3054,8 @@ COMPANY_FIELDS = (
     ("stripeCustomerId", "stripe_customer_id", "value"), ("mailName", "mail_name", "value"),
     ("replyTo", "reply_to", "value"), ("staffAlerts", "staff_alerts", "list"),
     ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
-    ("paymentTermsDays", "payment_terms_days", "value"), ("createdAt", "created_at", "value"))
+    ("paymentTermsDays", "payment_terms_days", "value"),
+    ("buyerEmailsOff", "buyer_emails_off", "list"), ("createdAt", "created_at", "value"))
 #: A new company as create_company answers (it has no settings yet).
 NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
 #: A new API key as create_api_key answers: the key itself, which only its creation has (the
@@ -3392,12 +3432,21 @@ def payment_terms(value):
     return int(text)
 
 
+def _buyer_emails_off(value):
+    """The buyer emails a company does not send: a list of BUYER_NOTICES' kinds."""
+    value = [] if value is None else value
+    if not isinstance(value, (list, tuple)) or not set(value) <= set(BUYER_NOTICES):
+        raise ApiError(400, BUYER_EMAILS_MESSAGE)
+    kinds = sorted(set(value))
+    return json_text(kinds) if kinds else None
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
 COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
                     "storefront_approval": _storefront_approval, "tax_rate": _tax_rate,
-                    "payment_terms_days": payment_terms}
+                    "payment_terms_days": payment_terms, "buyer_emails_off": _buyer_emails_off}
 
 
 def update_company(conn, company_id, changes):
@@ -4007,11 +4056,12 @@ def storefront_place_order(conn, store_slug, customer_id, items, po_number=None,
     return order
 
 
-def record_status_change(conn, order_id, from_status, to_status, source, tracking_number, at):
+def record_status_change(conn, order_id, from_status, to_status, source, tracking_number, at,
+                         note=None):
     conn.execute(
         "INSERT INTO order_status_changes (id, order_id, from_status, to_status, source, "
-        "tracking_number, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (new_id("osc"), order_id, from_status, to_status, source, tracking_number, at))
+        "tracking_number, note, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (new_id("osc"), order_id, from_status, to_status, source, tracking_number, note, at))
 
 
 def status_changes(conn, company_id, order_id):
@@ -4051,6 +4101,20 @@ def queue_order_emails(conn, company, customer, order):
         po_number])
     for address in json.loads(company["staff_alerts"] or "[]"):
         queue_email(conn, company["id"], "order_alert", address, alert)
+
+
+def queue_buyer_notice(conn, company_id, customer_id, order_id, kind, facts):
+    """An email of one of BUYER_NOTICES' kinds about an order to its customer, with a link to
+    the order in the store, unless the company turned that kind off (or there is no one to
+    tell)."""
+    company = load_company(conn, company_id)
+    if not customer_id or kind in json.loads(company["buyer_emails_off"] or "[]"):
+        return None
+    customer = load_customer(conn, company_id, customer_id)
+    return queue_email(conn, company_id, kind, customer["email"], {
+        "orderId": order_id, "customerName": customer["name"] or customer["email"],
+        "store": company["name"], "facts": facts,
+        "path": f"/store/{company['slug']}/orders/{order_id}"}, to_name=customer["name"])
 
 
 # 9.2 Invoices, payments and credit -----------------------------------------------------------
@@ -4488,14 +4552,19 @@ def parse_status_update(body, templates):
 INVOICED_STATUSES = ("SHIPPED", "DELIVERED")
 
 
-def update_order_status(conn, company_id, order_id, status, tracking=None, source="api"):
+def update_order_status(conn, company_id, order_id, status, tracking=None, source="api",
+                        reason=None):
     """The API's rule: any status to any status, except out of CANCELLED. Tracking, once set,
     stays through later transitions. Cancelling touches neither stock, returns nor an
-    invoice (staff void or credit it). The order is invoiced as it first ships. source (api
-    or dashboard) is recorded with the change."""
+    invoice (staff void or credit it); the buyer is emailed (order_cancelled, with reason,
+    which the change records too). The order is invoiced as it first ships. source (api or
+    dashboard) is recorded with the change."""
     before = load_order(conn, company_id, order_id)
     if before["status"] == "CANCELLED":
         raise ApiError(422, ORDER_CANCELLED)
+    reason = one_line(reason) or None
+    if reason is not None and len(reason) > MAX_CANCEL_REASON:
+        raise invalid("reason", f"must be at most {MAX_CANCEL_REASON} characters")
     at = now_iso()
     if tracking:
         conn.execute(
@@ -4508,7 +4577,7 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
     order = order_with_items(conn, company_id, order_id)
     previous = before["status"]
     record_status_change(conn, order_id, previous, status, source,
-                         order["tracking"] and order["tracking"]["number"], at)
+                         order["tracking"] and order["tracking"]["number"], at, reason)
     emit(conn, company_id, "order.status_changed", dict(order, previousStatus=previous))
     summary = {"id": order_id, "previousStatus": previous, "total": order["total"],
                "customerId": order["customerId"]}
@@ -4522,6 +4591,9 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
             queue_shipping_email(conn, company_id, order)
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
+        queue_buyer_notice(conn, company_id, order["customerId"], order_id, "order_cancelled", [
+            ["Order", order_id], ["PO number", order["poNumber"] or "none"],
+            ["Reason", reason or "none given"]])
     return order
 
 
@@ -4550,14 +4622,19 @@ def dashboard_allows(from_status, to_status):
     return to_status in DASHBOARD_TRANSITIONS.get(from_status, ())
 
 
-def dashboard_update_order_status(conn, company_id, order_id, status, tracking=None):
-    """A status change on the dashboard's behalf, held to its stricter workflow."""
+def dashboard_update_order_status(conn, company_id, order_id, status, tracking=None,
+                                  reason=None, confirmed=True):
+    """A status change on the dashboard's behalf, held to its stricter workflow; cancelling
+    only once confirmed (the form's box)."""
     current = load_order(conn, company_id, order_id)["status"]
     if current == "CANCELLED" or not dashboard_allows(current, status):
         if current == "CANCELLED":
             raise ApiError(422, ORDER_CANCELLED)
         raise ApiError(422, f"The dashboard does not move an order from {current} to {status}.")
-    return update_order_status(conn, company_id, order_id, status, tracking, "dashboard")
+    if status == "CANCELLED" and not confirmed:
+        raise invalid("confirm", "tick the box to cancel the order")
+    return update_order_status(conn, company_id, order_id, status, tracking, "dashboard",
+                               reason)
 
 
 # 9.4 Returns and refunds ---------------------------------------------------------------------
@@ -4686,6 +4763,9 @@ def approve_return(conn, company_id, return_id):
     emit(conn, company_id, "return.approved", {
         "id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
         "status": "APPROVED"})
+    queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"],
+                       "return_approved", [["Order", row["order_id"]],
+                                           ["Reason given", row["reason"]]])
     return returns_json(conn, [row])[0]
 
 
@@ -4736,8 +4816,13 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
               "damaged_units": damaged_units, "subtotal_cents": subtotal_cents,
               "created_at": at}
     insert_row(conn, "refunds", refund)
-    if method == "CREDIT":
-        issue_credit_note(conn, company_id, row["customer_id"], refund_id, amount_cents, at)
+    note = issue_credit_note(conn, company_id, row["customer_id"], refund_id, amount_cents,
+                             at) if method == "CREDIT" else None
+    queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"], "return_refunded",
+                       [["Order", row["order_id"]], ["Refund", amount_text(money(amount_cents))],
+                        ["How", f"credit note {note['number']}, for your invoices" if note else
+                         "as a credit toward your invoices" if method == "CREDIT" else
+                         "paid back outside the store, as agreed with you"]])
     move_stock(conn, company_id, restock, "return", actor or SYSTEM, order_id=row["order_id"],
                return_id=return_id)
     processed = record_json(PROCESSED_REFUND_FIELDS, dict(
@@ -9006,10 +9091,10 @@ def order_lines(order, row):
 
 
 def order_history(visit, order_id):
-    return table(("When (UTC)", "From", "To", "By", "Tracking"),
+    return table(("When (UTC)", "From", "To", "By", "Tracking", "Note"),
                  [(change["created_at"], change["from_status"] or "", change["to_status"],
                    change["source"] or render(MUTED, text="not recorded"),
-                   change["tracking_number"] or "")
+                   change["tracking_number"] or "", change["note"] or "")
                   for change in status_changes(visit.conn, visit.company_id, order_id)])
 
 
@@ -9023,7 +9108,10 @@ def status_form(visit, action, status):
             url=visit.field("tracking.url", "Tracking URL (OTHER carrier, or to override)",
                             kind="url")))
     if status == "CANCELLED":
-        return visit.form_tag(action, render(CANCEL_FORM), css="inline")
+        return visit.form_tag(action, render(
+            CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
+                                            maxlength=MAX_CANCEL_REASON),
+            error=visit.error("confirm")), css="")
     return visit.button(action, f"Mark {status}", "", status=status)
 
 
@@ -9082,7 +9170,9 @@ def order_status_action(visit, order_id):
                             "url": form_text(visit.form, "tracking.url")}
     status, tracking = parse_status_update(body, visit.settings.tracking_url_templates)
     with visit.write() as conn:
-        dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking)
+        dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking,
+                                      visit.form.get("reason"),
+                                      confirmed=visit.form.get("confirm") == "yes")
         if status == "CANCELLED" and visit.form.get("restock"):
             restock_order(conn, visit.company_id, order_id, visit.actor)
     return redirect(f"/dashboard/orders/{order_id}", "status")
@@ -9850,6 +9940,7 @@ def settings_fields(visit, company):
         reply_to=visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
         alerts=visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
                            ", ".join(json.loads(company["staff_alerts"] or "[]"))),
+        buyer_emails=buyer_email_switches(company),
         approval=visit.select("storefrontApproval", "New storefront accounts", (
             ("required", "wait for approval by staff (required)"),
             ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
@@ -9862,6 +9953,14 @@ def settings_fields(visit, company):
                           f"terms win", company["payment_terms_days"], inputmode="numeric"))
 
 
+def buyer_email_switches(company):
+    """A box for each email to buyers a company may turn off, ticked while it sends it."""
+    off = json.loads(company["buyer_emails_off"] or "[]")
+    return render(BUYER_EMAILS, switches=join(
+        render(BUYER_EMAIL_SWITCH, value=kind, text=text, checked="" if kind in off else CHECKED)
+        for kind, text in BUYER_NOTICES.items()))
+
+
 @page("POST", "/dashboard/settings", refused=settings_page)
 def update_settings_action(visit):
     changes = {"mail_name": form_text(visit.form, "mailName"),
@@ -9871,6 +9970,9 @@ def update_settings_action(visit):
                           ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days")):
         if field in visit.form:  # (a form of an older page may not have it)
             changes[column] = visit.form.get(field)
+    if "buyerEmailsShown" in visit.form:
+        sent = visit.form.getall("buyerEmails")
+        changes["buyer_emails_off"] = [kind for kind in BUYER_NOTICES if kind not in sent]
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
     return redirect("/dashboard/settings", "saved")

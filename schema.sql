@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS companies (
     staff_alerts        TEXT,               -- JSON array of the addresses that get staff alerts
     storefront_approval TEXT NOT NULL DEFAULT 'required', -- or 'automatic': new buyers ACTIVE at once
     tax_rate            REAL NOT NULL DEFAULT 0, -- a fraction; a customer's override wins
-    payment_terms_days  INTEGER NOT NULL DEFAULT 0 -- invoices fall due N days after issue (0: on receipt)
+    payment_terms_days  INTEGER NOT NULL DEFAULT 0, -- invoices fall due N days after issue (0: on receipt)
+    buyer_emails_off    TEXT                -- JSON array of the buyer emails it does not send
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -173,6 +174,7 @@ CREATE TABLE IF NOT EXISTS order_status_changes (
     to_status        TEXT NOT NULL,
     source           TEXT,
     tracking_number  TEXT,              -- the order's tracking number after the change
+    note             TEXT,              -- why, where staff said (a cancellation's reason)
     PRIMARY KEY (order_id, created_at, id)
 ) WITHOUT ROWID;
 

@@ -3235,6 +3235,7 @@ def back_to_schema_6(conn):
             conn.execute(f"DROP INDEX {name.group(1)}")
             older = statement.replace("created_at, id)", "created_at DESC, id DESC)")
             conn.execute(engine.translate(re.sub(r"\s+WHERE [^;]*;", ";", older)))
+    conn.execute("ALTER TABLE order_status_changes DROP COLUMN note")  # (version 9's)
     for table, statements in SCHEMA_6_TABLES.items():
         ordering.rebuild_table(table, statements)(conn)
     for column, values in (("status", "'SUBMITTED', 'CONFIRMED', 'SHIPPED', 'DELIVERED', "
@@ -3641,7 +3642,7 @@ def test_a_migrated_orders_history_shows_its_placement_and_its_status_now(databa
     migrated = build_app(database)
     try:
         rows = history_of(signed_in(migrated).get(f"/dashboard/orders/{order['id']}"))
-        assert [row[1:] for row in rows] == [["", "SUBMITTED", "api", ""],
+        assert [row[1:5] for row in rows] == [["", "SUBMITTED", "api", ""],
                                              ["", "SHIPPED", "not recorded", "1Z999"]]
     finally:
         migrated.service.close(grace=0)
@@ -5323,10 +5324,10 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
                 "storefrontApproval": "required", "taxRate": 0, "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", paymentTermsDays=0,
-                           **unmailed)
+                           buyerEmailsOff=[], **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
     assert cli_json(db_path, "company-update", company["id"], "--stripe-customer", "") == dict(
-        company, stripeCustomerId=None, paymentTermsDays=0, **unmailed)
+        company, stripeCustomerId=None, paymentTermsDays=0, buyerEmailsOff=[], **unmailed)
 
 
 def test_company_update_refuses_and_writes_nothing(db_path):
@@ -5372,7 +5373,8 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
                        "storefrontApproval": "required", "taxRate": 0,
-                       "paymentTermsDays": 0, "createdAt": updated["createdAt"]}
+                       "paymentTermsDays": 0, "buyerEmailsOff": [],
+                       "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "")
     assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
@@ -6910,7 +6912,7 @@ def test_history_comes_from_the_status_changes_without_any_webhook(app, api, ten
     ship["tracking.number"] = "PKG42"
     page = ship.submit(status=303).follow()
     rows = history_of(page)
-    assert [row[1:] for row in rows] == [["", "SUBMITTED", "api", ""],
+    assert [row[1:5] for row in rows] == [["", "SUBMITTED", "api", ""],
                                          ["SUBMITTED", "CONFIRMED", "api", ""],
                                          ["CONFIRMED", "SHIPPED", "dashboard", "PKG42"]]
     assert all(ISO_MS.match(row[0]) for row in rows)
@@ -7047,13 +7049,25 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     back = dashboard_order(tenant, quantity=2)
     form = form_to(browser.get(f"/dashboard/orders/{back['id']}"), "/status", status="CANCELLED")
     form["restock"] = True
+    page = form.submit(status=400)  # not without its box ticked
+    assert field_error(page, "confirm") == "tick the box to cancel the order"
+    form = form_to(page, "/status", status="CANCELLED")
+    form["confirm"], form["restock"] = True, True
+    form["reason"] = "Duplicate of\r\nanother order"
     page = form.submit(status=303).follow()
+    history = [[cell.get_text() for cell in row.find_all("td")] for row in page.html.find(
+        "h2", string="History").find_next("tbody").find_all("tr")]
+    assert history[-1][2:] == ["CANCELLED", "dashboard", "", "Duplicate of another order"]
+    (mail,) = [row for row in email_rows(tenant.db) if row["kind"] == "order_cancelled"]
+    assert mail["subject"] == f"Your order {back['id']} is cancelled"
+    assert ["Reason", "Duplicate of another order"] in json.loads(mail["data"])["facts"]
     assert "Its units are back in stock." in page.text
     assert not [f for f in page.forms.values() if f.action.endswith("/restock")]
     back_product = back["items"][0]["productId"]
     assert ledger_of(tenant.db, back_product)[-1] == ("cancellation", 2, 50, back["id"], None,
                                                      None, "staff")
     form = form_to(browser.get(f"/dashboard/orders/{kept['id']}"), "/status", status="CANCELLED")
+    form["confirm"] = True
     page = form.submit(status=303).follow()
     kept_product = kept["items"][0]["productId"]
     assert tenant.stock(kept_product) == 47
@@ -12806,7 +12820,7 @@ def test_every_change_on_the_dashboard_says_what_it_did_in_a_status_element(app,
     good = page.html.find("input", attrs={"name": re.compile(r"^good\.")})["name"]
     page, said = done(page, "/refund", method="MANUAL", **{good: "1"})
     assert said == "Saved: the refund is recorded."
-    page, said = done(browser.get(order_path), "/status", {"status": "CANCELLED"})
+    page, said = done(browser.get(order_path), "/status", {"status": "CANCELLED"}, confirm=True)
     page, said = done(page, "/restock")
     assert said == "Saved: its units are back in stock."
     with tenant.db.write() as conn:
@@ -13171,6 +13185,41 @@ def test_settings_set_the_companys_payment_terms(app, tenant, browser):
     page = form.submit(status=400)
     assert alert_of(page) == ("Not saved: Payment terms must be a whole number of days from 0 "
                               "to 365.")
+
+
+def test_buyers_are_emailed_as_returns_are_approved_and_refunded_unless_settings_say_no(
+        app, api, tenant, browser):
+    order = dashboard_order(tenant, "DELIVERED", quantity=2)
+    first = received_return(tenant, order, {order["items"][0]["id"]: 1})
+    with tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, first["id"], "CREDIT", 1, 0, 1250)
+    sent = [row for row in email_rows(tenant.db) if row["kind"].startswith("return_")]
+    assert [(row["kind"], row["subject"]) for row in sent] == [
+        ("return_approved", f"Your return for order {order['id']} is approved"),
+        ("return_refunded", f"Your return for order {order['id']} is refunded")]
+    refunded = json.loads(sent[1]["data"])
+    assert refunded["facts"][1:] == [["Refund", "12.50"],
+                                     ["How", "credit note CN-000001, for your invoices"]]
+    text, _ = ordering.email_bodies("return_refunded", refunded, "http://shop.example", "Acme")
+    assert f"See it in the store: http://shop.example/store/acme-wholesale/orders/{order['id']}" \
+        in text
+    form = main_form(browser.get("/dashboard/settings"))
+    assert [box.checked for box in form.fields["buyerEmails"]] == [True, True, True]
+    for box in form.fields["buyerEmails"]:
+        box.checked = False
+    form.submit(status=303)
+    assert ordering.company_json(ordering.load_company(tenant.db.conn, tenant.id))[
+        "buyerEmailsOff"] == ["order_cancelled", "return_approved", "return_refunded"]
+    second = received_return(tenant, order, {order["items"][0]["id"]: 1})
+    with tenant.db.write() as conn:
+        ordering.refund_return(conn, tenant.id, second["id"], "MANUAL", 1, 0, 1250)
+    dashboard_order(tenant, "CANCELLED")
+    assert [row["kind"] for row in email_rows(tenant.db) if row["kind"] in
+            ordering.BUYER_NOTICES] == ["return_approved", "return_refunded"]
+    with tenant.db.write() as conn:
+        refused(lambda: ordering.update_company(conn, tenant.id, {
+            "buyer_emails_off": ["order_shipped"]}), 400,
+            "Buyer emails off must be among order_cancelled, return_approved, return_refunded.")
 
 
 # 15.3 Storefront -----------------------------------------------------------------------------
