@@ -88,17 +88,24 @@ def main():
         apps.append(app)
         browsers.append(browser)
         paths.append(pages(data))
+    measure_and_print(apps, browsers, paths, args.requests, args.orders)
+
+
+def measure_and_print(apps, browsers, paths, requests, large):
+    """Time the pages (see time_pages), close the apps, and print the table: the small
+    database against the one of `large` records."""
     try:
-        measured = time_pages(browsers, paths, args.requests)
+        measured = time_pages(browsers, paths, requests)
     finally:
         for app in apps:
             app.service.close(grace=0)
-    print(f"| page | p50 ms @1,000 | p50 ms @{args.orders:,} | p95 ms @1,000 | "
-          f"p95 ms @{args.orders:,} | p50 ratio |")
+    print(f"| page | p50 ms @1,000 | p50 ms @{large:,} | p95 ms @1,000 | "
+          f"p95 ms @{large:,} | p50 ratio |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, ((small_p50, small_p95), (large_p50, large_p95)) in measured.items():
         print(f"| {label} | {small_p50:.2f} | {large_p50:.2f} | {small_p95:.2f} | "
               f"{large_p95:.2f} | {large_p50 / small_p50:.2f}x |")
+
 
 if __name__ == "__main__":
     main()

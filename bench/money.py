@@ -78,17 +78,7 @@ def main():
         browsers.append(browser)
         paths.append({"receivables": "/dashboard/receivables",
                       "statement (20 invoices)": f"/dashboard/customers/{regular}/statement"})
-    try:
-        measured = dashboard.time_pages(browsers, paths, args.requests)
-    finally:
-        for app in apps:
-            app.service.close(grace=0)
-    print(f"| page | p50 ms @1,000 | p50 ms @{args.invoices:,} | p95 ms @1,000 | "
-          f"p95 ms @{args.invoices:,} | p50 ratio |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for label, ((small_p50, small_p95), (large_p50, large_p95)) in measured.items():
-        print(f"| {label} | {small_p50:.2f} | {large_p50:.2f} | {small_p95:.2f} | "
-              f"{large_p95:.2f} | {large_p50 / small_p50:.2f}x |")
+    dashboard.measure_and_print(apps, browsers, paths, args.requests, args.invoices)
 
 
 if __name__ == "__main__":
