@@ -4133,6 +4133,14 @@ def load_invoice(conn, company_id, invoice_id):
     return load_row(conn, "customer_invoices", "Invoice", company_id, invoice_id)
 
 
+def buyer_invoice(conn, company_id, customer_id, invoice_id):
+    """One of the customer's own invoices; another's is not found (as buyer_order)."""
+    invoice = load_invoice(conn, company_id, invoice_id)
+    if invoice["customer_id"] != customer_id:
+        raise not_found("Invoice")
+    return invoice
+
+
 def load_credit_note(conn, company_id, credit_note_id):
     return load_row(conn, "credit_notes", "Credit note", company_id, credit_note_id)
 
@@ -4345,13 +4353,13 @@ def invoice_details(conn, company_id, invoice_id):
 def find_customer_invoices(conn, company_id, status=None, customer_id=None, overdue_at=None):
     """The company's invoices, newest first: of a status, of a customer, or overdue at a
     time (ISO text: open, and due before that day began)."""
+    if status is not None and status not in INVOICE_STATUSES:
+        raise ApiError(400, INVOICE_STATUS_FILTER)
     filters, params = ["company_id = ?"], [company_id]
     for column, value in (("status", status), ("customer_id", customer_id)):
         if value is not None:
             filters.append(f"{column} = ?")
             params.append(value)
-    if status is not None and status not in INVOICE_STATUSES:
-        raise invalid("status", f"must be one of {', '.join(INVOICE_STATUSES)}")
     if overdue_at is not None:
         filters.append("status = 'OPEN' AND due_at < ?")
         params.append(overdue_at[:10])
@@ -10602,9 +10610,8 @@ def buyer_invoice_link(visit, order_id):
 
 @buyer_page("GET", "/store/<slug>/invoices/<invoice_id>")
 def store_invoice_page(visit, invoice_id):
-    invoice = load_invoice(visit.conn, visit.company_id, invoice_id)
-    if invoice["customer_id"] != visit.session["account_id"]:
-        raise not_found("Invoice")
+    invoice = buyer_invoice(visit.conn, visit.company_id, visit.session["account_id"],
+                            invoice_id)
     return visit.page(f"Invoice {invoice['number']}", invoice_document(
         visit, invoice, f"{visit.surface.prefix}/orders/{invoice['order_id']}"))
 
