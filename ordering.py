@@ -39,13 +39,15 @@ ones above it.
                    9.5 billing (Stripe's events, the company's own invoices)
  10. Integrations and accounts   10.1 webhook subscriptions; 10.2 emails (what was sent,
                    sending again); 10.3 API keys and idempotency; 10.4 accounts and sessions
-                   (any kind of account); 10.5 storefront accounts (registration, emailed
-                   links, password reset; a customer's changes, since blocking one ends its
-                   sign-ins)
+                   (any kind of account); 10.5 storefront accounts (a store's accounts are its
+                   customers' contacts: registration, emailed links, password reset; a
+                   customer's changes, since blocking one ends its contacts' sign-ins);
+                   10.6 contacts (adding, inviting and changing a customer's people)
  11. Queries and storefront ordering   11.1 queries (the paginator, list filters, lookups);
                    11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
-                   checkout, a buyer's orders); 11.3 records as the database writes them (the
-                   API's reads of products and orders)
+                   checkout, order requests above an approval limit, a buyer's orders);
+                   11.3 records as the database writes them (the API's reads of products and
+                   orders)
  12. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; 12.1 webhooks (signing, address checks, the POST); 12.2 email
                    (SMTP, TLS, retries, message building); 12.3 channels (which ones an app's
@@ -132,7 +134,8 @@ __all__ = [
     "create_company", "create_api_key", "revoke_api_key", "create_product", "update_product",
     "create_customer", "update_customer", "storefront_register", "register_customer",
     "verify_customer_email", "request_password_reset", "reset_password", "invite_customer",
-    "change_customer_password", "place_order",
+    "change_contact_password", "add_contact", "update_contact", "customer_contacts",
+    "place_order",
     "storefront_place_order", "parse_status_update", "update_order_status", "open_return",
     "approve_return", "receive_return", "refund_return", "record_invoice_paid",
     "create_webhook", "update_webhook", "delete_webhook", "rotate_webhook_secret",
@@ -169,7 +172,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -497,7 +500,7 @@ def apply_schema(conn):
     made before the migrations and everything else after them, so that an index may name a
     column that a migration adds to an older file."""
     engine = conn.engine
-    fresh = not engine.has_tables(conn)
+    fresh = not engine.has_table(conn, "companies")
     statements = engine.schema_statements()
     for statement in statements:
         if "CREATE TABLE" in statement:
@@ -584,6 +587,40 @@ def add_column(table, definition):
     return add
 
 
+def accounts_to_contacts(conn):
+    """Version 10's step: each customer's own email becomes its first contact, an admin, with
+    its password and confirmation, and its sessions, emailed links and cart (where the older
+    database has them: one older than the storefront got the new tables from schema.sql);
+    the customer keeps no password. Contact IDs follow their customer's."""
+    engine = conn.engine
+    customer_columns = {column[0] for column in conn.execute(
+        "SELECT * FROM customers LIMIT 0").description}
+    password = "password_hash" if "password_hash" in customer_columns else "NULL"
+    conn.execute(
+        f"INSERT INTO contacts (id, customer_id, company_id, email, email_key, name, role, "
+        f"status, email_verified, password_hash, created_at, updated_at) SELECT "
+        f"'con_' || substr(id, 5), id, company_id, email, email_key, name, 'admin', 'ACTIVE', "
+        f"email_verified, {password}, created_at, updated_at FROM customers")
+    contact_id = "'con_' || substr(customer_id, 5)"
+    for old, new, rest in (("customer_sessions", "contact_sessions", "created_at, last_seen_at"),
+                           ("customer_tokens", "contact_tokens",
+                            "purpose, created_at, expires_at")):
+        if engine.has_table(conn, old):
+            conn.execute(f"INSERT INTO {new} (token_hash, contact_id, {rest}) "
+                         f"SELECT token_hash, {contact_id}, {rest} FROM {old}")
+            conn.execute(f"DROP TABLE {old}")
+    if "customer_id" in {column[0] for column in conn.execute(
+            "SELECT * FROM cart_lines LIMIT 0").description}:
+        conn.execute("CREATE TABLE cart_rows AS SELECT * FROM cart_lines")
+        conn.execute("DROP TABLE cart_lines")
+        conn.execute(engine.translate(table_statement("cart_lines")))
+        conn.execute(f"INSERT INTO cart_lines (contact_id, product_id, quantity, added_at) "
+                     f"SELECT {contact_id}, product_id, quantity, added_at FROM cart_rows")
+        conn.execute("DROP TABLE cart_rows")
+    if password != "NULL":
+        conn.execute("ALTER TABLE customers DROP COLUMN password_hash")
+
+
 #: Statements that bring a database from version N-1 to N, beyond what schema.sql creates.
 MIGRATIONS = {
     2: ("ALTER TABLE deliveries ADD COLUMN claimed_by TEXT",
@@ -650,6 +687,11 @@ MIGRATIONS = {
         # The buyer emails a company turns off, and a status change's note.
         add_column("companies", "buyer_emails_off TEXT"),
         add_column("order_status_changes", "note TEXT")),
+    # Contacts: each customer's own email becomes its first contact, an admin, with its
+    # password, confirmation, sessions, emailed links and cart (their IDs follow the
+    # customer's); the customer keeps no password. An order records who placed and approved it.
+    10: (accounts_to_contacts,
+         add_column("orders", "placed_by TEXT"), add_column("orders", "approved_by TEXT")),
 }
 
 
@@ -961,9 +1003,9 @@ class SqliteEngine:
         # IMMEDIATE takes the write lock now, not at the first write.
         conn.execute("BEGIN IMMEDIATE")
 
-    def has_tables(self, conn):
-        return conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE name = 'companies'").fetchone() is not None
+    def has_table(self, conn, table):
+        return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                            (table,)).fetchone() is not None
 
     def schema_statements(self):
         return schema_statements()
@@ -1223,8 +1265,8 @@ class PostgresEngine:
         conn.execute("BEGIN")
         conn.execute(f"SELECT pg_advisory_xact_lock({self.WRITE_LOCK})")
 
-    def has_tables(self, conn):
-        return conn.execute("SELECT to_regclass('companies')").fetchone()[0] is not None
+    def has_table(self, conn, table):
+        return conn.execute("SELECT to_regclass(?)", (table,)).fetchone()[0] is not None
 
     @functools.lru_cache(maxsize=1)
     def schema_statements(self):
@@ -2264,6 +2306,30 @@ EMAIL_TEMPLATES = {
              "your password with this link (it works once, for an hour):\n\n{link}\n",
         html="<p>Hello {customerName},</p>\n<p>{store} opened an account for you in its store. "
              '<a href="{link}">Set your password</a> (the link works once, for an hour).</p>'),
+    "contact_invite": EmailTemplate(
+        subject="{invitedBy} invited you to order for {business} at {store}",
+        text="Hello {customerName},\n\n{invitedBy} invited you to the account of {business} "
+             "at {store}. Set your password with this link (it works once, for an hour):\n\n"
+             "{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{invitedBy} invited you to the account of "
+             '{business} at {store}. <a href="{link}">Set your password</a> (the link works '
+             "once, for an hour).</p>"),
+    "approval_requested": EmailTemplate(
+        subject="{buyer} asks you to approve an order of {total}",
+        text="Hello {customerName},\n\n{buyer} checked out an order above their approval "
+             "limit at {store}. It is not placed until an admin approves it.\n\n{facts}\n\n"
+             "Approve or decline it: {link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{buyer} checked out an order above their "
+             "approval limit at {store}. It is not placed until an admin approves it.</p>\n"
+             '{facts}\n<p><a href="{link}">Approve or decline it</a></p>'),
+    "request_declined": EmailTemplate(
+        subject="Your order request at {store} was declined",
+        text="Hello {customerName},\n\n{admin} declined your order request of {total}, "
+             "and no order was placed.\n\nTheir reason: {reason}\n\nSee it in the store: "
+             "{link}\n",
+        html="<p>Hello {customerName},</p>\n<p>{admin} declined your order request of {total}, "
+             "and no order was placed.</p>\n<p>Their reason: {reason}</p>\n"
+             '<p><a href="{link}">See it in the store</a></p>'),
     "password_changed": EmailTemplate(
         subject="Your password for {store} was changed",
         text="Hello {customerName},\n\nThe password of your account at {store} was just "
@@ -2370,9 +2436,10 @@ ORDER_PAGE = Template("facts ships_to actions lines history returns open_return"
 {facts}{ships_to}<h2>Status</h2><div class="card">{actions}</div><h2>Lines</h2>{lines}\
 <h2>History</h2>{history}<h2>Returns</h2>{returns}{open_return}""")
 
-ORDER_FACTS = Template("status customer po notes created updated tracking invoice", """\
+ORDER_FACTS = Template("status customer people po notes created updated tracking invoice", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Customer</dt>\
-<dd>{customer}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd>\
+<dd>{customer}</dd><dt>Placed by</dt><dd>{people}</dd><dt>PO number</dt><dd>{po}</dd>\
+<dt>Notes</dt><dd>{notes}</dd>\
 <dt>Created</dt><dd>{created}</dd><dt>Updated</dt><dd>{updated}</dd><dt>Tracking</dt>\
 <dd>{tracking}</dd><dt>Invoice</dt><dd>{invoice}</dd></dl></div>""")
 ORDER_TRACKING = Template("carrier number url",
@@ -2534,10 +2601,18 @@ STORE_PRODUCT = Template("sku category unit price level description add", """\
 <dd>{level}</dd></dl>{description}</div>{add}""")
 
 #: A storefront order's facts, for its buyer.
-STORE_ORDER_FACTS = Template("status placed po notes total invoice", """\
+STORE_ORDER_FACTS = Template("status placed people po notes total invoice", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Placed</dt>\
-<dd>{placed}</dd><dt>PO number</dt><dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
+<dd>{placed}</dd><dt>Placed by</dt><dd>{people}</dd><dt>PO number</dt><dd>{po}</dd>\
+<dt>Notes</dt><dd>{notes}</dd><dt>Total</dt>\
 <dd>{total}</dd><dt>Invoice</dt><dd>{invoice}</dd></dl></div>""")
+
+#: An order request awaiting, or after, its approval.
+REQUEST_FACTS = Template("status asked total po ship_to reason order lines", """\
+<div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Asked</dt>\
+<dd>{asked}</dd><dt>Total, tax included</dt><dd>{total}</dd><dt>PO number</dt><dd>{po}</dd>\
+<dt>Ship to</dt><dd>{ship_to}</dd><dt>Reason declined</dt><dd>{reason}</dd>\
+<dt>Order</dt><dd>{order}</dd></dl></div>{lines}""")
 
 #: The tracking card of a shipped order, as its buyer sees it.
 STORE_TRACKING = Template("carrier number track", """\
@@ -2835,6 +2910,27 @@ BUYER_NOTICES = {"order_cancelled": "an order is cancelled",
                  "return_approved": "a return is approved",
                  "return_refunded": "a return is refunded"}
 BUYER_EMAILS_MESSAGE = f"Buyer emails off must be among {', '.join(BUYER_NOTICES)}."
+#: Contacts, the people of a customer who sign in to its store (docs/contacts.md): what each
+#: role may do there. The storefront's pages and the operations ask this one table.
+CONTACT_ROLES = ("admin", "buyer", "bookkeeper")
+ROLE_RIGHTS = {"admin": frozenset({"order", "statements", "manage"}),
+               "buyer": frozenset({"order"}),
+               "bookkeeper": frozenset({"statements"})}
+CONTACT_ROLE_MESSAGE = f"Role must be one of {', '.join(CONTACT_ROLES)}."
+CONTACT_STATUS_MESSAGE = "Status must be ACTIVE or BLOCKED."
+CONTACT_EXISTS = "An account with this email already exists at this store."
+CONTACT_BLOCKED_INVITE = "A blocked contact cannot be invited to set a password."
+ROLE_REFUSED = "Your role at this business does not allow this. Ask one of its admins."
+LAST_ADMIN = "A business keeps at least one active admin."
+APPROVAL_LIMIT_MESSAGE = f"Approval limit must be between 0 and {MAX_CREDIT_LIMIT}."
+APPROVAL_LIMIT_ROLE = "only a buyer has one: admins approve orders, bookkeepers place none"
+#: What became of a checkout above its buyer's approval limit.
+REQUEST_STATUSES = ("PENDING", "APPROVED", "DECLINED")
+REQUEST_DECIDED = "This request is decided already."
+MAX_DECLINE_REASON = 500
+APPROVAL_NEEDED = ("Above your approval limit of {limit}, this order goes to your business's "
+                   "admins: it is placed once one of them approves it.")
+ROLE_NOTE = "You sign in for {business} as its {role}."
 MAX_CANCEL_REASON = 500
 INVOICE_STATUS_FILTER = f"Status must be one of {', '.join(INVOICE_STATUSES)}."
 INVOICE_NOT_OPEN = "Invoice {number} is {status}: nothing more can be paid or credited to it."
@@ -2985,6 +3081,11 @@ CUSTOMER_FIELDS = (
     ("taxRateOverride", "tax_rate_override", "value"),
     ("emailVerified", "email_verified", "flag"), ("createdAt", "created_at", "value"),
     ("updatedAt", "updated_at", "value"))
+CONTACT_FIELDS = (
+    ("id", "id", "value"), ("customerId", "customer_id", "value"), ("email", "email", "value"),
+    ("name", "name", "value"), ("role", "role", "value"), ("status", "status", "value"),
+    ("approvalLimit", "approval_limit_cents", "money"),
+    ("emailVerified", "email_verified", "flag"))
 ORDER_ITEM_FIELDS = (
     ("id", "id", "value"), ("quantity", "quantity", "value"),
     ("unitPrice", "unit_price_cents", "money"), ("productId", "product_id", "value"),
@@ -3120,6 +3221,10 @@ def product_json(row):
 
 def customer_json(row):
     return record_json(CUSTOMER_FIELDS, row)
+
+
+def contact_json(row):
+    return record_json(CONTACT_FIELDS, row)
 
 
 def order_item_json(row):
@@ -3329,7 +3434,7 @@ def load_row(conn, table, resource, company_id, row_id):
 #: The table of each kind of record an operator command may name by its ID alone.
 _TABLE_OF = {"Product": "products", "Customer": "customers", "Order": "orders",
              "Return": "returns", "Webhook": "webhooks", "API key": "api_keys",
-             "Staff account": "staff", "Invoice": "customer_invoices",
+             "Staff account": "staff", "Invoice": "customer_invoices", "Contact": "contacts",
              "Credit note": "credit_notes"}
 
 
@@ -3737,14 +3842,59 @@ def require_buyer(conn, company_id, customer_id):
     return customer
 
 
-def require_signed_in_buyer(conn, company_id, customer_id):
-    """The customer, who may order at the store signed in as itself: a buyer as above whose
-    email address is confirmed, or anyone could order in the name of an address that is not
-    theirs. (Staff and the operator's commands vouch for the customers they order for.)"""
-    customer = require_buyer(conn, company_id, customer_id)
-    if not customer["email_verified"]:
+def load_contact(conn, company_id, contact_id):
+    return load_row(conn, "contacts", "Contact", company_id, contact_id)
+
+
+def contact_by_email(conn, company_id, email):
+    """The company's contact with this email (in any case), whichever customer's, or None."""
+    return conn.execute("SELECT * FROM contacts WHERE company_id = ? AND email_key = ?",
+                        (company_id, (email or "").strip().casefold())).fetchone()
+
+
+def own_contact(conn, customer):
+    """The contact of the customer's own email: its first, made with it."""
+    return conn.execute("SELECT * FROM contacts WHERE customer_id = ? AND email_key = ?",
+                        (customer["id"], customer["email_key"])).fetchone()
+
+
+def customer_contacts(conn, customer_id):
+    """The customer's contacts, its own first, in the order they were added (rows)."""
+    return conn.execute("SELECT * FROM contacts WHERE customer_id = ? ORDER BY created_at, id",
+                        (customer_id,)).fetchall()
+
+
+def require_contact(conn, company_id, contact_id, right=None, verified=True):
+    """The contact, who may act at the store signed in as itself: its customer a buyer as
+    above, its own address confirmed (or anyone could order in the name of an address that is
+    not theirs; staff and the operator's commands vouch for the customers they order for; a
+    cart may fill before, as verified=False lets it), and, for a right of ROLE_RIGHTS, a role
+    that has it."""
+    contact = load_contact(conn, company_id, contact_id)
+    require_buyer(conn, company_id, contact["customer_id"])
+    if verified and not contact["email_verified"]:
         raise ApiError(403, CUSTOMER_UNVERIFIED)
-    return customer
+    if right is not None and right not in ROLE_RIGHTS[contact["role"]]:
+        raise ApiError(403, ROLE_REFUSED)
+    return contact
+
+
+def insert_contact(conn, customer, email, role, name=None, password=None, email_verified=False,
+                   approval_limit_cents=None):
+    """A new contact of the customer (a row, returned as the table keeps it); an email signs
+    in to one account at a store."""
+    email_key = email.casefold()
+    if conn.execute("SELECT 1 FROM contacts WHERE company_id = ? AND email_key = ?",
+                    (customer["company_id"], email_key)).fetchone():
+        raise ApiError(409, CONTACT_EXISTS)
+    contact_id, at = new_id_at("con")
+    insert_row(conn, "contacts", {
+        "id": contact_id, "customer_id": customer["id"], "company_id": customer["company_id"],
+        "email": email, "email_key": email_key, "name": name, "role": role, "status": "ACTIVE",
+        "approval_limit_cents": approval_limit_cents, "email_verified": int(email_verified),
+        "password_hash": password and hash_password(password), "created_at": at,
+        "updated_at": at})
+    return load_contact(conn, customer["company_id"], contact_id)
 
 
 def _customer_changes(body):
@@ -3786,17 +3936,16 @@ def create_customer(conn, company_id, body, source="api", store_slug=None, passw
         raise ApiError(400, INVALID_EMAIL)
     fields = _customer_changes(body)
     email_key = email.casefold()
-    if conn.execute("SELECT 1 FROM customers WHERE company_id = ? AND email_key = ?",
-                    (company_id, email_key)).fetchone():
+    if contact_by_email(conn, company_id, email_key):  # any customer's, or any contact's
         raise ApiError(409, CUSTOMER_EXISTS)
     customer_id, at = new_id_at("cus")
     row = {"id": customer_id, "company_id": company_id, "email": email, "email_key": email_key,
            "status": status, "created_at": at, "updated_at": at,
-           "password_hash": password and hash_password(password),
            "email_verified": int(email_verified)}
     row.update(fields)
     insert_row(conn, "customers", row)
     customer = load_customer(conn, company_id, customer_id)
+    insert_contact(conn, customer, email, "admin", customer["name"], password, email_verified)
     payload = {"id": customer_id, "email": email, "name": customer["name"]}
     if source == "api":
         payload.update(status=customer["status"], source="api")
@@ -3961,12 +4110,14 @@ def parse_order_request(body):
 
 
 def place_order(conn, company_id, body, source="api", shipping_address=None,
-                checkout_token=None, actor=None):
+                checkout_token=None, actor=None, placed_by=None, approved_by=None):
     """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
     storefront's orders, which take the customer's own prices where there are any (API orders
     never do). The write lock the caller's transaction holds makes the stock check and the
     decrement one step: stock never goes below zero. Each line is an order movement made by
-    actor (a storefront order's: its buyer)."""
+    actor (a storefront order's: its buyer). placed_by: the contact or staff account who placed
+    it; approved_by: the admin contact who approved its request (neither is in the API's
+    record, whose shape is the spec's)."""
     customer_id, lines, po_number, notes = parse_order_request(body)
     customer = load_customer(conn, company_id, customer_id)
     wanted = {}
@@ -3996,11 +4147,11 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
     order_id, at = new_id_at("ord")
     conn.execute(
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
-        "source, shipping_address, checkout_token, tax_rate, tax_cents, created_at, updated_at) "
-        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "source, shipping_address, checkout_token, tax_rate, tax_cents, placed_by, approved_by, "
+        "created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source,
          shipping_address and json_text(shipping_address), checkout_token, rate,
-         tax_cents(total, rate), at, at))
+         tax_cents(total, rate), placed_by, approved_by, at, at))
     items = [{"id": new_id("oi"), "quantity": quantity, "unit_price_cents": prices[product_id],
               "product_id": product_id, "product_name": products[product_id]["name"],
               "product_sku": products[product_id]["sku"]} for product_id, quantity in lines]
@@ -4040,19 +4191,22 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
 
 
 def storefront_place_order(conn, store_slug, customer_id, items, po_number=None, notes=None,
-                           shipping_address=None, checkout_token=None):
+                           shipping_address=None, checkout_token=None, contact=None,
+                           approved_by=None):
     """An order placed for a customer of the storefront (order.created carries the storefront
-    shape, with itemCount and no items), at the customer's own prices. A blocked customer
-    cannot order there, nor one awaiting approval."""
+    shape, with itemCount and no items), at the customer's own prices, by one of its contacts
+    (a row; none: the operator's command). A blocked customer cannot order there, nor one
+    awaiting approval."""
     company = company_by_slug(conn, store_slug)
     customer = require_buyer(conn, company["id"], customer_id)
     body = {"customerId": customer_id, "items": items, "poNumber": po_number, "notes": notes}
     try:
         order = place_order(conn, company["id"], body, "storefront", shipping_address,
-                            checkout_token)
+                            checkout_token, placed_by=contact and contact["id"],
+                            approved_by=approved_by)
     except StockShortage as error:
         raise ApiError(400, STORE_STOCK_SHORT.format(name=error.product_name)) from None
-    queue_order_emails(conn, company, customer, order)
+    queue_order_emails(conn, company, customer, order, contact)
     return order
 
 
@@ -4085,22 +4239,41 @@ def email_lines(items):
              "lineTotal": money(line_total_cents(item))} for item in items]
 
 
-def queue_order_emails(conn, company, customer, order):
-    """A storefront order's emails: the confirmation to the customer, and an alert to each of
-    the company's staff addresses (orders from the API or the dashboard send neither)."""
+def queue_order_emails(conn, company, customer, order, contact=None):
+    """A storefront order's emails: the confirmation to the contact who placed it (the
+    customer's own address, for the operator's command), and an alert to each of the company's
+    staff addresses (orders from the API or the dashboard send neither)."""
     lines = email_lines(order["items"])
     rate, tax = conn.execute("SELECT tax_rate, tax_cents FROM orders WHERE id = ?",
                              (order["id"],)).fetchone()
-    common = {"orderId": order["id"], "customerName": customer["name"] or customer["email"],
+    # the customer's own contact is the customer, by its (business) name
+    other = contact is not None and contact["email_key"] != customer["email_key"]
+    to = contact if other else customer
+    common = {"orderId": order["id"], "customerName": to["name"] or to["email"],
               "lines": lines, "total": order["total"], "taxRate": rate, "tax": money(tax)}
     po_number = ["PO number", order["poNumber"] or "none"]
-    queue_email(conn, company["id"], "order_confirmation", customer["email"], dict(
-        common, facts=[["Order", order["id"]], po_number]), to_name=customer["name"])
+    queue_email(conn, company["id"], "order_confirmation", to["email"], dict(
+        common, facts=[["Order", order["id"]], po_number]), to_name=to["name"])
     alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
         ["Order", order["id"]], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
-        po_number])
+        po_number] + ([["Placed by", f"{contact['name'] or ''} <{contact['email']}>"]]
+                      if other else []))
     for address in json.loads(company["staff_alerts"] or "[]"):
         queue_email(conn, company["id"], "order_alert", address, alert)
+
+
+def order_people(conn, order):
+    """(who placed the order, who approved its request): each a contact's or staff account's
+    name and email; None where no one is recorded (API orders, and orders placed before
+    contacts were)."""
+    def who(account_id):
+        row = account_id and (
+            conn.execute("SELECT name, email FROM contacts WHERE id = ?", (account_id,)
+                         ).fetchone() or
+            conn.execute("SELECT NULL AS name, email FROM staff WHERE id = ?", (account_id,)
+                         ).fetchone())
+        return row and (f"{row['name']} <{row['email']}>" if row["name"] else row["email"])
+    return who(order["placed_by"]), who(order["approved_by"])
 
 
 def queue_buyer_notice(conn, company_id, customer_id, order_id, kind, facts):
@@ -5307,15 +5480,24 @@ class Accounts:
     table: str
     sessions: str
     account_column: str
-    enabled: str
+    enabled: str  # a condition on the account's columns, each written {a}column
     actor: str  # the type of Actor its accounts are as they change stock
+    session_columns: str = ""  # what else a session tells of its account (a.column, ...)
+
+    def enabled_in(self, alias=""):
+        """The condition an account must meet, its columns qualified by alias."""
+        return self.enabled.format(a=alias and alias + ".")
 
 
-STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "disabled = 0",
+STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "{a}disabled = 0",
                  "staff")
-#: Buyers of a storefront: a pending one may sign in (and sees that it awaits approval).
-CUSTOMERS = Accounts("Customer", "customers", "customer_sessions", "customer_id",
-                     "status <> 'BLOCKED'", "buyer")
+#: The people of a storefront's customers: neither the contact nor its customer blocked (one
+#: whose customer awaits approval may sign in, and sees that it does). A session tells the
+#: contact's customer and role, read afresh at every request.
+CONTACTS = Accounts("Contact", "contacts", "contact_sessions", "contact_id",
+                    "{a}status = 'ACTIVE' AND {a}customer_id IN "
+                    "(SELECT id FROM customers WHERE status <> 'BLOCKED')", "buyer",
+                    "a.customer_id, a.role, a.approval_limit_cents, ")
 
 
 def create_staff(conn, company_id, email, password):
@@ -5402,7 +5584,7 @@ def find_account(conn, accounts, email, password, company_id=None):
     password (a customer created through the API) costs the same work and matches nothing."""
     scoped = "" if company_id is None else " AND company_id = ?"
     rows = conn.execute(f"SELECT * FROM {accounts.table} WHERE email_key = ? AND "
-                        f"{accounts.enabled} AND password_hash IS NOT NULL{scoped} "
+                        f"{accounts.enabled_in()} AND password_hash IS NOT NULL{scoped} "
                         f"ORDER BY created_at, id", (email.strip().casefold(),)
                         + (() if company_id is None else (company_id,))).fetchall()
     if not rows:
@@ -5434,10 +5616,10 @@ def load_session(conn, accounts, token):
     account may sign in; None otherwise."""
     return conn.execute(
         f"SELECT s.token_hash, s.created_at, s.last_seen_at, a.id AS account_id, a.email, "
-        f"a.company_id, "
+        f"a.company_id, {accounts.session_columns}"
         f"c.name AS company_name FROM {accounts.sessions} s JOIN {accounts.table} a "
         f"ON a.id = s.{accounts.account_column} JOIN companies c ON c.id = a.company_id "
-        f"WHERE s.token_hash = ? AND a.{accounts.enabled}", (hash_key(token),)).fetchone()
+        f"WHERE s.token_hash = ? AND {accounts.enabled_in('a')}", (hash_key(token),)).fetchone()
 
 
 def touch_session(conn, accounts, token_hash, now_ms):
@@ -5462,64 +5644,67 @@ def staff_account(conn, company_id, email):
 
 
 # 10.5 Storefront accounts --------------------------------------------------------------------
-# Buyers register, sign in and set their passwords at their store (see Web pages, Storefront).
-# What a visitor is shown never depends on whether an address has an account: the difference
-# is in the emails, which only the address's owner reads. An emailed link carries a random
-# token (256 bits) of which only the hash is kept; it works once, for ACCOUNT_LINK_SECONDS, and
-# using one ends every other link of its kind that its customer has. A new password and a block
-# end the customer's password links. Links are built on the base URL setting.
+# A store's accounts are its customers' contacts (CONTACTS): they register (a new customer and
+# its first contact), sign in and set their passwords at their store (see Web pages,
+# Storefront). What a visitor is shown never depends on whether an address has an account: the
+# difference is in the emails, which only the address's owner reads. An emailed link carries a
+# random token (256 bits) of which only the hash is kept; it works once, for
+# ACCOUNT_LINK_SECONDS, and using one ends every other link of its kind that its contact has.
+# A new password and a block end the contact's password links. Links are built on the base URL
+# setting.
 
-def queue_account_email(conn, company, customer, kind, path=""):
-    """An email about a customer's account, with a link to path within its store."""
-    return queue_email(conn, company["id"], kind, customer["email"], {
-        "customerName": customer["name"] or customer["email"], "store": company["name"],
-        "path": f"/store/{company['slug']}{path}"}, to_name=customer["name"])
+def queue_account_email(conn, company, contact, kind, path="", **facts):
+    """An email about a contact's account, with a link to path within its store."""
+    return queue_email(conn, company["id"], kind, contact["email"], {
+        "customerName": contact["name"] or contact["email"], "store": company["name"],
+        "path": f"/store/{company['slug']}{path}", **facts}, to_name=contact["name"])
 
 
-def account_mail_allowed(conn, company, customer, now_ms):
-    """Whether one more email with a link may go to this customer within the hour."""
+def account_mail_allowed(conn, company, contact, now_ms):
+    """Whether one more email with a link may go to this contact within the hour."""
     (sent,) = conn.execute(
         "SELECT COUNT(*) FROM emails WHERE company_id = ? AND to_address = ? AND kind IN "
-        "('account_verify', 'account_exists', 'account_reset', 'account_invite') "
-        "AND created_at > ?", (company["id"], customer["email"], iso(now_ms - 3600 * 1000))
+        "('account_verify', 'account_exists', 'account_reset', 'account_invite', "
+        "'contact_invite') "
+        "AND created_at > ?", (company["id"], contact["email"], iso(now_ms - 3600 * 1000))
     ).fetchone()
     return sent < ACCOUNT_MAILS_PER_HOUR
 
 
-def issue_account_link(conn, customer, purpose, now_ms):
-    """A new link of this purpose (verify or reset) for the customer: its path in the store."""
+def issue_account_link(conn, contact, purpose, now_ms):
+    """A new link of this purpose (verify or reset) for the contact: its path in the store."""
     token = secrets.token_urlsafe(32)
-    conn.execute("INSERT INTO customer_tokens (token_hash, customer_id, purpose, created_at, "
+    conn.execute("INSERT INTO contact_tokens (token_hash, contact_id, purpose, created_at, "
                  "expires_at) VALUES (?, ?, ?, ?, ?)",
-                 (hash_key(token), customer["id"], purpose, iso(now_ms),
+                 (hash_key(token), contact["id"], purpose, iso(now_ms),
                   iso(now_ms + ACCOUNT_LINK_SECONDS * 1000)))
     return f"/{purpose}/{token}"
 
 
 def account_link(conn, company_id, purpose, token, now_ms, use=False):
-    """The customer of the store whose link this is; with use, every link of this purpose of
-    that customer ends. An unknown, used, expired or other store's link is LINK_EXPIRED."""
+    """The contact of the store whose link this is; with use, every link of this purpose of
+    that contact ends. An unknown, used, expired or other store's link is LINK_EXPIRED."""
     row = conn.execute(
-        "SELECT t.customer_id, t.expires_at FROM customer_tokens t JOIN customers c "
-        "ON c.id = t.customer_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
+        "SELECT t.contact_id, t.expires_at FROM contact_tokens t JOIN contacts c "
+        "ON c.id = t.contact_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
         (hash_key(token), purpose, company_id)).fetchone()
     if row is None or row["expires_at"] <= iso(now_ms):
         raise ApiError(400, LINK_EXPIRED)
     if use:
-        end_account_links(conn, row["customer_id"], (purpose,))
-    return load_customer(conn, company_id, row["customer_id"])
+        end_account_links(conn, row["contact_id"], (purpose,))
+    return load_contact(conn, company_id, row["contact_id"])
 
 
-def end_account_links(conn, customer_id, purposes=("reset",)):
-    conn.execute(f"DELETE FROM customer_tokens WHERE customer_id = ? AND purpose IN "
-                 f"({','.join('?' * len(purposes))})", (customer_id, *purposes))
+def end_account_links(conn, contact_id, purposes=("reset",)):
+    conn.execute(f"DELETE FROM contact_tokens WHERE contact_id = ? AND purpose IN "
+                 f"({','.join('?' * len(purposes))})", (contact_id, *purposes))
 
 
 def register_customer(conn, store_slug, email, name, password, now_ms):
     """Self-registration at a store: a new customer (PENDING when the store approves its buyers,
-    else ACTIVE), customer.created with source storefront, and an email whose link verifies the
-    address; for an address that has an account already, only an email to its owner. Returns
-    nothing either way, after the same work."""
+    else ACTIVE) and its first contact, customer.created with source storefront, and an email
+    whose link verifies the address; for an address that has an account already, only an
+    email to its owner. Returns nothing either way, after the same work."""
     company = company_by_slug(conn, store_slug)
     email = (email or "").strip()
     if not email:
@@ -5530,7 +5715,7 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
     _customer_changes(body)
     check_password(password)
     record_account_request(conn, company["id"], email, now_ms)
-    existing = customer_by_email(conn, company["id"], email)
+    existing = contact_by_email(conn, company["id"], email)
     if existing is not None:
         hash_password(password)  # what a new account costs
         if account_mail_allowed(conn, company, existing, now_ms):
@@ -5539,36 +5724,41 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
     status = "PENDING" if company["storefront_approval"] == "required" else "ACTIVE"
     created = create_customer(conn, company["id"], body, source="storefront",
                               store_slug=store_slug, password=password, status=status)
-    customer = load_customer(conn, company["id"], created["id"])
-    queue_account_email(conn, company, customer, "account_verify",
-                        issue_account_link(conn, customer, "verify", now_ms))
+    contact = own_contact(conn, load_customer(conn, company["id"], created["id"]))
+    queue_account_email(conn, company, contact, "account_verify",
+                        issue_account_link(conn, contact, "verify", now_ms))
 
 
 def verify_customer_email(conn, store_slug, token, now_ms):
-    """The verification link of a registration: the address is the customer's."""
+    """The verification link of a registration: the address is the contact's."""
     company = company_by_slug(conn, store_slug)
-    customer = account_link(conn, company["id"], "verify", token, now_ms, use=True)
-    _mark_email_verified(conn, customer)
-    clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
-    return customer_json(load_customer(conn, company["id"], customer["id"]))
+    contact = account_link(conn, company["id"], "verify", token, now_ms, use=True)
+    _mark_email_verified(conn, contact)
+    clear_sign_in_failures(conn, contact["email"], f"{company['id']} ")
+    return contact_json(load_contact(conn, company["id"], contact["id"]))
 
 
-def _mark_email_verified(conn, customer):
-    # emailVerified is no field of customer.updated's payload (spec): no event
-    if not customer["email_verified"]:
-        conn.execute("UPDATE customers SET email_verified = 1, updated_at = ? WHERE id = ?",
-                     (now_iso(), customer["id"]))
+def _mark_email_verified(conn, contact):
+    """The contact's address confirmed; the customer's own contact confirms the customer's
+    (its emailVerified). emailVerified is no field of customer.updated's payload (spec): no
+    event."""
+    if contact["email_verified"]:
+        return
+    conn.execute("UPDATE contacts SET email_verified = 1, updated_at = ? WHERE id = ?",
+                 (now_iso(), contact["id"]))
+    conn.execute("UPDATE customers SET email_verified = 1, updated_at = ? WHERE id = ? AND "
+                 "email_key = ?", (now_iso(), contact["customer_id"], contact["email_key"]))
 
 
-def resend_verification(conn, company_id, customer_id, now_ms):
-    """A new verification link for a signed-in buyer whose address is not confirmed yet
+def resend_verification(conn, company_id, contact_id, now_ms):
+    """A new verification link for a signed-in contact whose address is not confirmed yet
     (within the hourly emails of its address); returns whether one was written."""
     company = load_company(conn, company_id)
-    customer = load_customer(conn, company_id, customer_id)
-    if customer["email_verified"] or not account_mail_allowed(conn, company, customer, now_ms):
+    contact = load_contact(conn, company_id, contact_id)
+    if contact["email_verified"] or not account_mail_allowed(conn, company, contact, now_ms):
         return False
-    queue_account_email(conn, company, customer, "account_verify",
-                        issue_account_link(conn, customer, "verify", now_ms))
+    queue_account_email(conn, company, contact, "account_verify",
+                        issue_account_link(conn, contact, "verify", now_ms))
     return True
 
 
@@ -5586,55 +5776,78 @@ def record_account_request(conn, company_id, email, now_ms):
 
 
 def request_password_reset(conn, store_slug, email, now_ms):
-    """A link to set a password, emailed to the store's customer with this email (not blocked,
-    and not past its hourly emails); nothing otherwise. Returns nothing either way, after the
-    same commit."""
+    """A link to set a password, emailed to the store's contact with this email (neither it
+    nor its customer blocked, and not past its hourly emails); nothing otherwise. Returns
+    nothing either way, after the same commit."""
     company = company_by_slug(conn, store_slug)
     record_account_request(conn, company["id"], email, now_ms)
-    customer = customer_by_email(conn, company["id"], email)
-    if (customer is None or customer["status"] == "BLOCKED"
-            or not account_mail_allowed(conn, company, customer, now_ms)):
+    contact = contact_by_email(conn, company["id"], email)
+    if (contact is None or contact["status"] == "BLOCKED"
+            or load_customer(conn, company["id"], contact["customer_id"])["status"] == "BLOCKED"
+            or not account_mail_allowed(conn, company, contact, now_ms)):
         return
-    queue_account_email(conn, company, customer, "account_reset",
-                        issue_account_link(conn, customer, "reset", now_ms))
+    queue_account_email(conn, company, contact, "account_reset",
+                        issue_account_link(conn, contact, "reset", now_ms))
+
+
+def invite_contact(conn, company_id, contact_id, now_ms, invited_by=None):
+    """A set-password invitation: the reset flow's link, in an email that says who opened the
+    account (the store, or invited_by, an admin contact of the business)."""
+    company = load_company(conn, company_id)
+    contact = load_contact(conn, company_id, contact_id)
+    customer = load_customer(conn, company_id, contact["customer_id"])
+    if customer["status"] == "BLOCKED":
+        raise ApiError(409, CUSTOMER_BLOCKED_INVITE)
+    if contact["status"] == "BLOCKED":
+        raise ApiError(409, CONTACT_BLOCKED_INVITE)
+    queue_account_email(conn, company, contact,
+                        "account_invite" if invited_by is None else "contact_invite",
+                        issue_account_link(conn, contact, "reset", now_ms),
+                        business=customer["name"] or customer["email"],
+                        invitedBy=invited_by and (invited_by["name"] or invited_by["email"]))
+    return contact_json(contact)
 
 
 def invite_customer(conn, company_id, customer_id, now_ms):
-    """Staff's set-password invitation (for a customer made through the API or the
-    dashboard): the reset flow's link, in an email that says the store opened the account."""
-    company = load_company(conn, company_id)
+    """Staff's invitation of a customer made through the API or the dashboard: its own
+    contact's."""
     customer = load_customer(conn, company_id, customer_id)
-    if customer["status"] == "BLOCKED":
-        raise ApiError(409, CUSTOMER_BLOCKED_INVITE)
-    queue_account_email(conn, company, customer, "account_invite",
-                        issue_account_link(conn, customer, "reset", now_ms))
+    invite_contact(conn, company_id, own_contact(conn, customer)["id"], now_ms)
     return customer_json(customer)
 
 
 def reset_password(conn, store_slug, token, password, now_ms):
     """The reset link's form: the password is set, the address verified (the link reached it),
-    every session of the customer ends, and an email says so."""
+    every session of the contact ends, and an email says so."""
     company = company_by_slug(conn, store_slug)
     check_password(password)
-    customer = account_link(conn, company["id"], "reset", token, now_ms, use=True)
-    set_password(conn, CUSTOMERS, customer["id"], password)
-    _mark_email_verified(conn, customer)
-    clear_sign_in_failures(conn, customer["email"], f"{company['id']} ")
-    queue_account_email(conn, company, customer, "password_changed", "/reset")
-    return customer_json(load_customer(conn, company["id"], customer["id"]))
+    contact = account_link(conn, company["id"], "reset", token, now_ms, use=True)
+    set_password(conn, CONTACTS, contact["id"], password)
+    _mark_email_verified(conn, contact)
+    clear_sign_in_failures(conn, contact["email"], f"{company['id']} ")
+    queue_account_email(conn, company, contact, "password_changed", "/reset")
+    return contact_json(load_contact(conn, company["id"], contact["id"]))
 
 
-def change_customer_password(conn, company_id, customer_id, current, password):
-    """A signed-in customer's new password: the current one first; every session ends."""
-    customer = load_customer(conn, company_id, customer_id)
+def change_contact_password(conn, company_id, contact_id, current, password):
+    """A signed-in contact's new password: the current one first; every session ends."""
+    contact = load_contact(conn, company_id, contact_id)
     check_password(password)
-    if not password_matches(current or "", customer["password_hash"]):
+    if not password_matches(current or "", contact["password_hash"]):
         raise invalid("currentPassword", CURRENT_PASSWORD_WRONG)
-    set_password(conn, CUSTOMERS, customer_id, password)
-    end_account_links(conn, customer_id)
-    queue_account_email(conn, load_company(conn, company_id), customer, "password_changed",
+    set_password(conn, CONTACTS, contact_id, password)
+    end_account_links(conn, contact_id)
+    queue_account_email(conn, load_company(conn, company_id), contact, "password_changed",
                         "/reset")
-    return customer_json(customer)
+    return contact_json(contact)
+
+
+def end_contact_access(conn, contact_ids):
+    """Every session and emailed link of these contacts ends: they are blocked, or their
+    customer is."""
+    for contact_id in contact_ids:
+        end_sessions(conn, CONTACTS, contact_id)
+        end_account_links(conn, contact_id, ("verify", "reset"))
 
 
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
@@ -5656,10 +5869,10 @@ def update_customer(conn, company_id, customer_id, body):
         payload["previousStatus"] = before["status"]
     emit(conn, company_id, "customer.updated", payload)
     if changed.get("status") == "BLOCKED":  # a blocked customer cannot sign in (spec)
-        end_sessions(conn, CUSTOMERS, customer_id)
-        end_account_links(conn, customer_id, ("verify", "reset"))
+        end_contact_access(conn, [row["id"] for row in customer_contacts(conn, customer_id)])
     if before["status"] == "PENDING" and after["status"] == "ACTIVE":
-        queue_account_email(conn, load_company(conn, company_id), after, "account_approved")
+        queue_account_email(conn, load_company(conn, company_id), own_contact(conn, after),
+                            "account_approved")
     return customer_json(after)
 
 
@@ -5670,6 +5883,90 @@ def set_customer_status(conn, company_id, customer_id, status):
     if customer["status"] == "PENDING" and status == "ACTIVE" and not customer["email_verified"]:
         raise ApiError(409, APPROVE_UNVERIFIED)
     return update_customer(conn, company_id, customer_id, {"status": status})
+
+
+# 10.6 Contacts -------------------------------------------------------------------------------
+# The people of a customer (docs/contacts.md). Staff (the dashboard, contact-add) and the
+# customer's admins (its store's Contacts page) add them; each is invited at once with the
+# reset flow's link, which verifies the address. No change leaves a business without an active
+# admin.
+
+def _contact_changes(body):
+    """The validated fields of a contact's body that it sends."""
+    changes = {}
+    if "name" in body:
+        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
+    if "role" in body:
+        if body["role"] not in CONTACT_ROLES:
+            raise ApiError(400, CONTACT_ROLE_MESSAGE)
+        changes["role"] = body["role"]
+    if "approvalLimit" in body:
+        changes["approval_limit_cents"] = optional_money(
+            body, "approvalLimit", 0, MAX_CREDIT_LIMIT, APPROVAL_LIMIT_MESSAGE)
+    if "status" in body:
+        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
+            raise ApiError(400, CONTACT_STATUS_MESSAGE)
+        changes["status"] = body["status"]
+    return changes
+
+
+def _check_limit(role, limit_cents):
+    if limit_cents is not None and role != "buyer":
+        raise invalid("approvalLimit", APPROVAL_LIMIT_ROLE)
+
+
+def add_contact(conn, company_id, customer_id, body, now_ms, invited_by=None):
+    """A new contact of the customer (email, name, role: buyer unless given, approvalLimit),
+    invited at once. invited_by: the admin contact adding it at the store, who is told nothing
+    of an address that has an account there already (nothing is added; returns None)."""
+    require_object(body)
+    customer = load_customer(conn, company_id, customer_id)
+    email = body.get("email")
+    email = email.strip() if isinstance(email, str) else ""
+    if not email:
+        raise ApiError(400, EMAIL_REQUIRED)
+    if not valid_email(email):
+        raise ApiError(400, INVALID_EMAIL)
+    changes = _contact_changes({name: body[name] for name in ("name", "role", "approvalLimit")
+                                if name in body})
+    role = changes.get("role", "buyer")
+    _check_limit(role, changes.get("approval_limit_cents"))
+    if invited_by is not None and contact_by_email(conn, company_id, email) is not None:
+        return None
+    contact = insert_contact(conn, customer, email, role, changes.get("name"),
+                             approval_limit_cents=changes.get("approval_limit_cents"))
+    invite_contact(conn, company_id, contact["id"], now_ms, invited_by)
+    return contact_json(contact)
+
+
+def customer_contact(conn, company_id, customer_id, contact_id):
+    """A contact of this customer; another customer's is not found, as another company's is."""
+    contact = load_contact(conn, company_id, contact_id)
+    if contact["customer_id"] != customer_id:
+        raise not_found("Contact")
+    return contact
+
+
+def update_contact(conn, company_id, contact_id, body, customer_id=None):
+    """A contact's name, role, approval limit and status (a block ends its sessions and links
+    at once). customer_id: the business whose admin asks, whose contacts alone it may change."""
+    require_object(body)
+    before = load_contact(conn, company_id, contact_id)
+    if customer_id is not None:
+        before = customer_contact(conn, company_id, customer_id, contact_id)
+    changes = _contact_changes(body)
+    after = dict(before) | changes
+    _check_limit(after["role"], after["approval_limit_cents"])
+    if before["role"] == "admin" and before["status"] == "ACTIVE" and (
+            after["role"] != "admin" or after["status"] != "ACTIVE"):
+        (admins,) = conn.execute(
+            "SELECT COUNT(*) FROM contacts WHERE customer_id = ? AND role = 'admin' AND "
+            "status = 'ACTIVE'", (before["customer_id"],)).fetchone()
+        if admins <= 1:
+            raise ApiError(409, LAST_ADMIN)
+    if update_changed(conn, "contacts", before, changes).get("status") == "BLOCKED":
+        end_contact_access(conn, [contact_id])
+    return contact_json(load_contact(conn, company_id, contact_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -5945,60 +6242,63 @@ def store_product(conn, company_id, customer_id, product_id):
     return product, prices.get(product_id, product["price_cents"])
 
 
-def cart_of(conn, company_id, customer_id):
-    """The customer's cart at today's prices: {"lines": [{product, quantity, unitPrice,
-    lineTotal (cents), sold (false once the product is inactive)}], "total" (cents, of the
-    lines still sold), "taxRate" (the customer's today) and "tax" (cents, on the total)}."""
+def cart_of(conn, company_id, contact_id):
+    """The contact's cart at its customer's prices today: {"lines": [{product, quantity,
+    unitPrice, lineTotal (cents), sold (false once the product is inactive)}], "total" (cents,
+    of the lines still sold), "taxRate" (the customer's today) and "tax" (cents, on the
+    total)}."""
+    customer = load_customer(conn, company_id,
+                             load_contact(conn, company_id, contact_id)["customer_id"])
     rows = conn.execute(
         "SELECT p.*, c.quantity AS cart_quantity FROM cart_lines c JOIN products p ON p.id = "
-        "c.product_id WHERE c.customer_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
-        (customer_id, company_id)).fetchall()
-    prices = customer_prices_of(conn, customer_id, [row["id"] for row in rows])
+        "c.product_id WHERE c.contact_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
+        (contact_id, company_id)).fetchall()
+    prices = customer_prices_of(conn, customer["id"], [row["id"] for row in rows])
     lines = [{"product": row, "quantity": row["cart_quantity"],
               "unitPrice": prices.get(row["id"], row["price_cents"]),
               "lineTotal": prices.get(row["id"], row["price_cents"]) * row["cart_quantity"],
               "sold": bool(row["is_active"])} for row in rows]
     total = sum(line["lineTotal"] for line in lines if line["sold"])
-    rate = tax_rate_of(conn, company_id, load_customer(conn, company_id, customer_id))
+    rate = tax_rate_of(conn, company_id, customer)
     return {"lines": lines, "total": total, "taxRate": rate, "tax": tax_cents(total, rate)}
 
 
-def cart_size(conn, customer_id):
-    """How many lines the customer's cart holds (the storefront's navigation shows it)."""
-    return conn.execute("SELECT COUNT(*) FROM cart_lines WHERE customer_id = ?",
-                        (customer_id,)).fetchone()[0]
+def cart_size(conn, contact_id):
+    """How many lines the contact's cart holds (the storefront's navigation shows it)."""
+    return conn.execute("SELECT COUNT(*) FROM cart_lines WHERE contact_id = ?",
+                        (contact_id,)).fetchone()[0]
 
 
-def add_to_cart(conn, company_id, customer_id, product_id, quantity):
-    """Put quantity more of an active product in the cart; returns the product."""
-    require_buyer(conn, company_id, customer_id)
+def add_to_cart(conn, company_id, contact_id, product_id, quantity):
+    """Put quantity more of an active product in the contact's cart; returns the product."""
+    require_contact(conn, company_id, contact_id, "order", verified=False)
     quantity = order_quantity(quantity)
     product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
                            "is_active = 1", (product_id, company_id)).fetchone()
     if product is None:
         raise ApiError(400, PRODUCT_UNAVAILABLE.format(id=product_id))
-    line = conn.execute("SELECT quantity FROM cart_lines WHERE customer_id = ? AND "
-                        "product_id = ?", (customer_id, product_id)).fetchone()
+    line = conn.execute("SELECT quantity FROM cart_lines WHERE contact_id = ? AND "
+                        "product_id = ?", (contact_id, product_id)).fetchone()
     if line is None:
-        if cart_size(conn, customer_id) >= MAX_ORDER_LINES:
+        if cart_size(conn, contact_id) >= MAX_ORDER_LINES:
             raise invalid("cart", CART_FULL)
-        conn.execute("INSERT INTO cart_lines (customer_id, product_id, quantity, added_at) "
-                     "VALUES (?, ?, ?, ?)", (customer_id, product_id, quantity, now_iso()))
+        conn.execute("INSERT INTO cart_lines (contact_id, product_id, quantity, added_at) "
+                     "VALUES (?, ?, ?, ?)", (contact_id, product_id, quantity, now_iso()))
     else:
-        set_cart_quantity(conn, company_id, customer_id, product_id, line[0] + quantity)
+        set_cart_quantity(conn, company_id, contact_id, product_id, line[0] + quantity)
     return product_json(product)
 
 
-def set_cart_quantity(conn, company_id, customer_id, product_id, quantity):
+def set_cart_quantity(conn, company_id, contact_id, product_id, quantity):
     """A cart line's new quantity; 0 removes the line (as does removing it)."""
-    load_customer(conn, company_id, customer_id)
+    load_contact(conn, company_id, contact_id)
     if quantity == 0:
-        conn.execute("DELETE FROM cart_lines WHERE customer_id = ? AND product_id = ?",
-                     (customer_id, product_id))
+        conn.execute("DELETE FROM cart_lines WHERE contact_id = ? AND product_id = ?",
+                     (contact_id, product_id))
         return
     quantity = order_quantity(quantity)
-    if not conn.execute("UPDATE cart_lines SET quantity = ? WHERE customer_id = ? AND "
-                        "product_id = ?", (quantity, customer_id, product_id)).rowcount:
+    if not conn.execute("UPDATE cart_lines SET quantity = ? WHERE contact_id = ? AND "
+                        "product_id = ?", (quantity, contact_id, product_id)).rowcount:
         raise not_found("Cart line")
 
 
@@ -6021,10 +6321,10 @@ def parse_quick_order(text):
     return entries
 
 
-def quick_order(conn, company_id, customer_id, text):
-    """Lines of SKUs and quantities into the cart. Returns {"added": [(product, quantity)],
-    "unknown": [each SKU that names no active product of the store, once]}."""
-    require_buyer(conn, company_id, customer_id)
+def quick_order(conn, company_id, contact_id, text):
+    """Lines of SKUs and quantities into the contact's cart. Returns {"added": [(product,
+    quantity)], "unknown": [each SKU that names no active product of the store, once]}."""
+    require_contact(conn, company_id, contact_id, "order", verified=False)
     entries = parse_quick_order(text)
     skus = list(dict.fromkeys(sku for sku, _ in entries))
     found = {}
@@ -6040,7 +6340,7 @@ def quick_order(conn, company_id, customer_id, text):
     for product, quantity in added:  # a product once however many lines name it
         wanted[product["id"]] += quantity
     for product_id, quantity in wanted.items():
-        add_to_cart(conn, company_id, customer_id, product_id, quantity)
+        add_to_cart(conn, company_id, contact_id, product_id, quantity)
     return {"added": added, "unknown": [sku for sku in skus if sku not in found]}
 
 
@@ -6057,16 +6357,17 @@ def buyer_orders(conn, company_id, customer_id, query):
                                           "customerId": customer_id})
 
 
-def reorder(conn, company_id, customer_id, order_id):
-    """A past order's lines into the cart. Returns {"added": [(product, quantity)],
-    "skipped": [names of the products no longer sold]}."""
-    buyer_order(conn, company_id, customer_id, order_id)
+def reorder(conn, company_id, contact_id, order_id):
+    """A past order of the contact's customer, its lines into the contact's cart. Returns
+    {"added": [(product, quantity)], "skipped": [names of the products no longer sold]}."""
+    buyer_order(conn, company_id, load_contact(conn, company_id, contact_id)["customer_id"],
+                order_id)
     added, skipped = [], []
     for row in conn.execute(
             "SELECT p.*, i.quantity AS ordered FROM order_items i JOIN products p ON p.id = "
             "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,)).fetchall():
         if row["is_active"]:
-            product = add_to_cart(conn, company_id, customer_id, row["id"], row["ordered"])
+            product = add_to_cart(conn, company_id, contact_id, row["id"], row["ordered"])
             added.append((product, row["ordered"]))
         elif row["name"] not in skipped:
             skipped.append(row["name"])
@@ -6125,28 +6426,35 @@ def delete_address(conn, customer_id, address_id):
         raise not_found("Address")
 
 
-def checkout_order_id(conn, customer_id, token):
-    """The ID of the order the customer's checkout form placed, or None."""
+def checkout_result(conn, contact, token):
+    """Where the contact's checkout form led, if it was sent already: ("orders", the order's
+    ID) or ("requests", the order request's ID); None."""
     placed = conn.execute("SELECT id FROM orders WHERE customer_id = ? AND checkout_token = ?",
-                          (customer_id, token)).fetchone()
-    return placed and placed["id"]
+                          (contact["customer_id"], token)).fetchone()
+    if placed is not None:
+        return "orders", placed["id"]
+    asked = conn.execute("SELECT id FROM order_requests WHERE contact_id = ? AND "
+                         "checkout_token = ?", (contact["id"], token)).fetchone()
+    return asked and ("requests", asked["id"])
 
 
-def checkout(conn, store_slug, customer_id, token, address_id=None, address=None,
+def checkout(conn, store_slug, contact_id, token, address_id=None, address=None,
              po_number=None, notes=None):
-    """The cart becomes an order (storefront_place_order: stock, events and emails as for any
-    storefront order) shipped to a saved address (address_id) or a new one (address, then
-    saved), and the cart is emptied, in the caller's transaction. token is the checkout
-    form's: sent again, it finds the order it placed instead of placing another."""
+    """The contact's cart becomes an order (storefront_place_order: stock, events and emails
+    as for any storefront order) shipped to a saved address of its customer (address_id) or a
+    new one (address, then saved), and the cart is emptied, in the caller's transaction;
+    above the contact's approval limit (tax included), an order request instead (see
+    request_approval). token is the checkout form's: sent again, it finds what it made
+    instead of making another. Returns ("orders" or "requests", the ID)."""
     company = company_by_slug(conn, store_slug)
     if not isinstance(token, str) or not re.fullmatch(r"[A-Za-z0-9_-]{16,64}", token):
         raise invalid("form", "is not a checkout form")
-    placed = checkout_order_id(conn, customer_id, token)
-    if placed is not None:
-        return order_with_items(conn, company["id"], placed)
-    require_signed_in_buyer(conn, company["id"], customer_id)
-    lines = cart_of(conn, company["id"], customer_id)["lines"]
-    if not lines:
+    done = checkout_result(conn, load_contact(conn, company["id"], contact_id), token)
+    if done is not None:
+        return done
+    contact = require_contact(conn, company["id"], contact_id, "order")
+    customer_id, cart = contact["customer_id"], cart_of(conn, company["id"], contact_id)
+    if not cart["lines"]:
         raise ApiError(400, CART_EMPTY)
     if address_id:
         row = conn.execute("SELECT * FROM addresses WHERE id = ? AND customer_id = ?",
@@ -6157,13 +6465,139 @@ def checkout(conn, store_slug, customer_id, token, address_id=None, address=None
     else:
         address = parse_address(address or {})
         save_address(conn, customer_id, address)
+    items = [{"productId": line["product"]["id"], "quantity": line["quantity"]}
+             for line in cart["lines"]]
+    limit = contact["approval_limit_cents"]
+    if limit is not None and cart["total"] + cart["tax"] > limit:
+        done = "requests", request_approval(conn, company, contact, cart, items, address,
+                                            po_number, notes, token)
+    else:
+        order = storefront_place_order(conn, store_slug, customer_id, items, po_number, notes,
+                                       shipping_address=address, checkout_token=token,
+                                       contact=contact)
+        require_credit(conn, company["id"], customer_id, order["id"])
+        done = "orders", order["id"]
+    conn.execute("DELETE FROM cart_lines WHERE contact_id = ?", (contact_id,))
+    return done
+
+
+# Order requests: a checkout above its buyer's approval limit waits, with no order, no stock
+# taken and no event, for one of the customer's admins, who are emailed. Approved, it is placed
+# as any storefront order at that moment (prices, stock, credit limit, order.created); declined,
+# its buyer is emailed the admin's reason.
+
+def request_approval(conn, company, contact, cart, items, address, po_number, notes, token):
+    """A new order request of the contact's cart (checked as an order would be, but for stock,
+    which counts when it is approved); its customer's active admins are emailed. Returns its
+    ID."""
+    body = {"customerId": contact["customer_id"], "items": items, "poNumber": po_number,
+            "notes": notes}
+    _, _, po_number, notes = parse_order_request(body)
+    for line in cart["lines"]:
+        if not line["sold"]:
+            raise ApiError(400, PRODUCT_UNAVAILABLE.format(id=line["product"]["id"]))
+    request_id, at = new_id_at("req")
+    total = cart["total"] + cart["tax"]
+    insert_row(conn, "order_requests", {
+        "id": request_id, "company_id": company["id"], "customer_id": contact["customer_id"],
+        "contact_id": contact["id"], "status": "PENDING", "lines": json_text(items),
+        "shipping_address": json_text(address), "po_number": po_number, "notes": notes,
+        "total_cents": total, "checkout_token": token, "created_at": at})
+    asker = f"{contact['name'] or contact['email']}"
+    for admin in customer_contacts(conn, contact["customer_id"]):
+        if admin["role"] == "admin" and admin["status"] == "ACTIVE":
+            queue_account_email(conn, company, admin, "approval_requested",
+                                f"/requests/{request_id}", buyer=asker,
+                                total=amount_text(money(total)), facts=[
+                                    ["Asked by", f"{asker} <{contact['email']}>"],
+                                    ["Total, tax included", amount_text(money(total))],
+                                    ["PO number", po_number or "none"]])
+    return request_id
+
+
+def load_request(conn, company_id, request_id, customer_id):
+    """An order request of the customer; another's is not found, as another company's is."""
+    row = load_row(conn, "order_requests", "Order request", company_id, request_id)
+    if row["customer_id"] != customer_id:
+        raise not_found("Order request")
+    return row
+
+
+def customer_requests(conn, company_id, customer_id, contact_id=None, status=None):
+    """The customer's order requests, newest first (contact_id: only that contact's; status:
+    only those of it), each with its asker's email and name (asker_email, asker_name)."""
+    where, values = "r.company_id = ? AND r.customer_id = ?", [company_id, customer_id]
+    for column, value in (("r.contact_id", contact_id), ("r.status", status)):
+        if value is not None:
+            where, values = f"{where} AND {column} = ?", values + [value]
+    return conn.execute(
+        f"SELECT r.*, c.email AS asker_email, c.name AS asker_name FROM order_requests r "
+        f"JOIN contacts c ON c.id = r.contact_id WHERE {where} "
+        f"ORDER BY r.created_at DESC, r.id DESC LIMIT {CHOICES_SHOWN}", values).fetchall()
+
+
+def request_lines(conn, request):
+    """(product name, SKU, quantity) of each line of an order request, in its order."""
+    lines = json.loads(request["lines"])
+    names = {row["id"]: (row["name"], row["sku"] or "") for row in conn.execute(
+        f"SELECT id, name, sku FROM products WHERE id IN ({','.join('?' * len(lines))})",
+        [line["productId"] for line in lines])}
+    return [(*names[line["productId"]], line["quantity"]) for line in lines]
+
+
+def pending_requests(conn, company_id):
+    """Every order request of the company's customers that awaits an admin (staff see them),
+    oldest first, with its asker's email and its customer's email and name."""
+    return conn.execute(
+        f"SELECT r.*, c.email AS asker_email, u.email AS customer_email, "
+        f"u.name AS customer_name FROM order_requests r JOIN contacts c ON c.id = r.contact_id "
+        f"JOIN customers u ON u.id = r.customer_id WHERE r.company_id = ? AND "
+        f"r.status = 'PENDING' ORDER BY r.created_at, r.id LIMIT {CHOICES_SHOWN}",
+        (company_id,)).fetchall()
+
+
+def _decide(conn, company_id, request_id, admin_id):
+    """(the admin, the request) of a decision: the admin's right to make it, the request its
+    customer's and still pending."""
+    admin = require_contact(conn, company_id, admin_id, "manage")
+    request = load_request(conn, company_id, request_id, admin["customer_id"])
+    if request["status"] != "PENDING":
+        raise ApiError(409, REQUEST_DECIDED)
+    return admin, request
+
+
+def approve_request(conn, company_id, request_id, admin_id):
+    """An admin approves: the order is placed now, as by its buyer, approved by the admin.
+    Returns the order's ID."""
+    admin, request = _decide(conn, company_id, request_id, admin_id)
+    company = load_company(conn, company_id)
     order = storefront_place_order(
-        conn, store_slug, customer_id,
-        [{"productId": line["product"]["id"], "quantity": line["quantity"]} for line in lines],
-        po_number, notes, shipping_address=address, checkout_token=token)
-    require_credit(conn, company["id"], customer_id, order["id"])
-    conn.execute("DELETE FROM cart_lines WHERE customer_id = ?", (customer_id,))
-    return order
+        conn, company["slug"], request["customer_id"], json.loads(request["lines"]),
+        request["po_number"], request["notes"],
+        shipping_address=json.loads(request["shipping_address"]),
+        checkout_token=request["checkout_token"],
+        contact=load_contact(conn, company_id, request["contact_id"]), approved_by=admin["id"])
+    require_credit(conn, company_id, request["customer_id"], order["id"])
+    conn.execute("UPDATE order_requests SET status = 'APPROVED', decided_by = ?, decided_at = ?, "
+                 "order_id = ? WHERE id = ?", (admin["id"], now_iso(), order["id"], request_id))
+    return order["id"]
+
+
+def decline_request(conn, company_id, request_id, admin_id, reason):
+    """An admin declines, saying why: nothing is placed, and the buyer is emailed the reason."""
+    admin, request = _decide(conn, company_id, request_id, admin_id)
+    reason = reason.strip() if isinstance(reason, str) else ""
+    if not reason:
+        raise invalid("reason", "is required")
+    if len(reason) > MAX_DECLINE_REASON:
+        raise invalid("reason", f"must be at most {MAX_DECLINE_REASON} characters")
+    conn.execute("UPDATE order_requests SET status = 'DECLINED', decided_by = ?, decided_at = ?, "
+                 "reason = ? WHERE id = ?", (admin["id"], now_iso(), reason, request_id))
+    queue_account_email(conn, load_company(conn, company_id),
+                        load_contact(conn, company_id, request["contact_id"]),
+                        "request_declined", f"/requests/{request_id}",
+                        admin=admin["name"] or admin["email"], reason=reason,
+                        total=amount_text(money(request["total_cents"])))
 
 
 # 11.3 Records as the database writes them ----------------------------------------------------
@@ -8608,6 +9042,15 @@ DONE = {
     "webhook": "Saved: the webhook is switched.",
     "revoked": "Saved: the key is revoked; requests with it are refused from now on.",
     "again": "Saved: the email waits to be sent again.",
+    "requested": "Your order waits for approval: your business's admins are emailed, and this "
+                 "page shows what they decide.",
+    "approved": "Approved: the order is placed.",
+    "declined": "Declined: the buyer is emailed your reason.",
+    "invited": "Saved: unless the address has an account at this store already, an invitation "
+               "to set a password is on its way to it.",
+    "contact": "Saved: the contact's changes are in force.",
+    "contact-added": "Saved: the contact is added and emailed an invitation to set a password.",
+    "invite": "Saved: a link to set a password is on its way.",
 }
 
 
@@ -8670,6 +9113,69 @@ def total_rows(total, rate, tax):
     return [("Subtotal", cents_text(total)), (f"Tax ({rate_text(rate)})", cents_text(tax)),
             (render(TOTAL_CELL, text="Total due"),
              render(TOTAL_CELL, text=cents_text(total + tax)))]
+
+
+def placed_by_text(conn, order):
+    """Who placed an order (a row) and who approved it, as both surfaces say it."""
+    placed, approved = order_people(conn, order)
+    if approved:
+        return f"{placed}, approved by {approved}"
+    return placed or "not recorded"
+
+
+def when_text(timestamp):
+    """An ISO 8601 timestamp as a buyer reads it: 2026-11-24 09:07 UTC."""
+    return timestamp[:16].replace("T", " ") + " UTC"
+
+
+def contacts_table(visit, contacts, path):
+    """A customer's contacts; each one's email leads to its page at path/{id}."""
+    return table(("Email", "Name", "Role", "Status", "Approval limit", "Confirmed"), [
+        (link(f"{path}/{row['id']}", row["email"]), row["name"] or "", row["role"],
+         status_tag(row["status"]), amount_text(money(row["approval_limit_cents"])),
+         "Yes" if row["email_verified"] else "Not yet") for row in contacts],
+        numeric=("Approval limit",))
+
+
+def contact_fields(visit, contact, email=False):
+    """A contact's form fields (email too, for a new one)."""
+    limit = contact.get("approval_limit_cents")
+    return join([
+        visit.field("email", "Email", kind="email", required="required") if email else "",
+        render(GRID, cells=join([
+            visit.field("name", "Name", contact.get("name")),
+            visit.select("role", "Role", [(r, r) for r in CONTACT_ROLES],
+                         contact.get("role", "buyer")),
+            visit.field("approvalLimit", "Approval limit (buyers; empty: none)",
+                        "" if limit is None else decimal_text(limit), inputmode="decimal"),
+            "" if email else visit.select("status", "Status", [(s, s) for s in
+                                                               SETTABLE_CUSTOMER_STATUSES],
+                                          contact.get("status"))]))])
+
+
+def contact_body(form):
+    """A contact's form as the operations' body (an emptied limit clears it)."""
+    body = {"name": form_text(form, "name"), "role": form.get("role"),
+            "approvalLimit": form_number(form, "approvalLimit")}
+    for name in ("email", "status"):
+        if name in form:
+            body[name] = form.get(name)
+    return body
+
+
+def request_facts(visit, request):
+    """An order request's lines, total and state, as both its buyer and its admins see it."""
+    address = json.loads(request["shipping_address"])
+    order = request["order_id"] and link(f"{visit.surface.prefix}/orders/{request['order_id']}",
+                                         request["order_id"])
+    return render(REQUEST_FACTS, status=status_tag(request["status"]),
+                  asked=f"{when_text(request['created_at'])} by " + load_contact(
+                      visit.conn, request["company_id"], request["contact_id"])["email"],
+                  total=cents_text(request["total_cents"]), po=request["po_number"] or "none",
+                  ship_to=address_lines(address), reason=request["reason"] or "none",
+                  order=order or "none", lines=table(
+                      ("Product", "SKU", "Quantity"), request_lines(visit.conn, request),
+                      numeric=("Quantity",)))
 
 
 def invoice_document(visit, invoice, order_href):
@@ -9014,8 +9520,9 @@ def orders_page(visit):
         visit.select("customerId", "Customer", choices, query.get("customerId", "")),
         visit.field("since", "Created from", query.get("since", ""), kind="date"),
         visit.field("until", "Created until", query.get("until", ""), kind="date")],
-        table(("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"), rows,
-              numeric=("Total",)), result)
+        join([pending_requests_table(visit), table(
+            ("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"), rows,
+            numeric=("Total",))]), result)
 
 
 CARRIER_CHOICES = [(carrier, carrier) for carrier in CARRIERS]
@@ -9048,7 +9555,8 @@ def create_order_action(visit):
     body = {"customerId": visit.form.get("customerId"), "items": items,
             "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
     with visit.write() as conn:
-        order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor)
+        order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor,
+                            placed_by=visit.session["account_id"])
     return redirect(f"/dashboard/orders/{order['id']}", "order")
 
 
@@ -9058,20 +9566,21 @@ def order_page(visit, order_id):
     order = orders_with_items(visit.conn, [row])[0]
     address = shipping_address_of(row)
     return visit.page(f"Order {order_id}", render(
-        ORDER_PAGE, facts=order_facts(visit, order),
+        ORDER_PAGE, facts=order_facts(visit, order, row),
         ships_to=render(SHIPS_TO, address=address_lines(address)) if address else "",
         actions=join(order_actions(visit, order)), lines=order_lines(order, row),
         history=order_history(visit, order_id), returns=order_returns(visit, order_id),
         open_return=open_return_form(visit, order_id)))
 
 
-def order_facts(visit, order):
+def order_facts(visit, order, row):
     customer = order["customerId"] and load_customer(visit.conn, visit.company_id,
                                                      order["customerId"])
     return render(
         ORDER_FACTS, status=status_tag(order["status"]),
         customer=link(f"/dashboard/customers/{customer['id']}",
                       f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
+        people=placed_by_text(visit.conn, row),
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
         updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
         tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
@@ -9421,8 +9930,8 @@ def customer_page(visit, customer_id):
         customer_fields(visit, dict(customer)), render(SUBMIT, text="Save")]))
     orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
     return visit.page(customer["email"], join([
-        status, edit, render(PARAGRAPH, text=orders), credit_section(visit, customer),
-        customer_prices_section(visit, customer_id)]))
+        status, edit, render(PARAGRAPH, text=orders), customer_contacts_section(visit, customer_id),
+        credit_section(visit, customer), customer_prices_section(visit, customer_id)]))
 
 
 def customer_prices_section(visit, customer_id):
@@ -9492,6 +10001,71 @@ def invite_customer_action(visit, customer_id):
     visit.notice = render("A link to set a password at the store is on its way to {e}.",
                           e=customer["email"])
     return customer_page(visit, customer_id)
+
+
+def customer_contacts_section(visit, customer_id):
+    """The customer's contacts, and the way to add one."""
+    path = f"/dashboard/customers/{customer_id}/contacts"
+    return join([render(HEADING, text="Contacts"),
+                 contacts_table(visit, customer_contacts(visit.conn, customer_id),
+                                "/dashboard/contacts"),
+                 render(NEW_RECORD, path=path, noun="contact")])
+
+
+@page("GET", "/dashboard/customers/<customer_id>/contacts/new")
+def new_contact_page(visit, customer_id):
+    customer = load_customer(visit.conn, visit.company_id, customer_id)
+    return visit.page(f"New contact of {customer['email']}", visit.form_tag(
+        f"/dashboard/customers/{customer_id}/contacts", join([
+            contact_fields(visit, {}, email=True), render(SUBMIT, text="Add and invite")])))
+
+
+@page("POST", "/dashboard/customers/<customer_id>/contacts", refused=new_contact_page)
+def add_contact_action(visit, customer_id):
+    with visit.write() as conn:
+        add_contact(conn, visit.company_id, customer_id, contact_body(visit.form),
+                    visit.surface.now_ms())
+    return redirect(f"/dashboard/customers/{customer_id}", "contact-added")
+
+
+@page("GET", "/dashboard/contacts/<contact_id>")
+def contact_page(visit, contact_id):
+    contact = load_contact(visit.conn, visit.company_id, contact_id)
+    path = f"/dashboard/contacts/{contact_id}"
+    return visit.page(contact["email"], join([
+        render(PARAGRAPH, text=link(f"/dashboard/customers/{contact['customer_id']}",
+                                    "The contact's customer")),
+        visit.form_tag(path, join([contact_fields(visit, dict(contact)),
+                                   render(SUBMIT, text="Save")])),
+        visit.button(path + "/invite", "Email a set-password link", "secondary")]))
+
+
+@page("POST", "/dashboard/contacts/<contact_id>", refused=contact_page)
+def update_contact_action(visit, contact_id):
+    with visit.write() as conn:
+        update_contact(conn, visit.company_id, contact_id, contact_body(visit.form))
+    return redirect(f"/dashboard/contacts/{contact_id}", "contact")
+
+
+@page("POST", "/dashboard/contacts/<contact_id>/invite", refused=contact_page)
+def invite_contact_action(visit, contact_id):
+    with visit.write() as conn:
+        invite_contact(conn, visit.company_id, contact_id, visit.surface.now_ms())
+    return redirect(f"/dashboard/contacts/{contact_id}", "invite")
+
+
+def pending_requests_table(visit):
+    """The order requests that wait for a customer's admin (none: nothing): staff see them,
+    the decision is the business's."""
+    rows = [(link(f"/dashboard/customers/{row['customer_id']}", row["customer_email"]),
+             row["asker_email"], row["created_at"][:16].replace("T", " "),
+             cents_text(row["total_cents"]))
+            for row in pending_requests(visit.conn, visit.company_id)]
+    if not rows:
+        return ""
+    return join([render(HEADING, text="Order requests awaiting a buyer's admin"), table(
+        ("Customer", "Asked by", "Asked (UTC)", "Total"), rows, numeric=("Total",)),
+        render(HEADING, text="Orders")])
 
 
 RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
@@ -10031,11 +10605,20 @@ STORE_FORM_COOKIE = "ordering_store_form"
 STORE_NOT_FOUND = "There is no store at this address."
 
 
+def may(visit, right):
+    """Whether the signed-in contact's role has this right (of ROLE_RIGHTS)."""
+    return right in ROLE_RIGHTS[visit.session["role"]]
+
+
+def signed_in_contact(visit):
+    return load_contact(visit.conn, visit.company_id, visit.session["account_id"])
+
+
 class StoreSurface(Surface):
     """The storefront: a Surface whose prefix is the store of the request."""
 
     def __init__(self, service):  # prefix, home and navigation are the request's, below
-        self.service, self.cookie, self.accounts = service, STORE_SESSION_COOKIE, CUSTOMERS
+        self.service, self.cookie, self.accounts = service, STORE_SESSION_COOKIE, CONTACTS
         self.form_cookie = STORE_FORM_COOKIE
         self.clock = time.time
 
@@ -10043,10 +10626,19 @@ class StoreSurface(Surface):
     home = property(lambda self: self.prefix + "/products")  # where a sign-in leads
 
     def navigation_of(self, visit):
-        prefix, lines = self.prefix, cart_size(visit.conn, visit.session["account_id"])
-        return (("Catalog", prefix + "/products"), (f"Cart ({lines})", prefix + "/cart"),
-                ("Orders", prefix + "/orders"), ("Statement", prefix + "/statement"),
-                ("Account", prefix + "/account"))
+        """The links of the contact's role: each page it may open."""
+        prefix, links = self.prefix, [("Catalog", self.prefix + "/products")]
+        if may(visit, "order"):
+            lines = cart_size(visit.conn, visit.session["account_id"])
+            links.append((f"Cart ({lines})", prefix + "/cart"))
+        links.append(("Orders", prefix + "/orders"))
+        if may(visit, "manage") or visit.session["approval_limit_cents"] is not None:
+            links.append(("Requests", prefix + "/requests"))
+        if may(visit, "statements"):
+            links.append(("Statement", prefix + "/statement"))
+        if may(visit, "manage"):
+            links.append(("Contacts", prefix + "/contacts"))
+        return links + [("Account", prefix + "/account")]
 
     def store(self):
         return bottle.request.environ["ordering.store"]
@@ -10142,7 +10734,7 @@ class StoreSurface(Surface):
             return self.public_page("Welcome", render(STORE_WELCOME, store=self.site(),
                                                       prefix=self.prefix))
         visit = Visit(self, found, token)
-        if load_customer(visit.conn, visit.company_id, found["account_id"])["status"] != "ACTIVE":
+        if load_customer(visit.conn, visit.company_id, found["customer_id"])["status"] != "ACTIVE":
             return awaiting_approval(visit)
         return redirect(self.prefix + "/products")
 
@@ -10242,14 +10834,17 @@ class StoreSurface(Surface):
 
 @page("GET", "/store/<slug>/account")
 def account_page(visit):
-    customer = load_customer(visit.conn, visit.company_id, visit.session["account_id"])
+    customer = load_customer(visit.conn, visit.company_id, visit.session["customer_id"])
     prefix = visit.surface.prefix
     password = visit.for_form(prefix + "/account/password", "password")
+    business = visit.form_tag(prefix + "/account", join([
+        visit.field("name", "Name (your business)", customer["name"],
+                    autocomplete="organization"), render(SUBMIT, text="Save")]))
     return visit.page("Your account", join([
         render(ACCOUNT_STATUS, tag=status_tag(customer["status"])),
-        visit.form_tag(prefix + "/account", join([
-            visit.field("name", "Name", customer["name"], autocomplete="organization"),
-            render(SUBMIT, text="Save")])),
+        render(NOTE, text=ROLE_NOTE.format(business=customer["name"] or customer["email"],
+                                            role=visit.session["role"])),
+        business if may(visit, "manage") else "",
         password.form_tag(prefix + "/account/password", render(
             PASSWORD_FORM, current=visit.field("currentPassword", "Current password",
                                                kind="password", autocomplete="current-password"),
@@ -10259,18 +10854,20 @@ def account_page(visit):
 
 
 def addresses_section(visit, customer_id):
-    """A buyer's saved addresses, each with its Remove button."""
+    """The business's saved addresses, each with its Remove button for its admins."""
     prefix = visit.surface.prefix
     return join(render(ADDRESS_CARD, address=address_text(address_of(row)),
                        remove=visit.button(f"{prefix}/account/addresses/{row['id']}/delete",
-                                           "Remove", "secondary"))
+                                           "Remove", "secondary") if may(visit, "manage") else "")
                 for row in customer_addresses(visit.conn, customer_id)) or render(NO_ADDRESSES)
 
 
 @page("POST", "/store/<slug>/account", refused=account_page)
 def update_account_action(visit):
+    if not may(visit, "manage"):
+        raise ApiError(403, ROLE_REFUSED)
     with visit.write() as conn:
-        update_customer(conn, visit.company_id, visit.session["account_id"],
+        update_customer(conn, visit.company_id, visit.session["customer_id"],
                         {"name": form_text(visit.form, "name")})
     return redirect(visit.surface.prefix + "/account")
 
@@ -10288,22 +10885,21 @@ def resend_verification_action(visit):
 def change_password_action(visit):
     """A wrong current password counts as a failed sign-in, and waits as one does: a browser
     whose session was taken could otherwise guess the password here at the page's speed."""
-    email = load_customer(visit.conn, visit.company_id, visit.session["account_id"])["email"]
+    email = visit.session["email"]
     subjects, now_ms = visit.surface.throttle_subjects(email), visit.surface.now_ms()
     if (wait := sign_in_wait(visit.conn, subjects, now_ms)) > 0:
         raise ApiError(429, SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
     try:
         with visit.write() as conn:
-            change_customer_password(conn, visit.company_id, visit.session["account_id"],
-                                     visit.form.get("currentPassword"),
-                                     visit.form.get("password", ""))
+            change_contact_password(conn, visit.company_id, visit.session["account_id"],
+                                    visit.form.get("currentPassword"),
+                                    visit.form.get("password", ""))
     except ApiError as error:
         if form_errors(error).get("currentPassword") == CURRENT_PASSWORD_WRONG:
             with visit.write() as conn:
                 record_sign_in_failure(conn, subjects, now_ms)
         raise
-    visit.surface.start_session(load_customer(visit.conn, visit.company_id,
-                                              visit.session["account_id"]))
+    visit.surface.start_session(signed_in_contact(visit))
     return redirect(visit.surface.prefix + "/account")
 
 
@@ -10324,14 +10920,15 @@ def awaiting_confirmation(visit, status=200):
         form=visit.button(path, "Email me a new link", "secondary")), status)
 
 
-def buyer_page(method, path, refused=None):
-    """A page of the store's prices or ordering, for ACTIVE buyers: a buyer awaiting approval
-    sees that it does (and a form it sends changes nothing), a blocked one is refused."""
+def buyer_page(method, path, refused=None, right=None):
+    """A page of the store's prices or ordering, for the contacts of ACTIVE customers whose
+    role has right (of ROLE_RIGHTS; None: any role): one awaiting approval sees that it does
+    (and a form it sends changes nothing), any other is refused."""
     def register(handler):
         def for_buyers(visit, **url_args):
             try:
-                require_signed_in_buyer(visit.conn, visit.company_id,
-                                        visit.session["account_id"])
+                require_contact(visit.conn, visit.company_id, visit.session["account_id"],
+                                right)
             except ApiError as error:
                 if error.message == CUSTOMER_PENDING:
                     return awaiting_approval(visit, 403 if method == "POST" else 200)
@@ -10342,11 +10939,6 @@ def buyer_page(method, path, refused=None):
         page(method, path, refused)(for_buyers)
         return handler
     return register
-
-
-def when_text(timestamp):
-    """An ISO 8601 timestamp as a buyer reads it: 2026-11-24 09:07 UTC."""
-    return timestamp[:16].replace("T", " ") + " UTC"
 
 
 #: Each stock level's style (see stock_level()).
@@ -10394,7 +10986,7 @@ def lines_table(lines, total, rate, tax):
 @buyer_page("GET", "/store/<slug>/products")
 def catalog_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
-    result, prices = catalog(visit.conn, visit.company_id, visit.session["account_id"], query)
+    result, prices = catalog(visit.conn, visit.company_id, visit.session["customer_id"], query)
     categories = store_categories(visit.conn, visit.company_id)
     search = render(FILTERS, path=prefix + "/products", button="Search", fields=join([
         visit.field("search", "Search", query.get("search"), kind="search"),
@@ -10413,7 +11005,7 @@ def catalog_page(visit):
 
 @buyer_page("GET", "/store/<slug>/products/<product_id>")
 def store_product_page(visit, product_id):
-    product, price = store_product(visit.conn, visit.company_id, visit.session["account_id"],
+    product, price = store_product(visit.conn, visit.company_id, visit.session["customer_id"],
                                    product_id)
     return visit.page(product["name"], render(
         STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
@@ -10423,7 +11015,7 @@ def store_product_page(visit, product_id):
         add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id)))
 
 
-@buyer_page("GET", "/store/<slug>/cart")
+@buyer_page("GET", "/store/<slug>/cart", right="order")
 def cart_page(visit):
     prefix = visit.surface.prefix
     cart = cart_of(visit.conn, visit.company_id, visit.session["account_id"])
@@ -10454,7 +11046,7 @@ def cart_row(visit, line):
             cents_text(line["lineTotal"]))
 
 
-@buyer_page("POST", "/store/<slug>/cart", refused=cart_page)
+@buyer_page("POST", "/store/<slug>/cart", refused=cart_page, right="order")
 def add_to_cart_action(visit):
     quantity = form_number(visit.form, "quantity")
     with visit.write() as conn:
@@ -10464,7 +11056,7 @@ def add_to_cart_action(visit):
     return cart_page(visit)
 
 
-@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page)
+@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page, right="order")
 def cart_quantity_action(visit, product_id):
     with visit.write() as conn:
         set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id,
@@ -10472,7 +11064,8 @@ def cart_quantity_action(visit, product_id):
     return redirect(visit.surface.prefix + "/cart")
 
 
-@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>/remove", refused=cart_page)
+@buyer_page("POST", "/store/<slug>/cart/lines/<product_id>/remove", refused=cart_page,
+            right="order")
 def remove_from_cart_action(visit, product_id):
     with visit.write() as conn:
         set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id, 0)
@@ -10497,7 +11090,7 @@ def uploaded_text(name):
     return text
 
 
-@buyer_page("POST", "/store/<slug>/cart/quick-order", refused=cart_page)
+@buyer_page("POST", "/store/<slug>/cart/quick-order", refused=cart_page, right="order")
 def quick_order_action(visit):
     text = uploaded_text("file")
     with visit.write() as conn:
@@ -10508,7 +11101,7 @@ def quick_order_action(visit):
     return cart_page(visit)
 
 
-@buyer_page("POST", "/store/<slug>/cart/reorder", refused=cart_page)
+@buyer_page("POST", "/store/<slug>/cart/reorder", refused=cart_page, right="order")
 def reorder_action(visit):
     with visit.write() as conn:
         result = reorder(conn, visit.company_id, visit.session["account_id"],
@@ -10518,10 +11111,11 @@ def reorder_action(visit):
     return cart_page(visit)
 
 
-@buyer_page("GET", "/store/<slug>/checkout")
+@buyer_page("GET", "/store/<slug>/checkout", right="order")
 def checkout_page(visit):
     prefix, me = visit.surface.prefix, visit.session["account_id"]
     cart = cart_of(visit.conn, visit.company_id, me)
+    limit = signed_in_contact(visit)["approval_limit_cents"]
     if not cart["lines"]:
         return visit.page("Checkout", render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix))
     summary = lines_table([(line["product"]["name"], line["quantity"],
@@ -10529,11 +11123,14 @@ def checkout_page(visit):
                            for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
     form = visit.form_tag(prefix + "/checkout", render(
         CHECKOUT_FORM, token=visit.value("token", secrets.token_urlsafe(24)),
-        address=address_fields(visit, customer_addresses(visit.conn, me)),
+        address=address_fields(visit, customer_addresses(visit.conn,
+                                                         visit.session["customer_id"])),
         po=visit.field("poNumber", "PO number (optional)", maxlength=MAX_PO_NUMBER),
         notes=visit.field("notes", "Notes (optional)", kind="textarea",
                           maxlength=MAX_ORDER_NOTES)))
-    return visit.page("Checkout", join([summary, form]))
+    above = limit is not None and cart["total"] + cart["tax"] > limit
+    return visit.page("Checkout", join([summary, render(NOTE, text=APPROVAL_NEEDED.format(
+        limit=cents_text(limit))) if above else "", form]))
 
 
 def address_fields(visit, saved):
@@ -10546,27 +11143,29 @@ def address_fields(visit, saved):
         for name, label, longest, required in ADDRESS_FIELDS))])
 
 
-@buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page)
+@buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page, right="order")
 def checkout_action(visit):
     form, me = visit.form, visit.session["account_id"]
     address_id = form.get("addressId") or None
     address = None if address_id else {name: form.get(name) for name, *_ in ADDRESS_FIELDS}
     try:
         with visit.write() as conn:
-            order_id = checkout(conn, visit.surface.store()["slug"], me, form.get("token"),
-                                address_id, address, form_text(form, "poNumber"),
-                                form_text(form, "notes"))["id"]
+            kind, made = checkout(conn, visit.surface.store()["slug"], me, form.get("token"),
+                                  address_id, address, form_text(form, "poNumber"),
+                                  form_text(form, "notes"))
     except sqlite3.IntegrityError:  # the same form, sent twice at once: the other placed it
-        order_id = checkout_order_id(visit.conn, me, form.get("token"))
-        if order_id is None:
+        done = checkout_result(visit.conn, signed_in_contact(visit), form.get("token"))
+        if done is None:
             raise
-    return redirect(f"{visit.surface.prefix}/orders/{order_id}", "placed")
+        kind, made = done
+    return redirect(f"{visit.surface.prefix}/{kind}/{made}",
+                    "placed" if kind == "orders" else "requested")
 
 
 @buyer_page("GET", "/store/<slug>/orders")
 def store_orders_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
-    result = buyer_orders(visit.conn, visit.company_id, visit.session["account_id"], query)
+    result = buyer_orders(visit.conn, visit.company_id, visit.session["customer_id"], query)
     rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
              status_tag(row["status"]), row["po_number"] or "",
              cents_text(row["total_cents"] + row["tax_cents"])) for row in result["data"]]
@@ -10582,7 +11181,7 @@ def store_orders_page(visit):
 
 @buyer_page("GET", "/store/<slug>/orders/<order_id>")
 def store_order_page(visit, order_id):
-    conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["account_id"]
+    conn, prefix, me = visit.conn, visit.surface.prefix, visit.session["customer_id"]
     row = buyer_order(conn, visit.company_id, me, order_id)
     order = orders_with_items(conn, [row])[0]
     address = shipping_address_of(row)
@@ -10591,6 +11190,7 @@ def store_order_page(visit, order_id):
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
             placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
             notes=order["notes"] or "none", invoice=buyer_invoice_link(visit, order_id),
+            people=placed_by_text(conn, row),
             total=cents_text(row["total_cents"] + row["tax_cents"])),
         tracking=tracking_card(order["tracking"]),
         ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
@@ -10608,17 +11208,17 @@ def buyer_invoice_link(visit, order_id):
                  " ", status_tag(invoice["status"])])
 
 
-@buyer_page("GET", "/store/<slug>/invoices/<invoice_id>")
+@buyer_page("GET", "/store/<slug>/invoices/<invoice_id>", right="statements")
 def store_invoice_page(visit, invoice_id):
-    invoice = buyer_invoice(visit.conn, visit.company_id, visit.session["account_id"],
+    invoice = buyer_invoice(visit.conn, visit.company_id, visit.session["customer_id"],
                             invoice_id)
     return visit.page(f"Invoice {invoice['number']}", invoice_document(
         visit, invoice, f"{visit.surface.prefix}/orders/{invoice['order_id']}"))
 
 
-@buyer_page("GET", "/store/<slug>/statement")
+@buyer_page("GET", "/store/<slug>/statement", right="statements")
 def store_statement_page(visit):
-    conn, me, prefix = visit.conn, visit.session["account_id"], visit.surface.prefix
+    conn, me, prefix = visit.conn, visit.session["customer_id"], visit.surface.prefix
     invoices = find_customer_invoices(conn, visit.company_id, customer_id=me)
     rows = [(link(f"{prefix}/invoices/{row['id']}", row["number"]), row["issued_at"][:10],
              row["due_at"][:10], status_tag(row["status"]), cents_text(row["total_cents"]),
@@ -10692,19 +11292,113 @@ def return_request_form(visit, order):
                            maxlength=RETURN_REASON_LENGTH[1])))
 
 
-@buyer_page("POST", "/store/<slug>/orders/<order_id>/returns", refused=store_order_page)
+@buyer_page("POST", "/store/<slug>/orders/<order_id>/returns", refused=store_order_page,
+            right="order")
 def request_return_action(visit, order_id):
     with visit.write() as conn:
         open_return(conn, visit.company_id, order_id, visit.form.get("reason"),
-                    lines=form_units(visit.form, "units-"), customer_id=visit.session["account_id"])
+                    lines=form_units(visit.form, "units-"),
+                    customer_id=visit.session["customer_id"])
     return redirect(f"{visit.surface.prefix}/orders/{order_id}", "returned")
 
 
-@page("POST", "/store/<slug>/account/addresses/<address_id>/delete", refused=account_page)
+@buyer_page("POST", "/store/<slug>/account/addresses/<address_id>/delete",
+            refused=account_page, right="manage")
 def delete_address_action(visit, address_id):
     with visit.write() as conn:
-        delete_address(conn, visit.session["account_id"], address_id)
+        delete_address(conn, visit.session["customer_id"], address_id)
     return redirect(visit.surface.prefix + "/account")
+
+
+# A business's people and its order requests: its admins invite and change its contacts, and
+# approve or decline what its buyers asked for above their limits (docs/contacts.md).
+
+@buyer_page("GET", "/store/<slug>/contacts", right="manage")
+def store_contacts_page(visit):
+    prefix, customer_id = visit.surface.prefix, visit.session["customer_id"]
+    return visit.page("Contacts", join([
+        contacts_table(visit, customer_contacts(visit.conn, customer_id), prefix + "/contacts"),
+        render(HEADING, text="Invite a contact"),
+        visit.form_tag(prefix + "/contacts", join([
+            contact_fields(visit, {}, email=True), render(SUBMIT, text="Send the invitation")]))]))
+
+
+@buyer_page("POST", "/store/<slug>/contacts", refused=store_contacts_page, right="manage")
+def store_add_contact_action(visit):
+    with visit.write() as conn:
+        add_contact(conn, visit.company_id, visit.session["customer_id"],
+                    contact_body(visit.form), visit.surface.now_ms(),
+                    invited_by=signed_in_contact(visit))
+    return redirect(visit.surface.prefix + "/contacts", "invited")
+
+
+@buyer_page("GET", "/store/<slug>/contacts/<contact_id>", right="manage")
+def store_contact_page(visit, contact_id):
+    contact = customer_contact(visit.conn, visit.company_id, visit.session["customer_id"],
+                               contact_id)
+    return visit.page(contact["email"], visit.form_tag(
+        f"{visit.surface.prefix}/contacts/{contact_id}",
+        join([contact_fields(visit, dict(contact)), render(SUBMIT, text="Save")])))
+
+
+@buyer_page("POST", "/store/<slug>/contacts/<contact_id>", refused=store_contact_page,
+            right="manage")
+def store_update_contact_action(visit, contact_id):
+    with visit.write() as conn:
+        update_contact(conn, visit.company_id, contact_id, contact_body(visit.form),
+                       customer_id=visit.session["customer_id"])
+    return redirect(visit.surface.prefix + "/contacts", "contact")
+
+
+def my_requests(visit, status=None):
+    """The order requests the contact sees: all of its business's for an admin, else its own."""
+    return customer_requests(visit.conn, visit.company_id, visit.session["customer_id"],
+                             None if may(visit, "manage") else visit.session["account_id"],
+                             status)
+
+
+@buyer_page("GET", "/store/<slug>/requests")
+def store_requests_page(visit):
+    prefix = visit.surface.prefix
+    rows = [(link(f"{prefix}/requests/{row['id']}", when_text(row["created_at"])),
+             row["asker_email"], status_tag(row["status"]), cents_text(row["total_cents"]))
+            for row in my_requests(visit)]
+    return visit.page("Order requests", table(("Asked", "By", "Status", "Total"), rows,
+                                              numeric=("Total",)))
+
+
+@buyer_page("GET", "/store/<slug>/requests/<request_id>")
+def store_request_page(visit, request_id):
+    request = load_request(visit.conn, visit.company_id, request_id,
+                           visit.session["customer_id"])
+    if not may(visit, "manage") and request["contact_id"] != visit.session["account_id"]:
+        raise not_found("Order request")
+    path = f"{visit.surface.prefix}/requests/{request_id}"
+    decide = "" if request["status"] != "PENDING" or not may(visit, "manage") else join([
+        visit.button(path + "/approve", "Approve and place the order"),
+        visit.form_tag(path + "/decline", join([
+            visit.field("reason", "Why it is declined (the buyer is emailed this)",
+                        kind="textarea", maxlength=MAX_DECLINE_REASON),
+            render(SUBMIT, text="Decline")]))])
+    return visit.page("Order request", join([request_facts(visit, request), decide]))
+
+
+@buyer_page("POST", "/store/<slug>/requests/<request_id>/approve", refused=store_request_page,
+            right="manage")
+def approve_request_action(visit, request_id):
+    with visit.write() as conn:
+        order_id = approve_request(conn, visit.company_id, request_id,
+                                   visit.session["account_id"])
+    return redirect(f"{visit.surface.prefix}/orders/{order_id}", "approved")
+
+
+@buyer_page("POST", "/store/<slug>/requests/<request_id>/decline", refused=store_request_page,
+            right="manage")
+def decline_request_action(visit, request_id):
+    with visit.write() as conn:
+        decline_request(conn, visit.company_id, request_id, visit.session["account_id"],
+                        visit.form.get("reason"))
+    return redirect(f"{visit.surface.prefix}/requests/{request_id}", "declined")
 
 
 def install_storefront(app):
@@ -11218,7 +11912,7 @@ def prepare_demo(conn):
     # The example order of demo's curl commands is the demo buyer's (the first customer).
     customer = customer_by_email(conn, company_id, DEMO_BUYER_EMAIL)
     buyer_password = secrets.token_urlsafe(12)
-    set_password(conn, CUSTOMERS, customer["id"], buyer_password)
+    set_password(conn, CONTACTS, own_contact(conn, customer)["id"], buyer_password)
     product = product_in_stock(conn, company_id, more_than=10)
     return {"companyId": company_id, "key": key["key"], "password": password,
             "buyerPassword": buyer_password,
@@ -11705,6 +12399,52 @@ def cmd_customer_terms(conn, args):
                               None if args.default else args.days)
 
 
+def _approval_limit(text):
+    """An approval limit: an amount such as 500.00, or none (no limit)."""
+    return "none" if text.strip().casefold() == "none" else _amount(text)
+
+
+def _contact_options(body, args):
+    """The body of contact-add and contact-update from their options (those given)."""
+    for name, value in (("name", args.name), ("role", args.role)):
+        if value is not None:
+            body[name] = value
+    if args.approval_limit is not None:
+        body["approvalLimit"] = (None if args.approval_limit == "none"
+                                 else money(args.approval_limit))
+    return body
+
+
+_CONTACT_OPTIONS = (option("--name"), option("--role", help="admin, buyer or bookkeeper"),
+                    option("--approval-limit", type=_approval_limit, metavar="AMOUNT",
+                           help="a buyer's, such as 500.00; none: no limit"))
+
+
+@command("contact-add", "add a contact to a customer, email it an invitation to set a "
+                        "password, and print it", option("id", metavar="CUSTOMER_ID"),
+         option("--email", required=True), *_CONTACT_OPTIONS)
+def cmd_contact_add(conn, args):
+    return add_contact(conn, company_of(conn, "Customer", args.id), args.id,
+                       _contact_options({"email": args.email}, args), int(time.time() * 1000))
+
+
+@command("contact-list", 'print a customer\'s contacts, its own first, as {"data": [...]}',
+         option("id", metavar="CUSTOMER_ID"))
+def cmd_contact_list(conn, args):
+    company_id = company_of(conn, "Customer", args.id)
+    load_customer(conn, company_id, args.id)
+    return {"data": [contact_json(row) for row in customer_contacts(conn, args.id)]}
+
+
+@command("contact-update", "change a contact's name, role, approval limit or status (BLOCKED "
+                           "signs it out everywhere) and print it",
+         option("id", metavar="CONTACT_ID"), *_CONTACT_OPTIONS,
+         option("--status", help="ACTIVE or BLOCKED"))
+def cmd_contact_update(conn, args):
+    body = _contact_options({} if args.status is None else {"status": args.status}, args)
+    return update_contact(conn, company_of(conn, "Contact", args.id), args.id, body)
+
+
 @command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",
          option("--company", required=True, help="company ID"),
          option("--invoice-id", required=True, help="billing provider's invoice ID"),
@@ -11872,6 +12612,14 @@ FORMER_NAMES = {
     "staff_password_matches": "password_matches",
     "STAFF_PASSWORD_MIN": "PASSWORD_MIN",
 }
+def change_customer_password(conn, company_id, customer_id, current, password):
+    """The former change_customer_password: a customer's password is its own contact's now
+    (change_contact_password, which takes the contact)."""
+    warn_former_name("change_customer_password", "change_contact_password")
+    contact = own_contact(conn, load_customer(conn, company_id, customer_id))
+    return change_contact_password(conn, company_id, contact["id"], current, password)
+
+
 def __getattr__(name):
     """A former name (PEP 562: the module's own names never come here)."""
     if name not in FORMER_NAMES:

@@ -82,7 +82,6 @@ CREATE TABLE IF NOT EXISTS customers (
     updated_at         TEXT NOT NULL,
     company_id         TEXT NOT NULL REFERENCES companies(id),
     email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
-    password_hash      TEXT,
     payment_terms_days INTEGER             -- its own payment terms (null: the company's)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
@@ -91,6 +90,29 @@ CREATE INDEX IF NOT EXISTS customers_by_company_newest
     ON customers (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customers_by_company_status_newest
     ON customers (company_id, status, created_at, id);
+
+-- The people of a customer (a business) who sign in to its store, each with a role (see
+-- docs/contacts.md). The customer's own email is its first contact, an admin. An email signs
+-- in to one account at a store: unique within the company, whichever customer it belongs to.
+-- A buyer's approval limit (null: none) is the total, tax included, above which its checkout
+-- becomes a request that an admin approves.
+CREATE TABLE IF NOT EXISTS contacts (
+    id                   TEXT PRIMARY KEY,
+    customer_id          TEXT NOT NULL REFERENCES customers(id),
+    company_id           TEXT NOT NULL REFERENCES companies(id),
+    email                TEXT NOT NULL,
+    email_key            TEXT NOT NULL,          -- case-folded email
+    name                 TEXT,
+    role                 TEXT NOT NULL CHECK (role IN ('admin', 'buyer', 'bookkeeper')),
+    status               TEXT NOT NULL DEFAULT 'ACTIVE' CHECK (status IN ('ACTIVE', 'BLOCKED')),
+    approval_limit_cents INTEGER,
+    email_verified       INTEGER NOT NULL DEFAULT 0,
+    password_hash        TEXT,
+    created_at           TEXT NOT NULL,
+    updated_at           TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS contacts_unique_email ON contacts (company_id, email_key);
+CREATE INDEX IF NOT EXISTS contacts_of_customer ON contacts (customer_id, created_at, id);
 
 -- A customer's own price for a product: storefront and dashboard orders use it; orders placed
 -- through the API never do (the spec).
@@ -103,14 +125,14 @@ CREATE TABLE IF NOT EXISTS customer_prices (
     PRIMARY KEY (customer_id, product_id)
 ) WITHOUT ROWID;
 
--- A buyer's cart, kept on the server: it survives signing out and follows the buyer to
--- another device. Prices are not kept: the cart shows them as they are now.
+-- A contact's cart, kept on the server: it survives signing out and follows the contact to
+-- another device. Prices are not kept: the cart shows them (the customer's) as they are now.
 CREATE TABLE IF NOT EXISTS cart_lines (
-    customer_id  TEXT NOT NULL REFERENCES customers(id),
+    contact_id   TEXT NOT NULL REFERENCES contacts(id),
     product_id   TEXT NOT NULL REFERENCES products(id),
     quantity     INTEGER NOT NULL CHECK (quantity >= 1),
     added_at     TEXT NOT NULL,
-    PRIMARY KEY (customer_id, product_id)
+    PRIMARY KEY (contact_id, product_id)
 ) WITHOUT ROWID;
 
 -- A buyer's saved shipping addresses (an order keeps its own copy of the one it ships to).
@@ -148,7 +170,9 @@ CREATE TABLE IF NOT EXISTS orders (
     shipping_address TEXT,              -- JSON: a copy of the address a storefront order ships to
     checkout_token   TEXT,              -- the checkout form's token: a resubmitted form finds its order
     tax_rate         REAL NOT NULL DEFAULT 0,    -- the rate in force when it was placed
-    tax_cents        INTEGER NOT NULL DEFAULT 0  -- the tax on total_cents at that rate (rounded once)
+    tax_cents        INTEGER NOT NULL DEFAULT 0, -- the tax on total_cents at that rate (rounded once)
+    placed_by        TEXT,              -- the contact (store) or staff account (dashboard)
+    approved_by      TEXT               -- the admin contact who approved its request, if one did
 );
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at, id);
@@ -187,6 +211,34 @@ CREATE TABLE IF NOT EXISTS order_items (
     unit_price_cents INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS order_items_of_order ON order_items (order_id, position);
+
+-- A checkout above its buyer's approval limit: no order, no stock taken, until an admin of the
+-- customer approves it (then the order is placed from these lines at that moment's prices and
+-- stock) or declines it with a reason. Its checkout form's token finds it again if resent.
+CREATE TABLE IF NOT EXISTS order_requests (
+    id               TEXT PRIMARY KEY,
+    company_id       TEXT NOT NULL REFERENCES companies(id),
+    customer_id      TEXT NOT NULL REFERENCES customers(id),
+    contact_id       TEXT NOT NULL REFERENCES contacts(id),       -- who asked
+    status           TEXT NOT NULL CHECK (status IN ('PENDING', 'APPROVED', 'DECLINED')),
+    lines            TEXT NOT NULL,          -- JSON: [{"productId", "quantity"}], the cart's
+    shipping_address TEXT NOT NULL,          -- JSON, as an order keeps it
+    po_number        TEXT,
+    notes            TEXT,
+    total_cents      INTEGER NOT NULL,       -- tax included, as the checkout showed it
+    checkout_token   TEXT NOT NULL,
+    decided_by       TEXT REFERENCES contacts(id),
+    reason           TEXT,                   -- why it was declined
+    order_id         TEXT REFERENCES orders(id),
+    created_at       TEXT NOT NULL,
+    decided_at       TEXT
+);
+CREATE UNIQUE INDEX IF NOT EXISTS order_requests_by_checkout
+    ON order_requests (contact_id, checkout_token);
+CREATE INDEX IF NOT EXISTS order_requests_by_company_status
+    ON order_requests (company_id, status, created_at, id);
+CREATE INDEX IF NOT EXISTS order_requests_of_customer
+    ON order_requests (customer_id, created_at, id);
 
 CREATE TABLE IF NOT EXISTS returns (
     id           TEXT PRIMARY KEY,
@@ -488,26 +540,26 @@ CREATE TABLE IF NOT EXISTS staff_sessions (
 );
 CREATE INDEX IF NOT EXISTS staff_sessions_of_staff ON staff_sessions (staff_id);
 
--- A signed-in storefront buyer, as staff_sessions for staff (the cookie is scoped to its store).
-CREATE TABLE IF NOT EXISTS customer_sessions (
+-- A signed-in storefront contact, as staff_sessions for staff (the cookie is scoped to its store).
+CREATE TABLE IF NOT EXISTS contact_sessions (
     token_hash    TEXT PRIMARY KEY,
-    customer_id   TEXT NOT NULL REFERENCES customers(id) ON DELETE CASCADE,
+    contact_id    TEXT NOT NULL REFERENCES contacts(id) ON DELETE CASCADE,
     created_at    TEXT NOT NULL,
     last_seen_at  TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS customer_sessions_of_customer ON customer_sessions (customer_id);
+CREATE INDEX IF NOT EXISTS contact_sessions_of_contact ON contact_sessions (contact_id);
 
 -- The tokens of emailed storefront links (verify an address, set a password): only their
--- SHA-256 is kept; a link is used once, and using one ends its customer's other links of its
+-- SHA-256 is kept; a link is used once, and using one ends its contact's other links of its
 -- purpose.
-CREATE TABLE IF NOT EXISTS customer_tokens (
+CREATE TABLE IF NOT EXISTS contact_tokens (
     token_hash   TEXT PRIMARY KEY,
-    customer_id  TEXT NOT NULL REFERENCES customers(id) ON DELETE CASCADE,
+    contact_id   TEXT NOT NULL REFERENCES contacts(id) ON DELETE CASCADE,
     purpose      TEXT NOT NULL CHECK (purpose IN ('verify', 'reset')),
     created_at   TEXT NOT NULL,
     expires_at   TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS customer_tokens_of_customer ON customer_tokens (customer_id, created_at);
+CREATE INDEX IF NOT EXISTS contact_tokens_of_contact ON contact_tokens (contact_id, created_at);
 
 -- Failed sign-ins (dashboard and storefronts) and wrong current passwords, per email (within
 -- a store for its buyers) and per client address ("email:..." / "address:...").

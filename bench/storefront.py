@@ -60,8 +60,8 @@ ADDRESS = {"name": "Bench Receiving", "line1": "1 Quay Street", "city": "Leith",
 def build(path, orders):
     """bench.py's database (1,000 products, 200 customers, `orders` orders), then a buyer with
     a password, prices of its own, a saved address and one order in ten, and a staff account;
-    each signed in. Returns bench.build_database's dict with "buyer", "buyerCookie" and
-    "staffCookie" (Cookie header values)."""
+    each signed in. Returns bench.build_database's dict with "buyer", its own "contact",
+    "buyerCookie" and "staffCookie" (Cookie header values)."""
     others = orders - orders // BUYER_ORDER_SHARE
     data = bench.build_database(path, others)
     db = ordering.Database(path)
@@ -70,14 +70,15 @@ def build(path, orders):
     with db.write() as conn:
         buyer = ordering.create_customer(conn, data["company"], {
             "email": BUYER_EMAIL, "name": "Bench Buyer"}, source="storefront",
-            password="bench buyer password")["id"]
+            password="bench buyer password", email_verified=True)["id"]
+        contact = ordering.customer_contacts(conn, buyer)[0]
         for product_id in data["products"][::BUYER_PRICE_SHARE]:
             ordering.set_customer_price(conn, data["company"], buyer, product_id,
                                         random.randint(50, 9000))
         ordering.save_address(conn, buyer, ordering.parse_address(ADDRESS))
         staff = ordering.create_staff(conn, data["company"], STAFF_EMAIL, "bench staff password")
         buyer_token = ordering.start_session(
-            conn, ordering.CUSTOMERS, {"id": buyer}, ordering.sign_in_subjects(
+            conn, ordering.CONTACTS, contact, ordering.sign_in_subjects(
                 BUYER_EMAIL, "bench"), now_ms, idle)
         staff_token = ordering.start_session(
             conn, ordering.STAFF, staff, ordering.sign_in_subjects(STAFF_EMAIL, "bench"),
@@ -92,7 +93,7 @@ def build(path, orders):
                 made += 1
     db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.close()
-    return dict(data, buyer=buyer,
+    return dict(data, buyer=buyer, contact=contact["id"],
                 buyerCookie=f"{ordering.STORE_SESSION_COOKIE}={buyer_token}",
                 staffCookie=f"{ordering.SESSION_COOKIE}={staff_token}")
 
@@ -158,7 +159,7 @@ def measure_pages(args, workdir, small, small_data, large, large_data):
 def measure_checkout(path, data, count):
     """{"API placement": [seconds per order], "checkout": [...]}, taking turns."""
     db = ordering.Database(path)
-    company, buyer = data["company"], data["buyer"]
+    company, buyer, contact = data["company"], data["buyer"], data["contact"]
     address_id = ordering.customer_addresses(db.conn, buyer)[0]["id"]
     took = {"API placement": [], "checkout": []}
     try:
@@ -171,10 +172,10 @@ def measure_checkout(path, data, count):
             took["API placement"].append(time.perf_counter() - started)
             with db.write() as conn:
                 for p in products:
-                    ordering.add_to_cart(conn, company, buyer, p, 1)
+                    ordering.add_to_cart(conn, company, contact, p, 1)
             started = time.perf_counter()
             with db.write() as conn:
-                ordering.checkout(conn, "bench", buyer, f"bench-checkout-{n:08d}",
+                ordering.checkout(conn, "bench", contact, f"bench-checkout-{n:08d}",
                                   address_id=address_id)
             took["checkout"].append(time.perf_counter() - started)
     finally:
