@@ -3070,6 +3070,89 @@ def shopper(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
     return customer, store_sign_in(app, tenant, email)[0]
 
 
+def business(app, tenant, limit_cents=5000):
+    """A customer of three contacts, each with a password and a confirmed address: its own
+    (an admin), a buyer with an approval limit and a bookkeeper. Returns (the customer,
+    {role: the contact's row})."""
+    customer = store_buyer(app, tenant, "owner@cafe.example", name="Corner Cafe")
+    with tenant.db.write() as conn:
+        row = ordering.load_customer(conn, tenant.id, customer["id"])
+        contacts = {"admin": ordering.own_contact(conn, row), "buyer": ordering.insert_contact(
+            conn, row, "bea@cafe.example", "buyer", "Bea", BUYER_PASSWORD, True, limit_cents),
+            "bookkeeper": ordering.insert_contact(conn, row, "ken@cafe.example", "bookkeeper",
+                                                  "Ken", BUYER_PASSWORD, True)}
+    return customer, contacts
+
+
+def store_post(browser, tenant, path, expect, **fields):
+    """A form of the store's sent straight to path, with the browser's CSRF token; expect:
+    its answer's status."""
+    csrf = csrf_of(browser.get(store_of(tenant) + "/account"))
+    return browser.post(store_of(tenant) + path, dict(fields, csrf=csrf), status=expect)
+
+
+def requested(tenant, contact, product, quantity=10):
+    """An order request: the contact's checkout of quantity of product, above its limit."""
+    with tenant.db.write() as conn:
+        ordering.add_to_cart(conn, tenant.id, contact["id"], product["id"], quantity)
+        kind, made = ordering.checkout(conn, tenant.company["slug"], contact["id"],
+                                       secrets.token_urlsafe(24), address=ADDRESS)
+    assert kind == "requests"
+    return made
+
+
+#: Every page and form of the store, and what each role gets: (method, path, form fields,
+#: {role: status}); paths and fields are filled from the business's records. Roles are tried
+#: in the order bookkeeper, buyer, admin, so that an admin's change comes after the refusals.
+ROLE_CELLS = [
+    ("GET", "/products", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("GET", "/products/{product}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("GET", "/cart", {}, {"admin": 200, "buyer": 200, "bookkeeper": 403}),
+    ("POST", "/cart", {"productId": "{product}", "quantity": "1"},
+     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
+    ("POST", "/cart/quick-order", {"lines": "GR-RICE-25 1"},
+     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
+    ("POST", "/cart/reorder", {"orderId": "{order}"},
+     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
+    ("POST", "/cart/lines/{product}", {"quantity": "1"},
+     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
+    ("GET", "/checkout", {}, {"admin": 200, "buyer": 200, "bookkeeper": 403}),
+    ("POST", "/checkout", {"addressId": "{address}", "token": "{token}"},
+     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
+    ("GET", "/orders", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("GET", "/orders/{order}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("POST", "/orders/{order}/returns", {"units-{item}": "1", "reason": "Torn bag"},
+     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
+    ("GET", "/requests", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("GET", "/requests/{request}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 404}),
+    ("POST", "/requests/{request}/approve", {},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("POST", "/requests/{other_request}/decline", {"reason": "Too much rice"},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("GET", "/invoices/{invoice}", {}, {"admin": 200, "buyer": 403, "bookkeeper": 200}),
+    ("GET", "/statement", {}, {"admin": 200, "buyer": 403, "bookkeeper": 200}),
+    ("GET", "/contacts", {}, {"admin": 200, "buyer": 403, "bookkeeper": 403}),
+    ("POST", "/contacts", {"email": "new@cafe.example", "role": "buyer"},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("GET", "/contacts/{keeper}", {}, {"admin": 200, "buyer": 403, "bookkeeper": 403}),
+    ("POST", "/contacts/{keeper}", {"name": "Ken K", "role": "bookkeeper", "status": "ACTIVE"},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("GET", "/account", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
+    ("POST", "/account", {"name": "Corner Cafe Ltd"},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("POST", "/account/addresses/{address}/delete", {},
+     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
+    ("POST", "/account/password", {"currentPassword": BUYER_PASSWORD,
+                                   "password": "another password 12"},
+     {"admin": 303, "buyer": 303, "bookkeeper": 303}),
+]
+#: The header's links of each role.
+ROLE_LINKS = {"admin": ["Catalog", "Cart (0)", "Orders", "Requests", "Statement", "Contacts",
+                        "Account"],
+              "buyer": ["Catalog", "Cart (0)", "Orders", "Requests", "Account"],
+              "bookkeeper": ["Catalog", "Orders", "Statement", "Account"]}
+
+
 def alert_of(page):
     return page.html.find(class_="alert").get_text()
 
@@ -9739,37 +9822,6 @@ def test_a_reset_request_commits_the_same_write_for_a_known_and_an_unknown_addre
 
 # 10.6 Contacts -------------------------------------------------------------------------------
 
-def business(app, tenant, limit_cents=5000):
-    """A customer of three contacts, each with a password and a confirmed address: its own
-    (an admin), a buyer with an approval limit and a bookkeeper. Returns (the customer,
-    {role: the contact's row})."""
-    customer = store_buyer(app, tenant, "owner@cafe.example", name="Corner Cafe")
-    with tenant.db.write() as conn:
-        row = ordering.load_customer(conn, tenant.id, customer["id"])
-        contacts = {"admin": ordering.own_contact(conn, row), "buyer": ordering.insert_contact(
-            conn, row, "bea@cafe.example", "buyer", "Bea", BUYER_PASSWORD, True, limit_cents),
-            "bookkeeper": ordering.insert_contact(conn, row, "ken@cafe.example", "bookkeeper",
-                                                  "Ken", BUYER_PASSWORD, True)}
-    return customer, contacts
-
-
-def store_post(browser, tenant, path, expect, **fields):
-    """A form of the store's sent straight to path, with the browser's CSRF token; expect:
-    its answer's status."""
-    csrf = csrf_of(browser.get(store_of(tenant) + "/account"))
-    return browser.post(store_of(tenant) + path, dict(fields, csrf=csrf), status=expect)
-
-
-def requested(tenant, contact, product, quantity=10):
-    """An order request: the contact's checkout of quantity of product, above its limit."""
-    with tenant.db.write() as conn:
-        ordering.add_to_cart(conn, tenant.id, contact["id"], product["id"], quantity)
-        kind, made = ordering.checkout(conn, tenant.company["slug"], contact["id"],
-                                       secrets.token_urlsafe(24), address=ADDRESS)
-    assert kind == "requests"
-    return made
-
-
 def test_contacts_are_added_listed_and_changed_by_command_with_every_refusal(db_path):
     company = cli_json(db_path, "company-create", "--name", "Cli Foods")
     db = ordering.Database(str(db_path))
@@ -9875,58 +9927,6 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
         migrated.service.close(grace=0)
 
 
-#: Every page and form of the store, and what each role gets: (method, path, form fields,
-#: {role: status}); paths and fields are filled from the business's records. Roles are tried
-#: in the order bookkeeper, buyer, admin, so that an admin's change comes after the refusals.
-ROLE_CELLS = [
-    ("GET", "/products", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("GET", "/products/{product}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("GET", "/cart", {}, {"admin": 200, "buyer": 200, "bookkeeper": 403}),
-    ("POST", "/cart", {"productId": "{product}", "quantity": "1"},
-     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
-    ("POST", "/cart/quick-order", {"lines": "GR-RICE-25 1"},
-     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
-    ("POST", "/cart/reorder", {"orderId": "{order}"},
-     {"admin": 200, "buyer": 200, "bookkeeper": 403}),
-    ("POST", "/cart/lines/{product}", {"quantity": "1"},
-     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
-    ("GET", "/checkout", {}, {"admin": 200, "buyer": 200, "bookkeeper": 403}),
-    ("POST", "/checkout", {"addressId": "{address}", "token": "{token}"},
-     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
-    ("GET", "/orders", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("GET", "/orders/{order}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("POST", "/orders/{order}/returns", {"units-{item}": "1", "reason": "Torn bag"},
-     {"admin": 303, "buyer": 303, "bookkeeper": 403}),
-    ("GET", "/requests", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("GET", "/requests/{request}", {}, {"admin": 200, "buyer": 200, "bookkeeper": 404}),
-    ("POST", "/requests/{request}/approve", {},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("POST", "/requests/{other_request}/decline", {"reason": "Too much rice"},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("GET", "/invoices/{invoice}", {}, {"admin": 200, "buyer": 403, "bookkeeper": 200}),
-    ("GET", "/statement", {}, {"admin": 200, "buyer": 403, "bookkeeper": 200}),
-    ("GET", "/contacts", {}, {"admin": 200, "buyer": 403, "bookkeeper": 403}),
-    ("POST", "/contacts", {"email": "new@cafe.example", "role": "buyer"},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("GET", "/contacts/{keeper}", {}, {"admin": 200, "buyer": 403, "bookkeeper": 403}),
-    ("POST", "/contacts/{keeper}", {"name": "Ken K", "role": "bookkeeper", "status": "ACTIVE"},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("GET", "/account", {}, {"admin": 200, "buyer": 200, "bookkeeper": 200}),
-    ("POST", "/account", {"name": "Corner Cafe Ltd"},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("POST", "/account/addresses/{address}/delete", {},
-     {"admin": 303, "buyer": 403, "bookkeeper": 403}),
-    ("POST", "/account/password", {"currentPassword": BUYER_PASSWORD,
-                                   "password": "another password 12"},
-     {"admin": 303, "buyer": 303, "bookkeeper": 303}),
-]
-#: The header's links of each role.
-ROLE_LINKS = {"admin": ["Catalog", "Cart (0)", "Orders", "Requests", "Statement", "Contacts",
-                        "Account"],
-              "buyer": ["Catalog", "Cart (0)", "Orders", "Requests", "Account"],
-              "bookkeeper": ["Catalog", "Orders", "Statement", "Account"]}
-
-
 def test_every_page_and_form_of_the_store_answers_each_role_as_its_table_says(app, tenant):
     product = tenant.product("Rice 25kg", sku="GR-RICE-25", stock=500, price_cents=4250)
     customer, contacts = business(app, tenant, limit_cents=5000)
@@ -9984,12 +9984,21 @@ def test_a_second_customers_contacts_see_and_touch_nothing_of_the_first(app, ten
                          ("/cart/reorder", {"orderId": order["id"]})):
         page = store_post(stranger, tenant, path, 404, **fields)
         assert "not found" in page.text
+    put_in_cart(stranger, tenant, product["id"], 1)
+    form = checkout_form(stranger, tenant)
+    form["addressId"].force_value(address)
+    assert "Address not found." in form.submit(status=404).text
+    for path in ("/orders", "/requests", "/statement", "/contacts"):
+        text = stranger.get(store_of(tenant) + path).text
+        assert not {order["id"], request, "INV-000001", "bea@cafe.example"} & set(
+            re.findall(r"[\w@.-]+", text)), path
     assert [c["role"] for c in map(dict, ordering.customer_contacts(
         tenant.db.conn, customer["id"]))] == ["admin", "buyer", "bookkeeper"]
     assert tenant.db.conn.execute("SELECT status FROM order_requests").fetchone()[0] == \
         "PENDING"
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM returns").fetchone()[0] == 0
     assert cart_rows(app, customer["id"]) == []
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 1
     store_sign_in(app, other, "owner@cafe.example", status=401)  # nor does another store
 
 
@@ -14486,7 +14495,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 37
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 40
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
