@@ -172,7 +172,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -692,6 +692,12 @@ MIGRATIONS = {
     # customer's); the customer keeps no password. An order records who placed and approved it.
     10: (accounts_to_contacts,
          add_column("orders", "placed_by TEXT"), add_column("orders", "approved_by TEXT")),
+    # The wholesale catalog: a product's quantity rules and price breaks.
+    11: (add_column("products", "min_quantity INTEGER NOT NULL DEFAULT 1 CHECK "
+                                "(min_quantity >= 1)"),
+         add_column("products", "order_multiple INTEGER NOT NULL DEFAULT 1 CHECK "
+                                "(order_multiple >= 1)"),
+         add_column("products", "price_breaks TEXT")),
 }
 
 
@@ -2582,23 +2588,30 @@ when it is approved; until then prices and ordering stay closed.</p></div>""")
 _ADD_FORM = """\
 <form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
 value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
-name="quantity" type="number" min="1" max="{most}" value="1" aria-label="Quantity"> \
+name="quantity" type="number" min="1" max="{most}" value="{start}" aria-label="Quantity"> \
 <button type="submit">Add to cart</button></form>"""
 
 #: The form that puts a product in the cart (POST cart: productId, quantity).
-STORE_ADD_FORM = Template("cart csrf id most", _ADD_FORM)
+STORE_ADD_FORM = Template("cart csrf id most start", _ADD_FORM)
 
 #: A product's row in the storefront's catalog, with its form: one template a row, for a page
 #: of many (see Template.partial).
-STORE_CATALOG_ROW = Template("href name sku unit price level cart csrf id most", """\
-<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span></td>\
-<td class="num">{price}</td><td>{level}</td><td>""" + _ADD_FORM + "</td></tr>")
+_CATALOG_ROW = """\
+<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
+<td class="num">{price}</td><td>{level}</td><td>ADD</td></tr>"""
+STORE_CATALOG_ROW = Template("href name sku unit terms price level cart csrf id most start",
+                             _CATALOG_ROW.replace("ADD", _ADD_FORM))
+#: The same row for a contact whose role places no orders (a bookkeeper): no form.
+STORE_CATALOG_ROW_VIEW = Template("href name sku unit terms price level",
+                                  _CATALOG_ROW.replace("ADD", ""))
 
 #: A product of the storefront's catalog, with the form that puts it in the cart.
-STORE_PRODUCT = Template("sku category unit price level description add", """\
+STORE_PRODUCT = Template("sku category unit price terms level description add", """\
 <div class="card"><dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
-<dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Availability</dt>\
-<dd>{level}</dd></dl>{description}</div>{add}""")
+<dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Sold</dt><dd>{terms}</dd>\
+<dt>Availability</dt><dd>{level}</dd></dl>{description}</div>{add}""")
+#: How a product is sold (its quantity rule and price breaks), under its catalog row's name.
+TERMS = Template("text", '<br><span class="muted">{text}</span>')
 
 #: A storefront order's facts, for its buyer.
 STORE_ORDER_FACTS = Template("status placed people po notes total invoice", """\
@@ -2608,11 +2621,13 @@ STORE_ORDER_FACTS = Template("status placed people po notes total invoice", """\
 <dd>{total}</dd><dt>Invoice</dt><dd>{invoice}</dd></dl></div>""")
 
 #: An order request awaiting, or after, its approval.
-REQUEST_FACTS = Template("status asked total po ship_to reason order lines", """\
+REQUEST_FACTS = Template("status asked total po notes ship_to decision lines", """\
 <div class="card"><dl class="facts"><dt>Status</dt><dd>{status}</dd><dt>Asked</dt>\
-<dd>{asked}</dd><dt>Total, tax included</dt><dd>{total}</dd><dt>PO number</dt><dd>{po}</dd>\
-<dt>Ship to</dt><dd>{ship_to}</dd><dt>Reason declined</dt><dd>{reason}</dd>\
-<dt>Order</dt><dd>{order}</dd></dl></div>{lines}""")
+<dd>{asked}</dd><dt>Total when asked, tax included</dt><dd>{total}</dd><dt>PO number</dt>\
+<dd>{po}</dd><dt>Notes</dt><dd>{notes}</dd><dt>Ship to</dt><dd>{ship_to}</dd>{decision}</dl>\
+</div><h2>Lines at today's prices</h2>{lines}""")
+#: What became of a decided order request: (term, value).
+DECISION = Template("term value", "<dt>{term}</dt><dd>{value}</dd>")
 
 #: The tracking card of a shipped order, as its buyer sees it.
 STORE_TRACKING = Template("carrier number track", """\
@@ -2663,9 +2678,9 @@ QUICK_ORDER_FORM = Template("lines file", """\
 <code>GR-RICE-25 3</code>, or a CSV file of the same.</p>{lines}{file}\
 <button type="submit">Add to cart</button>""")
 
-CHECKOUT_FORM = Template("token address po notes", """\
+CHECKOUT_FORM = Template("token address po notes button", """\
 <input type="hidden" name="token" value="{token}">{address}{po}{notes}\
-<button type="submit">Place order</button>""")
+<button type="submit">{button}</button>""")
 NEW_ADDRESS = Template("fields", """\
 <fieldset class="address"><legend>New address (saved for next time)</legend>{fields}</fieldset>""")
 
@@ -2927,7 +2942,21 @@ APPROVAL_LIMIT_ROLE = "only a buyer has one: admins approve orders, bookkeepers 
 #: What became of a checkout above its buyer's approval limit.
 REQUEST_STATUSES = ("PENDING", "APPROVED", "DECLINED")
 REQUEST_DECIDED = "This request is decided already."
+REQUEST_TOTAL_CHANGED = ("Prices or tax changed since this page was shown: the order would now "
+                         "total {total}. Look at it again, then approve it or decline it.")
+REQUEST_ASKER_BLOCKED = "The buyer who asked is blocked: decline the request instead."
+#: Contacts a business's admins may invite within an hour (each invitation is an email).
+INVITES_PER_HOUR = 20
+TOO_MANY_INVITES = (f"At most {INVITES_PER_HOUR} invitations an hour: try again later.")
 MAX_DECLINE_REASON = 500
+#: The wholesale catalog (docs/catalog.md): quantity rules and price breaks, which storefront
+#: and dashboard orders keep (the API keeps the spec's rules: any whole number, the catalog
+#: price).
+MAX_PRICE_BREAKS = 10
+PRICE_BREAKS_RULE = (f"must be at most {MAX_PRICE_BREAKS} price breaks, each units (from 2, "
+                     f"more than the one before) and a price, such as 10 40.00")
+QUANTITY_RULE = "{name} is sold {rule}: {quantity} is not a quantity it is sold in."
+QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
 APPROVAL_NEEDED = ("Above your approval limit of {limit}, this order goes to your business's "
                    "admins: it is placed once one of them approves it.")
 ROLE_NOTE = "You sign in for {business} as its {role}."
@@ -3626,7 +3655,62 @@ def load_product(conn, company_id, product_id):
 
 
 _PRODUCT_FIELDS = ("name", "sku", "description", "category", "unit", "price_cents", "stock",
-                   "image_url", "is_active", "low_stock_threshold")
+                   "image_url", "is_active", "low_stock_threshold", "min_quantity",
+                   "order_multiple", "price_breaks")
+
+
+def check_price_breaks(breaks):
+    """A product's price breaks, [[units, price in cents], ...] by units ascending, checked
+    (None for none)."""
+    if not isinstance(breaks, list) or len(breaks) > MAX_PRICE_BREAKS:
+        raise invalid("priceBreaks", PRICE_BREAKS_RULE)
+    last = 1
+    for pair in breaks:
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+                and last < pair[0] <= MAX_QUANTITY and 0 <= pair[1] <= MAX_AMOUNT_CENTS):
+            raise invalid("priceBreaks", PRICE_BREAKS_RULE)
+        last = pair[0]
+    return [list(pair) for pair in breaks] or None
+
+
+def parse_price_breaks(text):
+    """Price breaks as people write them, one a line or separated by ";": units and a price,
+    such as "10 40.00; 50: 38.00"."""
+    breaks = []
+    for entry in filter(None, (e.strip() for e in re.split(r"[;\n]", text or ""))):
+        parts = re.split(r"[\s:=]+", entry)
+        cents = cents_from_text(parts[1]) if len(parts) == 2 else None
+        if cents is None or not re.fullmatch(r"\d{1,10}", parts[0]):
+            raise invalid("priceBreaks", PRICE_BREAKS_RULE)
+        breaks.append([int(parts[0]), cents])
+    return check_price_breaks(breaks)
+
+
+def price_breaks_of(product):
+    """[(units, price in cents)] of a product (a row), by units ascending."""
+    return [tuple(pair) for pair in json.loads(product["price_breaks"] or "[]")]
+
+
+def price_breaks_text(product):
+    """A product's price breaks as parse_price_breaks reads them ("10 40.00; 50 38.00")."""
+    return "; ".join(f"{units} {decimal_text(cents)}" for units, cents in price_breaks_of(product))
+
+
+def quantity_rule_text(product):
+    """A product's quantity rule in words ("from 12 units, in cases of 6"), "" for none."""
+    words = []
+    if product["min_quantity"] > 1:
+        words.append(f"from {product['min_quantity']} units")
+    if product["order_multiple"] > 1:
+        words.append(f"in cases of {product['order_multiple']}")
+    return ", ".join(words)
+
+
+def fitted_quantity(product, quantity):
+    """The least quantity at or above quantity that the product's rules allow."""
+    least = max(quantity, product["min_quantity"])
+    return -(-least // product["order_multiple"]) * product["order_multiple"]
 
 
 def _check_product_fields(fields):
@@ -3646,6 +3730,13 @@ def _check_product_fields(fields):
         raise invalid("lowStockThreshold", "must be a whole number >= 0")
     if fields.get("image_url") is not None and not valid_http_url(fields["image_url"]):
         raise invalid("imageUrl", "must be an http or https URL")
+    for column, field in (("min_quantity", "minQuantity"), ("order_multiple", "orderMultiple")):
+        if column in fields and not (isinstance(fields[column], int)
+                                     and 1 <= fields[column] <= MAX_QUANTITY):
+            raise invalid(field, f"must be a whole number from 1 to {MAX_QUANTITY}")
+    if fields.get("price_breaks") is not None:
+        breaks = check_price_breaks(fields["price_breaks"])
+        fields["price_breaks"] = breaks and json_text(breaks)
     unknown = set(fields) - set(_PRODUCT_FIELDS)
     if unknown:
         raise invalid(sorted(unknown)[0], "is not a product field")
@@ -3971,6 +4062,29 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
 # and price-clear). Storefront and dashboard orders use it; API orders use the catalog price,
 # as the spec says.
 
+def unit_price(product, own_cents, units):
+    """(cents, why) a unit of the product costs in a storefront or dashboard order of units
+    of it: the lowest of the catalog price ("catalog"), the customer's own (own_cents, or None:
+    "your price") and the price break units reach ("from N"). The lowest wins, so a buyer never
+    pays more for having a price of its own."""
+    found = [(product["price_cents"], "catalog")]
+    if own_cents is not None:
+        found.append((own_cents, "your price"))
+    reached = [pair for pair in price_breaks_of(product) if pair[0] <= units]
+    if reached:
+        found.append((reached[-1][1], f"from {reached[-1][0]}"))
+    return min(found, key=lambda option: option[0])
+
+
+def next_break(product, units, paid_cents):
+    """(units more, price in cents) of the nearest price break above units that pays less
+    than paid_cents, in quantities the product's rules allow; None without one."""
+    for at, cents in price_breaks_of(product):
+        if at > units and cents < paid_cents:
+            return fitted_quantity(product, at) - units, cents
+    return None
+
+
 def customer_prices_of(conn, customer_id, product_ids):
     """{product ID: the customer's own price in cents}, for those of product_ids that have one."""
     if not product_ids:  # PostgreSQL has no empty IN ()
@@ -4109,6 +4223,22 @@ def parse_order_request(body):
     return customer_id, lines, po_number, notes
 
 
+def order_prices(conn, source, customer_id, products, wanted):
+    """{product ID: unit price in cents} of an order of wanted ({product ID: units}) of
+    products (rows): the catalog's through the API (the spec); for storefront and dashboard
+    orders, unit_price's, once each product's quantity rules are met."""
+    if source == "api":
+        return {product_id: product["price_cents"] for product_id, product in products.items()}
+    for product_id, quantity in wanted.items():
+        product = products[product_id]
+        if fitted_quantity(product, quantity) != quantity:
+            raise ApiError(400, QUANTITY_RULE.format(
+                name=product["name"], rule=quantity_rule_text(product), quantity=quantity))
+    own = customer_prices_of(conn, customer_id, list(wanted))
+    return {product_id: unit_price(products[product_id], own.get(product_id), units)[0]
+            for product_id, units in wanted.items()}
+
+
 def place_order(conn, company_id, body, source="api", shipping_address=None,
                 checkout_token=None, actor=None, placed_by=None, approved_by=None):
     """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
@@ -4133,13 +4263,11 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
     for product_id in ids:
         if product_id not in products:
             raise ApiError(400, PRODUCT_UNAVAILABLE.format(id=product_id))
+    prices = order_prices(conn, source, customer_id, products, wanted)
     for product_id, quantity in wanted.items():
         product = products[product_id]
         if product["stock"] < quantity:
             raise StockShortage(product["name"], max(product["stock"], 0), quantity)
-    prices = {product_id: product["price_cents"] for product_id, product in products.items()}
-    if source != "api":
-        prices.update(customer_prices_of(conn, customer_id, ids))
     total = sum(prices[product_id] * quantity for product_id, quantity in lines)
     if total > MAX_CENTS:
         raise invalid("items", "order total is too large")
@@ -5931,8 +6059,14 @@ def add_contact(conn, company_id, customer_id, body, now_ms, invited_by=None):
                                 if name in body})
     role = changes.get("role", "buyer")
     _check_limit(role, changes.get("approval_limit_cents"))
-    if invited_by is not None and contact_by_email(conn, company_id, email) is not None:
-        return None
+    if invited_by is not None:
+        (recent,) = conn.execute(
+            "SELECT COUNT(*) FROM contacts WHERE customer_id = ? AND created_at > ?",
+            (customer_id, iso(now_ms - 3600 * 1000))).fetchone()
+        if recent >= INVITES_PER_HOUR:
+            raise ApiError(429, TOO_MANY_INVITES)
+        if contact_by_email(conn, company_id, email) is not None:
+            return None
     contact = insert_contact(conn, customer, email, role, changes.get("name"),
                              approval_limit_cents=changes.get("approval_limit_cents"))
     invite_contact(conn, company_id, contact["id"], now_ms, invited_by)
@@ -6212,13 +6346,13 @@ def stock_level(product):
 
 def catalog(conn, company_id, customer_id, query):
     """A page of the store's active products (search, category, cursor, limit) and
-    {product ID: the customer's price in cents}."""
+    {product ID: the customer's price in cents for the fewest units it may order}."""
     result = find_products(conn, company_id, {
         name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
         "active": "true"})
-    prices = {row["id"]: row["price_cents"] for row in result["data"]}
-    prices.update(customer_prices_of(conn, customer_id, list(prices)))
-    return result, prices
+    own = customer_prices_of(conn, customer_id, [row["id"] for row in result["data"]])
+    return result, {row["id"]: unit_price(row, own.get(row["id"]), row["min_quantity"])[0]
+                    for row in result["data"]}
 
 
 def store_categories(conn, company_id):
@@ -6233,31 +6367,34 @@ def store_categories(conn, company_id):
 
 
 def store_product(conn, company_id, customer_id, product_id):
-    """(product, the customer's price in cents) of an active product; an inactive one is not
-    found, as at the API's order placement."""
+    """(product, the customer's price in cents for the fewest units it may order) of an active
+    product; an inactive one is not found, as at the API's order placement."""
     product = load_product(conn, company_id, product_id)
     if not product["is_active"]:
         raise not_found("Product")
-    prices = customer_prices_of(conn, customer_id, [product_id])
-    return product, prices.get(product_id, product["price_cents"])
+    own = customer_prices_of(conn, customer_id, [product_id]).get(product_id)
+    return product, unit_price(product, own, product["min_quantity"])[0]
 
 
 def cart_of(conn, company_id, contact_id):
     """The contact's cart at its customer's prices today: {"lines": [{product, quantity,
-    unitPrice, lineTotal (cents), sold (false once the product is inactive)}], "total" (cents,
-    of the lines still sold), "taxRate" (the customer's today) and "tax" (cents, on the
-    total)}."""
+    unitPrice, lineTotal (cents), why (the price's reason: see unit_price), next (see
+    next_break), sold (false once the product is inactive)}], "total" (cents, of the lines
+    still sold), "taxRate" (the customer's today) and "tax" (cents, on the total)}."""
     customer = load_customer(conn, company_id,
                              load_contact(conn, company_id, contact_id)["customer_id"])
     rows = conn.execute(
         "SELECT p.*, c.quantity AS cart_quantity FROM cart_lines c JOIN products p ON p.id = "
         "c.product_id WHERE c.contact_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
         (contact_id, company_id)).fetchall()
-    prices = customer_prices_of(conn, customer["id"], [row["id"] for row in rows])
-    lines = [{"product": row, "quantity": row["cart_quantity"],
-              "unitPrice": prices.get(row["id"], row["price_cents"]),
-              "lineTotal": prices.get(row["id"], row["price_cents"]) * row["cart_quantity"],
-              "sold": bool(row["is_active"])} for row in rows]
+    own = customer_prices_of(conn, customer["id"], [row["id"] for row in rows])
+    lines = []
+    for row in rows:
+        cents, why = unit_price(row, own.get(row["id"]), row["cart_quantity"])
+        lines.append({"product": row, "quantity": row["cart_quantity"], "unitPrice": cents,
+                      "lineTotal": cents * row["cart_quantity"], "why": why,
+                      "next": next_break(row, row["cart_quantity"], cents),
+                      "sold": bool(row["is_active"])})
     total = sum(line["lineTotal"] for line in lines if line["sold"])
     rate = tax_rate_of(conn, company_id, customer)
     return {"lines": lines, "total": total, "taxRate": rate, "tax": tax_cents(total, rate)}
@@ -6270,7 +6407,9 @@ def cart_size(conn, contact_id):
 
 
 def add_to_cart(conn, company_id, contact_id, product_id, quantity):
-    """Put quantity more of an active product in the contact's cart; returns the product."""
+    """Put quantity more of an active product in the contact's cart, raised to the least its
+    rules allow. Returns (the product, the quantity the cart holds now, the note that says
+    the cart holds other than was asked, or None)."""
     require_contact(conn, company_id, contact_id, "order", verified=False)
     quantity = order_quantity(quantity)
     product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ? AND "
@@ -6282,24 +6421,38 @@ def add_to_cart(conn, company_id, contact_id, product_id, quantity):
     if line is None:
         if cart_size(conn, contact_id) >= MAX_ORDER_LINES:
             raise invalid("cart", CART_FULL)
+        held = fitted_quantity(product, quantity)
         conn.execute("INSERT INTO cart_lines (contact_id, product_id, quantity, added_at) "
-                     "VALUES (?, ?, ?, ?)", (contact_id, product_id, quantity, now_iso()))
-    else:
-        set_cart_quantity(conn, company_id, contact_id, product_id, line[0] + quantity)
-    return product_json(product)
+                     "VALUES (?, ?, ?, ?)", (contact_id, product_id, held, now_iso()))
+        return product_json(product), held, _fitted_note(product, quantity, held)
+    held, note = set_cart_quantity(conn, company_id, contact_id, product_id, line[0] + quantity)
+    return product_json(product), held, note
+
+
+def _fitted_note(product, asked, held):
+    if asked == held:
+        return None
+    return QUANTITY_FITTED.format(name=product["name"], rule=quantity_rule_text(product),
+                                  quantity=held)
 
 
 def set_cart_quantity(conn, company_id, contact_id, product_id, quantity):
-    """A cart line's new quantity; 0 removes the line (as does removing it)."""
+    """A cart line's new quantity, raised to the least the product's rules allow; 0 removes
+    the line (as does removing it). Returns (the quantity held, the note that says it is
+    other than asked, or None)."""
     load_contact(conn, company_id, contact_id)
     if quantity == 0:
         conn.execute("DELETE FROM cart_lines WHERE contact_id = ? AND product_id = ?",
                      (contact_id, product_id))
-        return
+        return 0, None
     quantity = order_quantity(quantity)
+    product = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ?",
+                           (product_id, company_id)).fetchone()
+    held = quantity if product is None else fitted_quantity(product, quantity)
     if not conn.execute("UPDATE cart_lines SET quantity = ? WHERE contact_id = ? AND "
-                        "product_id = ?", (quantity, contact_id, product_id)).rowcount:
+                        "product_id = ?", (held, contact_id, product_id)).rowcount:
         raise not_found("Cart line")
+    return held, _fitted_note(product, quantity, held)
 
 
 def parse_quick_order(text):
@@ -6323,7 +6476,8 @@ def parse_quick_order(text):
 
 def quick_order(conn, company_id, contact_id, text):
     """Lines of SKUs and quantities into the contact's cart. Returns {"added": [(product,
-    quantity)], "unknown": [each SKU that names no active product of the store, once]}."""
+    quantity)], "unknown": [each SKU that names no active product of the store, once],
+    "fitted": [the note of each product whose rules made the cart hold other than asked]}."""
     require_contact(conn, company_id, contact_id, "order", verified=False)
     entries = parse_quick_order(text)
     skus = list(dict.fromkeys(sku for sku, _ in entries))
@@ -6339,9 +6493,10 @@ def quick_order(conn, company_id, contact_id, text):
     wanted = collections.Counter()
     for product, quantity in added:  # a product once however many lines name it
         wanted[product["id"]] += quantity
-    for product_id, quantity in wanted.items():
-        add_to_cart(conn, company_id, contact_id, product_id, quantity)
-    return {"added": added, "unknown": [sku for sku in skus if sku not in found]}
+    fitted = [add_to_cart(conn, company_id, contact_id, product_id, quantity)[2]
+              for product_id, quantity in wanted.items()]
+    return {"added": added, "unknown": [sku for sku in skus if sku not in found],
+            "fitted": [note for note in fitted if note]}
 
 
 def buyer_orders(conn, company_id, customer_id, query):
@@ -6359,19 +6514,22 @@ def buyer_orders(conn, company_id, customer_id, query):
 
 def reorder(conn, company_id, contact_id, order_id):
     """A past order of the contact's customer, its lines into the contact's cart. Returns
-    {"added": [(product, quantity)], "skipped": [names of the products no longer sold]}."""
+    {"added": [(product, quantity)], "skipped": [names of the products no longer sold],
+    "fitted": [notes, as quick_order's]}."""
     buyer_order(conn, company_id, load_contact(conn, company_id, contact_id)["customer_id"],
                 order_id)
-    added, skipped = [], []
+    added, skipped, fitted = [], [], []
     for row in conn.execute(
             "SELECT p.*, i.quantity AS ordered FROM order_items i JOIN products p ON p.id = "
             "i.product_id WHERE i.order_id = ? ORDER BY i.position", (order_id,)).fetchall():
         if row["is_active"]:
-            product = add_to_cart(conn, company_id, contact_id, row["id"], row["ordered"])
+            product, _, note = add_to_cart(conn, company_id, contact_id, row["id"],
+                                           row["ordered"])
             added.append((product, row["ordered"]))
+            fitted += [note] if note else []
         elif row["name"] not in skipped:
             skipped.append(row["name"])
-    return {"added": added, "skipped": skipped}
+    return {"added": added, "skipped": skipped, "fitted": fitted}
 
 
 def parse_address(form):
@@ -6536,13 +6694,26 @@ def customer_requests(conn, company_id, customer_id, contact_id=None, status=Non
         f"ORDER BY r.created_at DESC, r.id DESC LIMIT {CHOICES_SHOWN}", values).fetchall()
 
 
-def request_lines(conn, request):
-    """(product name, SKU, quantity) of each line of an order request, in its order."""
+def request_quote(conn, company_id, request):
+    """An order request at today's prices, as its approval would place it: {"lines":
+    [(product name, SKU, quantity, unit price, line total (cents))], "total" (cents),
+    "taxRate", "tax" (cents)}."""
     lines = json.loads(request["lines"])
-    names = {row["id"]: (row["name"], row["sku"] or "") for row in conn.execute(
-        f"SELECT id, name, sku FROM products WHERE id IN ({','.join('?' * len(lines))})",
-        [line["productId"] for line in lines])}
-    return [(*names[line["productId"]], line["quantity"]) for line in lines]
+    wanted = collections.Counter()
+    for line in lines:
+        wanted[line["productId"]] += line["quantity"]
+    products = {row["id"]: row for row in conn.execute(
+        f"SELECT * FROM products WHERE id IN ({','.join('?' * len(wanted))})", list(wanted))}
+    own = customer_prices_of(conn, request["customer_id"], list(wanted))
+    quoted = []
+    for line in lines:
+        product = products[line["productId"]]
+        cents = unit_price(product, own.get(product["id"]), wanted[product["id"]])[0]
+        quoted.append((product["name"], product["sku"] or "", line["quantity"], cents,
+                       cents * line["quantity"]))
+    total = sum(line[4] for line in quoted)
+    rate = tax_rate_of(conn, company_id, load_customer(conn, company_id, request["customer_id"]))
+    return {"lines": quoted, "total": total, "taxRate": rate, "tax": tax_cents(total, rate)}
 
 
 def pending_requests(conn, company_id):
@@ -6566,10 +6737,13 @@ def _decide(conn, company_id, request_id, admin_id):
     return admin, request
 
 
-def approve_request(conn, company_id, request_id, admin_id):
-    """An admin approves: the order is placed now, as by its buyer, approved by the admin.
-    Returns the order's ID."""
+def approve_request(conn, company_id, request_id, admin_id, seen_total_cents=None):
+    """An admin approves: the order is placed now, as by its buyer, approved by the admin,
+    unless its buyer is blocked since, or it would total other than seen_total_cents (tax
+    included: what the admin's page showed). Returns the order's ID."""
     admin, request = _decide(conn, company_id, request_id, admin_id)
+    if load_contact(conn, company_id, request["contact_id"])["status"] == "BLOCKED":
+        raise ApiError(409, REQUEST_ASKER_BLOCKED)
     company = load_company(conn, company_id)
     order = storefront_place_order(
         conn, company["slug"], request["customer_id"], json.loads(request["lines"]),
@@ -6578,6 +6752,11 @@ def approve_request(conn, company_id, request_id, admin_id):
         checkout_token=request["checkout_token"],
         contact=load_contact(conn, company_id, request["contact_id"]), approved_by=admin["id"])
     require_credit(conn, company_id, request["customer_id"], order["id"])
+    placed = load_order(conn, company_id, order["id"])
+    if seen_total_cents is not None and \
+            placed["total_cents"] + placed["tax_cents"] != seen_total_cents:
+        raise ApiError(409, REQUEST_TOTAL_CHANGED.format(
+            total=amount_text(money(placed["total_cents"] + placed["tax_cents"]))))
     conn.execute("UPDATE order_requests SET status = 'APPROVED', decided_by = ?, decided_at = ?, "
                  "order_id = ? WHERE id = ?", (admin["id"], now_iso(), order["id"], request_id))
     return order["id"]
@@ -8869,7 +9048,7 @@ FIELD_OF_MESSAGE = {
     CUSTOMER_ID_REQUIRED: "customerId", NOT_FOUND.format(resource="Customer"): "customerId",
     ITEMS_REQUIRED: "items", PRODUCT_ID_REQUIRED: "items",
     QUANTITY_NOT_A_NUMBER: "items", QUANTITY_NOT_WHOLE: "items",
-    QUANTITY_TOO_SMALL: "items",
+    QUANTITY_TOO_SMALL: "items", QUANTITY_RULE: "items",
     TRACKING_URL_REQUIRED: "tracking.url",
     URL_REQUIRED: "url", INVALID_URL: "url",
     EVENTS_REQUIRED: "events", UNKNOWN_EVENT: "events",
@@ -9042,6 +9221,8 @@ DONE = {
     "webhook": "Saved: the webhook is switched.",
     "revoked": "Saved: the key is revoked; requests with it are refused from now on.",
     "again": "Saved: the email waits to be sent again.",
+    "fitted": "Saved, raised to the least quantity the product is sold in (its line says how "
+              "it is sold).",
     "requested": "Your order waits for approval: your business's admins are emailed, and this "
                  "page shows what they decide.",
     "approved": "Approved: the order is placed.",
@@ -9161,21 +9342,6 @@ def contact_body(form):
         if name in form:
             body[name] = form.get(name)
     return body
-
-
-def request_facts(visit, request):
-    """An order request's lines, total and state, as both its buyer and its admins see it."""
-    address = json.loads(request["shipping_address"])
-    order = request["order_id"] and link(f"{visit.surface.prefix}/orders/{request['order_id']}",
-                                         request["order_id"])
-    return render(REQUEST_FACTS, status=status_tag(request["status"]),
-                  asked=f"{when_text(request['created_at'])} by " + load_contact(
-                      visit.conn, request["company_id"], request["contact_id"])["email"],
-                  total=cents_text(request["total_cents"]), po=request["po_number"] or "none",
-                  ship_to=address_lines(address), reason=request["reason"] or "none",
-                  order=order or "none", lines=table(
-                      ("Product", "SKU", "Quantity"), request_lines(visit.conn, request),
-                      numeric=("Quantity",)))
 
 
 def invoice_document(visit, invoice, order_href):
@@ -9730,7 +9896,8 @@ def product_form(visit, action, product=None):
         visit.field("stock", "Stock", product.get("stock", 0), kind="number"),
         visit.field("lowStockThreshold", "Low-stock threshold",
                     "" if threshold is None else threshold, kind="number", min="0"),
-        visit.field("imageUrl", "Image URL", product.get("image_url"), kind="url")]
+        visit.field("imageUrl", "Image URL", product.get("image_url"), kind="url"),
+        *selling_fields(visit, product)]
     active = "isActive" in visit.form if visit.errors else product.get("is_active", 1)
     return visit.form_tag(action, join([
         render(GRID, cells=join(fields)),
@@ -9738,11 +9905,24 @@ def product_form(visit, action, product=None):
         render(ACTIVE_CHECK, checked=CHECKED if active else ""), render(SAVE, text="Save")]))
 
 
+def selling_fields(visit, product):
+    """A product's quantity rules and price breaks, as its form's fields (docs/catalog.md)."""
+    return [visit.field("minQuantity", "Fewest units a store or dashboard order may take",
+                        product.get("min_quantity", 1), kind="number", min="1"),
+            visit.field("orderMultiple", "Sold in cases of (units)",
+                        product.get("order_multiple", 1), kind="number", min="1"),
+            visit.field("priceBreaks", "Price breaks (units and price: 10 40.00; 50 38.00)",
+                        price_breaks_text(product) if product.get("price_breaks") else "")]
+
+
 def product_fields(form):
     fields = {"name": (form.get("name") or "").strip(), "unit": (form.get("unit") or "").strip(),
               "price_cents": form_amount(form, "price"), "stock": form_int(form, "stock"),
               "low_stock_threshold": form_int(form, "lowStockThreshold", required=False),
-              "is_active": int("isActive" in form)}
+              "is_active": int("isActive" in form),
+              "min_quantity": form_int(form, "minQuantity", required=False) or 1,
+              "order_multiple": form_int(form, "orderMultiple", required=False) or 1,
+              "price_breaks": parse_price_breaks(form.get("priceBreaks"))}
     for name, column in (("sku", "sku"), ("category", "category"), ("imageUrl", "image_url"),
                          ("description", "description")):
         fields[column] = form_text(form, name)
@@ -10953,6 +11133,27 @@ def level_tag(product):
     return _LEVEL_TAGS[stock_level(product)]
 
 
+def catalog_row(template, prefix, product, price, adds):
+    """A product's row of the catalog (adds: with the form that puts it in the cart)."""
+    terms = selling_text(product)
+    values = dict(href=f"{prefix}/products/{product['id']}", name=product["name"],
+                  sku=product["sku"] or "", unit=product["unit"] or "",
+                  terms=render(TERMS, text=terms) if terms else "", price=cents_text(price),
+                  level=level_tag(product))
+    if adds:
+        values.update(id=product["id"], start=fitted_quantity(product, 1))
+    return render(template, **values)
+
+
+def selling_text(product):
+    """How a product is sold, in a buyer's words: its quantity rule and its price breaks ("" for
+    neither)."""
+    rule = quantity_rule_text(product)
+    breaks = "; ".join(f"{units} or more: {cents_text(cents)} each"
+                       for units, cents in price_breaks_of(product))
+    return ". ".join(filter(None, ["Sold " + rule if rule else "", breaks]))
+
+
 def with_add_form(visit, template):
     """template (holding the form that puts a product in the cart) with all but the product
     filled in."""
@@ -10960,11 +11161,13 @@ def with_add_form(visit, template):
                             most=MAX_QUANTITY)
 
 
-def added_notice(added, missing_title, missing):
-    """What a quick order or a reorder put in the cart, and what it could not."""
+def added_notice(result, missing_title, missing):
+    """What a quick order or a reorder put in the cart (its result), what its products' rules
+    made of it, and what it could not add."""
     items = join(render(LIST_ITEM, text=f"{quantity} x {product['name']}")
-                 for product, quantity in added)
-    notice = render(ADDED, items=items) if added else render(NOTHING_ADDED)
+                 for product, quantity in result["added"])
+    notice = join([render(ADDED, items=items) if result["added"] else render(NOTHING_ADDED)] +
+                  [render(PARAGRAPH, text=note) for note in result["fitted"]])
     if missing:
         notice = join([notice, render(PARAGRAPH, text=f"{missing_title} {', '.join(missing)}")])
     return notice
@@ -10993,11 +11196,10 @@ def catalog_page(visit):
         visit.select("category", "Category",
                      [("", "All categories")] + [(c, c) for c in categories],
                      query.get("category"))]))
-    row = with_add_form(visit, STORE_CATALOG_ROW)
-    rows = [render(row, href=f"{prefix}/products/{product['id']}", name=product["name"],
-                   sku=product["sku"] or "", unit=product["unit"] or "",
-                   price=cents_text(prices[product["id"]]), level=level_tag(product),
-                   id=product["id"]) for product in result["data"]]
+    adds = may(visit, "order")
+    row = with_add_form(visit, STORE_CATALOG_ROW) if adds else STORE_CATALOG_ROW_VIEW
+    rows = [catalog_row(row, prefix, product, prices[product["id"]], adds)
+            for product in result["data"]]
     return visit.page("Catalog", join([
         search, table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
         pager(visit, result, prefix + "/products")]))
@@ -11010,9 +11212,11 @@ def store_product_page(visit, product_id):
     return visit.page(product["name"], render(
         STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
         unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
+        terms=selling_text(product) or "in any quantity",
         description=render(PARAGRAPH, text=product["description"])
         if product["description"] else "",
-        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id)))
+        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id,
+                   start=fitted_quantity(product, 1)) if may(visit, "order") else ""))
 
 
 @buyer_page("GET", "/store/<slug>/cart", right="order")
@@ -11042,26 +11246,35 @@ def cart_row(visit, line):
         CART_QUANTITY, most=MAX_QUANTITY, quantity=view.value("quantity", line["quantity"]),
         name=product["name"], error=view.error("quantity")), css="inline")
     remove = visit.button(action + "/remove", "Remove", "secondary")
-    return (join([name, LINE_BREAK, remove]), quantity, cents_text(line["unitPrice"]),
+    terms = selling_text(product)
+    return (join([name, render(TERMS, text=terms) if terms else "", LINE_BREAK, remove]),
+            quantity, join([cents_text(line["unitPrice"]), price_reason(line)]),
             cents_text(line["lineTotal"]))
+
+
+def price_reason(line):
+    """Under a cart line's unit price: which price applied, and what one more case saves."""
+    why = {"catalog": "", "your price": "your price"}.get(line["why"], line["why"] + " units")
+    more = line["next"] and (f"{line['next'][0]} more: {cents_text(line['next'][1])} each")
+    return join(render(TERMS, text=text) for text in (why, more) if text)
 
 
 @buyer_page("POST", "/store/<slug>/cart", refused=cart_page, right="order")
 def add_to_cart_action(visit):
     quantity = form_number(visit.form, "quantity")
     with visit.write() as conn:
-        product = add_to_cart(conn, visit.company_id, visit.session["account_id"],
-                              visit.form.get("productId", ""), quantity)
-    visit.notice = f"Added {quantity} x {product['name']} to your cart."
+        product, _, note = add_to_cart(conn, visit.company_id, visit.session["account_id"],
+                                       visit.form.get("productId", ""), quantity)
+    visit.notice = note or f"Added {quantity} x {product['name']} to your cart."
     return cart_page(visit)
 
 
 @buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page, right="order")
 def cart_quantity_action(visit, product_id):
     with visit.write() as conn:
-        set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id,
-                          form_number(visit.form, "quantity"))
-    return redirect(visit.surface.prefix + "/cart")
+        _, note = set_cart_quantity(conn, visit.company_id, visit.session["account_id"],
+                                    product_id, form_number(visit.form, "quantity"))
+    return redirect(visit.surface.prefix + "/cart", "fitted" if note else None)
 
 
 @buyer_page("POST", "/store/<slug>/cart/lines/<product_id>/remove", refused=cart_page,
@@ -11096,7 +11309,7 @@ def quick_order_action(visit):
     with visit.write() as conn:
         result = quick_order(conn, visit.company_id, visit.session["account_id"],
                              visit.form.get("lines", "") if text is None else text)
-    visit.notice = added_notice(result["added"], "Not found or no longer sold (SKU):",
+    visit.notice = added_notice(result, "Not found or no longer sold (SKU):",
                                 result["unknown"])
     return cart_page(visit)
 
@@ -11106,31 +11319,36 @@ def reorder_action(visit):
     with visit.write() as conn:
         result = reorder(conn, visit.company_id, visit.session["account_id"],
                          visit.form.get("orderId", ""))
-    visit.notice = added_notice(result["added"], "No longer sold, so not added:",
-                                result["skipped"])
+    visit.notice = added_notice(result, "No longer sold, so not added:", result["skipped"])
     return cart_page(visit)
 
 
 @buyer_page("GET", "/store/<slug>/checkout", right="order")
 def checkout_page(visit):
-    prefix, me = visit.surface.prefix, visit.session["account_id"]
-    cart = cart_of(visit.conn, visit.company_id, me)
-    limit = signed_in_contact(visit)["approval_limit_cents"]
+    prefix, cart = visit.surface.prefix, cart_of(visit.conn, visit.company_id,
+                                                 visit.session["account_id"])
     if not cart["lines"]:
         return visit.page("Checkout", render(CART_EMPTY_CARD, message=CART_EMPTY, prefix=prefix))
-    summary = lines_table([(line["product"]["name"], line["quantity"],
-                            cents_text(line["unitPrice"]), cents_text(line["lineTotal"]))
-                           for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
+    limit = visit.session["approval_limit_cents"]
+    above = limit is not None and cart["total"] + cart["tax"] > limit
     form = visit.form_tag(prefix + "/checkout", render(
         CHECKOUT_FORM, token=visit.value("token", secrets.token_urlsafe(24)),
         address=address_fields(visit, customer_addresses(visit.conn,
                                                          visit.session["customer_id"])),
         po=visit.field("poNumber", "PO number (optional)", maxlength=MAX_PO_NUMBER),
         notes=visit.field("notes", "Notes (optional)", kind="textarea",
-                          maxlength=MAX_ORDER_NOTES)))
-    above = limit is not None and cart["total"] + cart["tax"] > limit
-    return visit.page("Checkout", join([summary, render(NOTE, text=APPROVAL_NEEDED.format(
-        limit=cents_text(limit))) if above else "", form]))
+                          maxlength=MAX_ORDER_NOTES),
+        button="Ask for approval" if above else "Place order"))
+    note = render(CARD, body=render(PARAGRAPH, text=APPROVAL_NEEDED.format(
+        limit=cents_text(limit)))) if above else ""
+    return visit.page("Checkout", join([cart_summary(cart), note, form]))
+
+
+def cart_summary(cart):
+    """A cart's lines and totals, as checkout shows them above its form."""
+    return lines_table([(line["product"]["name"], line["quantity"],
+                         cents_text(line["unitPrice"]), cents_text(line["lineTotal"]))
+                        for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
 
 
 def address_fields(visit, saved):
@@ -11197,7 +11415,8 @@ def store_order_page(visit, order_id):
         lines=buyer_order_lines(order, row),
         timeline=order_timeline(visit, order_id),
         again=visit.button(prefix + "/cart/reorder", "Order these again", "secondary",
-                           orderId=order_id), returns=buyer_order_returns(visit, row)))
+                           orderId=order_id) if may(visit, "order") else "",
+        returns=buyer_order_returns(visit, row)))
 
 
 def buyer_invoice_link(visit, order_id):
@@ -11268,7 +11487,7 @@ def buyer_order_returns(visit, order):
                                                   for name, _, units in lines[r["id"]])),
                     reason=r["reason"])
              for r in returns]
-    form = return_request_form(visit, order)
+    form = return_request_form(visit, order) if may(visit, "order") else ""
     if not shown and not form:
         return ""
     return join([render(HEADING, text="Returns"), *shown, form])
@@ -11350,6 +11569,28 @@ def store_update_contact_action(visit, contact_id):
     return redirect(visit.surface.prefix + "/contacts", "contact")
 
 
+def request_facts(visit, request, quote):
+    """An order request's lines at today's prices (quote: request_quote's), its total when
+    asked and its state, as both its buyer and its admins see it."""
+    asker = load_contact(visit.conn, request["company_id"], request["contact_id"])
+    decision = ""
+    if request["order_id"]:
+        decision = render(DECISION, term="Order", value=link(
+            f"{visit.surface.prefix}/orders/{request['order_id']}", request["order_id"]))
+    elif request["reason"]:
+        decision = render(DECISION, term="Reason declined", value=request["reason"])
+    blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""
+    return render(REQUEST_FACTS, status=status_tag(request["status"]),
+                  asked=f"{when_text(request['created_at'])} by {asker['email']}{blocked}",
+                  total=cents_text(request["total_cents"]), po=request["po_number"] or "none",
+                  notes=request["notes"] or "none",
+                  ship_to=address_lines(json.loads(request["shipping_address"])),
+                  decision=decision, lines=lines_table(
+                      [(name, quantity, cents_text(unit), cents_text(line))
+                       for name, _, quantity, unit, line in quote["lines"]],
+                      quote["total"], quote["taxRate"], quote["tax"]))
+
+
 def my_requests(visit, status=None):
     """The order requests the contact sees: all of its business's for an admin, else its own."""
     return customer_requests(visit.conn, visit.company_id, visit.session["customer_id"],
@@ -11373,14 +11614,16 @@ def store_request_page(visit, request_id):
                            visit.session["customer_id"])
     if not may(visit, "manage") and request["contact_id"] != visit.session["account_id"]:
         raise not_found("Order request")
-    path = f"{visit.surface.prefix}/requests/{request_id}"
+    path, quote = f"{visit.surface.prefix}/requests/{request_id}", request_quote(
+        visit.conn, visit.company_id, request)
     decide = "" if request["status"] != "PENDING" or not may(visit, "manage") else join([
-        visit.button(path + "/approve", "Approve and place the order"),
+        visit.button(path + "/approve", "Approve and place the order",
+                     total=quote["total"] + quote["tax"]),
         visit.form_tag(path + "/decline", join([
             visit.field("reason", "Why it is declined (the buyer is emailed this)",
                         kind="textarea", maxlength=MAX_DECLINE_REASON),
             render(SUBMIT, text="Decline")]))])
-    return visit.page("Order request", join([request_facts(visit, request), decide]))
+    return visit.page("Order request", join([request_facts(visit, request, quote), decide]))
 
 
 @buyer_page("POST", "/store/<slug>/requests/<request_id>/approve", refused=store_request_page,
@@ -11388,7 +11631,8 @@ def store_request_page(visit, request_id):
 def approve_request_action(visit, request_id):
     with visit.write() as conn:
         order_id = approve_request(conn, visit.company_id, request_id,
-                                   visit.session["account_id"])
+                                   visit.session["account_id"],
+                                   form_int(visit.form, "total", required=False))
     return redirect(f"{visit.surface.prefix}/orders/{order_id}", "approved")
 
 
@@ -12023,7 +12267,10 @@ _PRODUCT_OPTIONS = (("name", "name", str), ("price", "price_cents", _amount),
                     ("stock", "stock", _non_negative), ("category", "category", str),
                     ("sku", "sku", str), ("unit", "unit", str),
                     ("description", "description", str), ("image-url", "image_url", str),
-                    ("low-stock-threshold", "low_stock_threshold", _non_negative))
+                    ("low-stock-threshold", "low_stock_threshold", _non_negative),
+                    ("min-quantity", "min_quantity", _positive),
+                    ("order-multiple", "order_multiple", _positive),
+                    ("price-breaks", "price_breaks", str))
 
 
 def _product_options(creating):
@@ -12036,7 +12283,7 @@ def _product_fields(args):
     for option, column, _ in _PRODUCT_OPTIONS:
         value = getattr(args, option.replace("-", "_"))
         if value is not None:
-            fields[column] = value
+            fields[column] = parse_price_breaks(value) if column == "price_breaks" else value
     return fields
 
 

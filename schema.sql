@@ -57,8 +57,15 @@ CREATE TABLE IF NOT EXISTS products (
     updated_at           TEXT NOT NULL,
     company_id           TEXT NOT NULL REFERENCES companies(id),
     low_stock_threshold  INTEGER,
-    low_stock_alerted    INTEGER NOT NULL DEFAULT 0   -- product.low_stock fired, not yet re-armed
+    low_stock_alerted    INTEGER NOT NULL DEFAULT 0,  -- product.low_stock fired and not re-armed yet
+    min_quantity         INTEGER NOT NULL DEFAULT 1 CHECK (min_quantity >= 1),
+    order_multiple       INTEGER NOT NULL DEFAULT 1 CHECK (order_multiple >= 1),
+    price_breaks         TEXT
 );
+-- A product's quantity rules (the fewest units an order's line takes, the case pack its
+-- units come in) and price breaks hold for storefront and dashboard orders only: the API
+-- takes any whole number from 1, at the catalog price (the spec). price_breaks is JSON: a list
+-- of [units from, price in cents] pairs, by units ascending.
 CREATE INDEX IF NOT EXISTS products_by_company_newest
     ON products (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS products_by_company_category_newest

@@ -3153,6 +3153,13 @@ ROLE_LINKS = {"admin": ["Catalog", "Cart (0)", "Orders", "Requests", "Statement"
               "bookkeeper": ["Catalog", "Orders", "Statement", "Account"]}
 
 
+def wholesale_rice(tenant):
+    """A product sold from 12 units in cases of 6, 40.00 from 24 units and 38.00 from 48."""
+    return tenant.product("Rice 25kg", sku="GR-RICE-25", unit="bag", price_cents=4250,
+                          stock=1000, min_quantity=12, order_multiple=6,
+                          price_breaks=[[24, 4000], [48, 3800]])
+
+
 def alert_of(page):
     return page.html.find(class_="alert").get_text()
 
@@ -3808,7 +3815,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3832,7 +3839,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 10
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 11
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3849,7 +3856,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 10
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 11
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM contact_tokens").fetchone()[0] == 0
@@ -3870,7 +3877,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3890,7 +3897,7 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
@@ -3904,7 +3911,7 @@ def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_ow
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_8)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
             == (0,)
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
@@ -3922,7 +3929,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -3962,7 +3969,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -5868,6 +5875,52 @@ def test_inactive_products_are_listed_and_the_toggle_sends_the_light_payload(app
     main_form(page).submit(status=303)
     assert one(receiver, "product.updated")["json"]["data"] == {
         "id": product["id"], "sku": None, "name": "Old Tea", "isActive": True}
+
+
+def test_a_products_rules_and_price_breaks_are_set_and_checked_on_its_form(app, browser,
+                                                                           tenant):
+    product = tenant.product("Rice 25kg")
+    page = browser.get(f"/dashboard/products/{product['id']}")
+    form = form_to(page, f"/dashboard/products/{product['id']}")
+    assert (form["minQuantity"].value, form["orderMultiple"].value,
+            form["priceBreaks"].value) == ("1", "1", "")
+    form["minQuantity"], form["orderMultiple"] = "12", "6"
+    form["priceBreaks"] = "48 38.00; 24 40.00"
+    refused = form.submit(status=400)
+    assert field_error(refused, "priceBreaks") == ordering.PRICE_BREAKS_RULE
+    form = form_to(refused, f"/dashboard/products/{product['id']}")
+    form["priceBreaks"] = "24 40.00\n48: 38"
+    form.submit(status=303)
+    form = form_to(browser.get(f"/dashboard/products/{product['id']}"),
+                   f"/dashboard/products/{product['id']}")
+    assert (form["minQuantity"].value, form["orderMultiple"].value,
+            form["priceBreaks"].value) == ("12", "6", "24 40.00; 48 38.00")
+    row = tenant.db.conn.execute("SELECT min_quantity, order_multiple, price_breaks FROM "
+                                 "products WHERE id = ?", (product["id"],)).fetchone()
+    assert tuple(row) == (12, 6, "[[24,4000],[48,3800]]")
+    for text in ("1 5.00", "10 5.00; 10 4.00", "10", "ten 5.00", "10 5.001",
+                 "; ".join(f"{n} 1.00" for n in range(2, 13))):
+        with pytest.raises(ordering.ApiError) as refused:
+            ordering.parse_price_breaks(text)
+        assert refused.value.details == [{"field": "priceBreaks",
+                                          "rule": ordering.PRICE_BREAKS_RULE}], text
+
+
+def test_product_commands_set_the_rules_and_refuse_what_breaks_them(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Rule Foods")
+    made = cli_json(db_path, "product-create", "--company", company["id"], "--name", "Tea",
+                    "--price", "10.00", "--min-quantity", "6", "--order-multiple", "6",
+                    "--price-breaks", "12:9.00")
+    assert "minQuantity" not in made  # the API's product record is the spec's
+    cli_json(db_path, "product-update", made["id"], "--price-breaks", "")
+    row = read_db(db_path).execute("SELECT min_quantity, order_multiple, price_breaks FROM "
+                                   "products").fetchone()
+    assert tuple(row) == (6, 6, None)
+    cli_refuses(db_path, "product-update", made["id"], "--price-breaks", "12",
+                message=f"Validation failed.\n  priceBreaks: {ordering.PRICE_BREAKS_RULE}")
+    cli_refuses(db_path, "product-update", made["id"], "--min-quantity", "0",
+                message="argument --min-quantity: must be 1 or more")
+
 
 
 # 8.4 Stock changes ---------------------------------------------------------------------------
@@ -9881,6 +9934,23 @@ def test_contacts_are_added_listed_and_changed_by_command_with_every_refusal(db_
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 1
 
 
+def test_a_version_10_database_gives_its_products_rules_that_allow_any_quantity(
+        app, tenant, database):
+    rice = tenant.product("Rice 25kg")
+
+    def back(conn):
+        for column in ("min_quantity", "order_multiple", "price_breaks"):
+            conn.execute(f"ALTER TABLE products DROP COLUMN {column}")
+        conn.engine.set_schema_version(conn, 10)
+    db = reopened_from(app, database, back)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        row = ordering.load_product(db.conn, tenant.id, rice["id"])
+        assert (row["min_quantity"], row["order_multiple"], row["price_breaks"]) == (1, 1, None)
+    finally:
+        db.close()
+
+
 def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_had(
         app, tenant, database):
     product = tenant.product()
@@ -9898,7 +9968,7 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
     db = reopened_from(app, database, back)
     try:
         conn = db.conn
-        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 10
+        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 11
         contacts = {row["email"]: row for row in conn.execute("SELECT * FROM contacts")}
         mine, theirs = contacts["buyer@cafe.example"], contacts["api@cafe.example"]
         assert (mine["customer_id"], mine["role"], mine["status"], mine["name"],
@@ -9944,6 +10014,11 @@ def test_every_page_and_form_of_the_store_answers_each_role_as_its_table_says(ap
     for role, browser in browsers.items():
         links = browser.get(store_of(tenant) + "/account").html.select("header nav a")
         assert [a.get_text() for a in links] == ROLE_LINKS[role], role
+        adds = [form.action.rsplit("/", 2)[-2:] for url in (
+            "/products", f"/products/{product['id']}", f"/orders/{order['id']}")
+            for form in browser.get(store_of(tenant) + url).forms.values()
+            if "/cart" in form.action or "/returns" in form.action]
+        assert bool(adds) == (role != "bookkeeper"), role  # no form a role may not send
     seen = []
     for method, path, fields, statuses in ROLE_CELLS:
         for role, browser in browsers.items():
@@ -10012,8 +10087,9 @@ def test_a_checkout_above_the_limit_waits_for_an_admin_who_approves_or_declines_
                                 "co-owner@cafe.example", "admin", "Cy", BUYER_PASSWORD, True)
     bea, _ = store_sign_in(app, tenant, "bea@cafe.example")
     put_in_cart(bea, tenant, product["id"], 2)
-    assert html_text(ordering.APPROVAL_NEEDED.format(limit="50.00")) in bea.get(
-        store_of(tenant) + "/checkout").text
+    page = bea.get(store_of(tenant) + "/checkout")
+    assert html_text(ordering.APPROVAL_NEEDED.format(limit="50.00")) in page.text
+    assert main_form(page).html.find("button").get_text() == "Ask for approval"
     form = checkout_form(bea, tenant, **BUYER_ADDRESS)
     asked = form.submit(status=303)
     assert re.search(r"/store/acme-wholesale/requests/req_\w+\?done=requested$", asked.location)
@@ -10021,7 +10097,8 @@ def test_a_checkout_above_the_limit_waits_for_an_admin_who_approves_or_declines_
     page = asked.follow()
     assert notice_of(page) == ordering.DONE["requested"]
     assert [dd.get_text() for dd in page.html.select("dl.facts dd")][0] == "PENDING"
-    assert table_rows(page) == [["Rice 25kg", "", "2"]]
+    assert table_rows(page) == [["Rice 25kg", "2", "42.50", "85.00"],
+                                ["Total", "", "", "85.00"]]
     assert (tenant.stock(product["id"]), cart_rows(app, customer["id"])) == (3, [])
     assert store_events(app, "order.created") == []
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
@@ -10040,6 +10117,18 @@ def test_a_checkout_above_the_limit_waits_for_an_admin_who_approves_or_declines_
     assert tenant.db.conn.execute("SELECT status FROM order_requests").fetchone()[0] == "PENDING"
     with tenant.db.write() as conn:
         ordering.adjust_stock(conn, tenant.id, product["id"], 2, "Found")
+    seen = form_to(owner.get(request_path), "/approve")  # at 42.50 a unit
+    tenant.update_product(product["id"], price_cents=50000)
+    changed = seen.submit(status=409)
+    assert html_text(ordering.REQUEST_TOTAL_CHANGED.format(total="1,000.00")) in changed.text
+    tenant.update_product(product["id"], price_cents=4250)
+    with tenant.db.write() as conn:
+        ordering.update_contact(conn, tenant.id, contacts["buyer"]["id"], {"status": "BLOCKED"})
+    assert ordering.REQUEST_ASKER_BLOCKED in form_to(owner.get(request_path), "/approve").submit(
+        status=409).text
+    with tenant.db.write() as conn:
+        ordering.update_contact(conn, tenant.id, contacts["buyer"]["id"], {"status": "ACTIVE"})
+    bea, _ = store_sign_in(app, tenant, "bea@cafe.example")  # her sessions ended
     placed = form_to(owner.get(request_path), "/approve").submit(status=303)
     order_id = placed.location.split("/orders/")[1].split("?")[0]
     assert notice_of(placed.follow()) == ordering.DONE["approved"]
@@ -10161,6 +10250,10 @@ def test_an_admin_invites_at_the_store_and_an_address_with_an_account_learns_not
                       f"/contacts/{contacts['admin']['id']}")
     refused["role"] = "buyer"
     assert ordering.LAST_ADMIN in refused.submit(status=409).text
+    for n in range(ordering.INVITES_PER_HOUR - 4):  # its four contacts came within the hour
+        store_post(owner, tenant, "/contacts", 303, email=f"c{n}@cafe.example", role="buyer")
+    page = store_post(owner, tenant, "/contacts", 429, email="one@more.example", role="buyer")
+    assert ordering.TOO_MANY_INVITES in page.text
 
 
 def test_an_email_signs_in_to_one_account_at_a_store(api, app, tenant):
@@ -10522,7 +10615,7 @@ def test_the_catalog_shows_active_products_at_the_buyers_own_price_and_a_stock_l
     facts = dict(zip([dt.get_text() for dt in product.html.select("dl.facts dt")],
                      [dd.get_text() for dd in product.html.select("dl.facts dd")]))
     assert facts == {"SKU": "GR-RICE-25", "Category": "", "Unit": "each", "Your price": "39.90",
-                     "Availability": "In stock"}
+                     "Sold": "in any quantity", "Availability": "In stock"}
     assert "7919" not in product.text
 
 
@@ -11141,6 +11234,66 @@ def test_a_buyer_orders_only_once_its_address_is_confirmed(app, tenant):
     store_visitor(app).get(emailed_path(app, "account_verify"), status=200)
     catalog = buyer.get(store_of(tenant) + "/products")
     assert "42.50" in catalog.text and "Confirm your email" not in catalog.text
+
+
+def test_quantity_rules_and_price_breaks_hold_at_every_storefront_and_dashboard_path(
+        app, api, tenant, browser):
+    rice = wholesale_rice(tenant)
+    customer, buyer = shopper(app, tenant)
+    page = buyer.get(store_of(tenant) + "/products")
+    terms = ("Sold from 12 units, in cases of 6. 24 or more: 40.00 each; 48 or more: 38.00 "
+             "each")
+    assert table_rows(page)[0][:2] == [f"Rice 25kg GR-RICE-25 bag {terms}", "42.50"]
+    assert form_to(page, "/cart")["quantity"].value == "12"
+    added = put_in_cart(buyer, tenant, rice["id"], 5)
+    assert notice_of(added) == ordering.QUANTITY_FITTED.format(
+        name="Rice 25kg", rule="from 12 units, in cases of 6", quantity=12)
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 12)]
+    form = form_to(buyer.get(store_of(tenant) + "/cart"), f"/cart/lines/{rice['id']}")
+    form["quantity"] = "13"
+    changed = form.submit(status=303)
+    assert changed.location.endswith("/cart?done=fitted")
+    assert cart_rows(app, customer["id"]) == [(rice["id"], 18)]
+    page = quick(buyer, tenant, "GR-RICE-25 1")
+    assert ordering.QUANTITY_FITTED.format(name="Rice 25kg", rule="from 12 units, in cases of 6",
+                                           quantity=24) in notice_of(page)
+    [line, *_] = table_rows(page)
+    assert line[2:] == ["40.00 from 24 units 24 more: 38.00 each", "960.00"]
+    with tenant.db.write() as conn:  # a price of its own wins while it is the lowest
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3900)
+    assert table_rows(buyer.get(store_of(tenant) + "/cart"))[0][2:] == [
+        "39.00 your price 24 more: 38.00 each", "936.00"]
+
+    past = place(api, tenant, [{"productId": rice["id"], "quantity": 7}],
+                 customer_id=customer["id"]).json["data"]  # the API keeps the spec's rules
+    assert (past["items"][0]["quantity"], past["items"][0]["unitPrice"]) == (7, 42.5)
+    page = form_to(buyer.get(f"{store_of(tenant)}/orders/{past['id']}"), "/cart/reorder").submit()
+    assert ordering.QUANTITY_FITTED.format(name="Rice 25kg", rule="from 12 units, in cases of 6",
+                                           quantity=36) in notice_of(page)
+    tenant.update_product(rice["id"], order_multiple=5)  # the rules changed under the cart
+    before = buyer_rows(tenant.db)
+    refused = check_out(buyer, tenant, 400, **BUYER_ADDRESS)
+    assert html_text(ordering.QUANTITY_RULE.format(
+        name="Rice 25kg", rule="from 12 units, in cases of 5", quantity=36)) in refused.text
+    assert buyer_rows(tenant.db)["orders"] == before["orders"]
+    form = form_to(buyer.get(store_of(tenant) + "/cart"), f"/cart/lines/{rice['id']}")
+    form["quantity"] = "50"
+    form.submit(status=303)
+    placed = check_out(buyer, tenant, **BUYER_ADDRESS).location.split("/orders/")[1][:36]
+    order = ordering.order_with_items(tenant.db.conn, tenant.id, placed.split("?")[0])
+    assert (order["items"][0]["quantity"], order["items"][0]["unitPrice"]) == (50, 38)
+
+    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form["customerId"], form["productId0"], form["quantity0"] = customer["id"], rice["id"], "7"
+    refused = form.submit(status=400)
+    assert html_text(ordering.QUANTITY_RULE.format(
+        name="Rice 25kg", rule="from 12 units, in cases of 5", quantity=7)) in refused.text
+    form = form_to(refused, "/dashboard/orders")
+    form["quantity0"] = "25"
+    made = form.submit(status=303).location.split("/orders/")[1].split("?")[0]
+    assert ordering.order_with_items(tenant.db.conn, tenant.id, made)["items"][0][
+        "unitPrice"] == 39  # its own price beats the break from 24 (40.00)
+
 
 
 # 11.3 Records as the database writes them ----------------------------------------------------
