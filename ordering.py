@@ -47,7 +47,7 @@ ones above it.
                    11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
                    checkout, order requests above an approval limit, a buyer's orders);
                    11.3 records as the database writes them (the API's reads of products and
-                   orders)
+                   orders); 11.4 spreadsheets (CSV out, streamed)
  12. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; 12.1 webhooks (signing, address checks, the POST); 12.2 email
                    (SMTP, TLS, retries, message building); 12.3 channels (which ones an app's
@@ -78,6 +78,7 @@ import base64
 import collections
 import contextlib
 import copy
+import csv
 import ctypes
 import dataclasses
 import datetime
@@ -94,6 +95,7 @@ import html
 import http.client
 import io
 import ipaddress
+import itertools
 import json
 import logging
 import math
@@ -2957,6 +2959,8 @@ PRICE_BREAKS_RULE = (f"must be at most {MAX_PRICE_BREAKS} price breaks, each uni
                      f"more than the one before) and a price, such as 10 40.00")
 QUANTITY_RULE = "{name} is sold {rule}: {quantity} is not a quantity it is sold in."
 QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
+EXPORT_KINDS = ("orders", "products", "customers", "prices", "invoices")
+EXPORT_KIND_MESSAGE = f"Export one of {', '.join(EXPORT_KINDS)}."
 APPROVAL_NEEDED = ("Above your approval limit of {limit}, this order goes to your business's "
                    "admins: it is placed once one of them approves it.")
 ROLE_NOTE = "You sign in for {business} as its {role}."
@@ -6863,6 +6867,148 @@ def api_orders(conn, company_id, query):
     return dict(page, data=records_json(conn, company_id, "orders", page["data"]))
 
 
+# 11.4 Spreadsheets ---------------------------------------------------------------------------
+# CSV out (docs/spreadsheets.md): a company's orders (a row per line), products, customers,
+# customer prices and invoices, as Excel and LibreOffice open them (UTF-8 with a byte-order
+# mark). Rows are read a batch at a time, after the last one's (created_at, id), and written as
+# they are read: memory holds one batch whatever the rows. A cell that a spreadsheet would take
+# for a formula is neutralised (OWASP, CSV injection).
+
+#: What export writes, and the columns of each (the products' are what an import reads).
+EXPORT_COLUMNS = {
+    "orders": ("order_id", "placed_at", "status", "customer_email", "customer_name",
+               "po_number", "sku", "product", "quantity", "unit_price", "line_total",
+               "order_subtotal", "order_tax", "order_total"),
+    "products": ("sku", "name", "category", "unit", "price", "stock", "low_stock_threshold",
+                 "active", "min_quantity", "order_multiple", "price_breaks", "image_url",
+                 "description", "id"),
+    "customers": ("email", "name", "status", "credit_limit", "tax_rate_override",
+                  "payment_terms_days", "notes", "id"),
+    "prices": ("customer_email", "sku", "product", "price"),
+    "invoices": ("number", "issued", "due", "status", "customer_email", "order_id", "subtotal",
+                 "tax", "total", "paid", "credited", "balance"),
+}
+EXPORT_BATCH = 500
+_PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
+def csv_cell(value):
+    """A value as a cell: nothing for None; text that starts as a formula would (=, +, -, @, a
+    tab or a carriage return) after an apostrophe, unless it is a plain number."""
+    if value is None:
+        return ""
+    text = str(value)
+    if text[:1] in ("=", "+", "-", "@", "\t", "\r") and not _PLAIN_NUMBER.fullmatch(text):
+        return "'" + text
+    return text
+
+
+def csv_text(rows):
+    """The CSV text of rows (a header first), a row at a time, after a byte-order mark."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\r\n")
+    yield "\ufeff"
+    for row in rows:
+        out.seek(0)
+        out.truncate()
+        writer.writerow([csv_cell(value) for value in row])
+        yield out.getvalue()
+
+
+def in_batches(conn, select, params, since=None, until=None):
+    """The rows of select (a statement of one table, aliased t, ending in its WHERE clause),
+    made from since until before until (ISO text), oldest first: a batch at a time."""
+    after, where = ("", ""), ""
+    for bound, test in ((since, ">="), (until, "<")):
+        if bound is not None:
+            where, params = f"{where} AND t.created_at {test} ?", [*params, bound]
+    while True:
+        rows = conn.execute(
+            f"{select}{where} AND (t.created_at > ? OR (t.created_at = ? AND t.id > ?)) "
+            f"ORDER BY t.created_at, t.id LIMIT {EXPORT_BATCH}",
+            [*params, after[0], after[0], after[1]]).fetchall()
+        yield rows
+        if len(rows) < EXPORT_BATCH:
+            return
+        after = (rows[-1]["created_at"], rows[-1]["id"])
+
+
+def _order_rows(conn, company_id, since, until):
+    for orders in in_batches(conn, "SELECT t.*, c.email, c.name AS customer_name FROM orders t "
+                                   "LEFT JOIN customers c ON c.id = t.customer_id "
+                                   "WHERE t.company_id = ?", [company_id], since, until):
+        items = collections.defaultdict(list)
+        ids = [order["id"] for order in orders]
+        for item in conn.execute(_ITEMS_OF_ORDERS.format(",".join("?" * len(ids))),
+                                 ids).fetchall() if ids else ():
+            items[item["order_id"]].append(item)
+        for order in orders:
+            total = order["total_cents"]
+            for item in items[order["id"]]:
+                yield (order["id"], order["created_at"], order["status"], order["email"],
+                       order["customer_name"], order["po_number"], item["product_sku"],
+                       item["product_name"], item["quantity"],
+                       decimal_text(item["unit_price_cents"]),
+                       decimal_text(item["unit_price_cents"] * item["quantity"]),
+                       decimal_text(total), decimal_text(order["tax_cents"]),
+                       decimal_text(total + order["tax_cents"]))
+
+
+def _product_rows(conn, company_id, since, until):
+    for products in in_batches(conn, "SELECT t.* FROM products t WHERE t.company_id = ?",
+                               [company_id], since, until):
+        for p in products:
+            yield (p["sku"], p["name"], p["category"], p["unit"], decimal_text(p["price_cents"]),
+                   p["stock"], p["low_stock_threshold"], "yes" if p["is_active"] else "no",
+                   p["min_quantity"], p["order_multiple"], price_breaks_text(p),
+                   p["image_url"], p["description"], p["id"])
+
+
+def _customer_rows(conn, company_id, since, until):
+    for customers in in_batches(conn, "SELECT t.* FROM customers t WHERE t.company_id = ?",
+                                [company_id], since, until):
+        for c in customers:
+            yield (c["email"], c["name"], c["status"],
+                   None if c["credit_limit_cents"] is None else decimal_text(
+                       c["credit_limit_cents"]), c["tax_rate_override"],
+                   c["payment_terms_days"], c["notes"], c["id"])
+
+
+def _price_rows(conn, company_id, since, until):
+    for customers in in_batches(conn, "SELECT t.id, t.email, t.created_at FROM customers t "
+                                      "WHERE t.company_id = ?", [company_id], since, until):
+        for c in customers:
+            for row in price_list(conn, company_id, c["id"]):
+                yield c["email"], row["sku"], row["name"], decimal_text(row["price_cents"])
+
+
+def _invoice_rows(conn, company_id, since, until):
+    for invoices in in_batches(conn, "SELECT t.*, c.email FROM customer_invoices t LEFT JOIN "
+                                     "customers c ON c.id = t.customer_id "
+                                     "WHERE t.company_id = ?", [company_id], since, until):
+        for i in invoices:
+            yield (i["number"], i["issued_at"][:10], i["due_at"][:10], i["status"], i["email"],
+                   i["order_id"], decimal_text(i["subtotal_cents"]), decimal_text(i["tax_cents"]),
+                   decimal_text(i["total_cents"]), decimal_text(i["paid_cents"]),
+                   decimal_text(i["credited_cents"]), decimal_text(balance_cents(i)))
+
+
+_EXPORT_ROWS = {"orders": _order_rows, "products": _product_rows,
+                "customers": _customer_rows, "prices": _price_rows,
+                "invoices": _invoice_rows}
+
+
+def export_csv(conn, company_id, kind, since=None, until=None):
+    """The CSV text of one of EXPORT_COLUMNS' kinds of the company's records made from since
+    until before until (ISO text; orders: placed), a row at a time. The company and the kind
+    are checked before the first row."""
+    load_company(conn, company_id)
+    if kind not in EXPORT_KINDS:
+        raise ApiError(400, EXPORT_KIND_MESSAGE)
+    rows = _EXPORT_ROWS[kind](conn, company_id, since, until)
+    return csv_text(itertools.chain([EXPORT_COLUMNS[kind]], rows))
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -9663,7 +9809,7 @@ class Surface:
 NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products"),
               ("Customers", "/dashboard/customers"), ("Returns", "/dashboard/returns"),
               ("Receivables", "/dashboard/receivables"),
-              ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
+              ("Spreadsheets", "/dashboard/spreadsheets"), ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
               ("Billing", "/dashboard/billing"), ("Emails", "/dashboard/emails"),
               ("Settings", "/dashboard/settings"))
 
@@ -10602,6 +10748,38 @@ def create_key_action(visit):
 def revoke_key_action(visit, key_id):
     visit.service.revoke_key(visit.company_id, key_id)
     return redirect("/dashboard/keys", "revoked")
+
+
+#: Each spreadsheet's name on the Spreadsheets page.
+EXPORT_TITLES = {"orders": "Orders, a row per line", "products": "Products",
+                 "customers": "Customers", "prices": "Customers' own prices",
+                 "invoices": "Invoices"}
+
+
+@page("GET", "/dashboard/spreadsheets")
+def spreadsheets_page(visit):
+    """Each kind of export, as a link carrying the dates chosen (docs/spreadsheets.md)."""
+    query = visit.filters()
+    dates = urllib.parse.urlencode({k: v for k, v in query.items() if k in ("since", "until")})
+    links = join(render(LIST_ITEM, text=link(
+        f"/dashboard/spreadsheets/{kind}{'?' + dates if dates else ''}", title))
+        for kind, title in EXPORT_TITLES.items())
+    return visit.page("Spreadsheets", join([
+        render(FILTERS, path="/dashboard/spreadsheets", button="Choose dates", fields=join([
+            visit.field("since", "Made from", query.get("since", ""), kind="date"),
+            visit.field("until", "Made before", query.get("until", ""), kind="date")])),
+        render(HEADING, text="Download as CSV"), render(LIST, items=links)]))
+
+
+@page("GET", "/dashboard/spreadsheets/<kind>")
+def spreadsheet_download(visit, kind):
+    query = visit.filters()
+    since, until = (moment_text(query[name]) if query.get(name) else None
+                    for name in ("since", "until"))
+    rows = export_csv(visit.conn, visit.company_id, kind, since, until)
+    bottle.response.content_type = "text/csv; charset=utf-8"
+    bottle.response.set_header("Content-Disposition", f'attachment; filename="{kind}.csv"')
+    return (text.encode("utf-8") for text in rows)
 
 
 # 15.2 Billing, emails and settings -----------------------------------------------------------
@@ -12690,6 +12868,21 @@ def cmd_contact_list(conn, args):
 def cmd_contact_update(conn, args):
     body = _contact_options({} if args.status is None else {"status": args.status}, args)
     return update_contact(conn, company_of(conn, "Contact", args.id), args.id, body)
+
+
+@command("export", "write a company's orders (a row per line), products, customers, prices "
+                   "or invoices as CSV (UTF-8 with a byte-order mark) on standard output",
+         option("kind", choices=EXPORT_KINDS), option("--company", required=True),
+         option("--since", type=_moment, help="made from (orders: placed), ISO 8601"),
+         option("--until", type=_moment, help="made before, ISO 8601"), alone=True)
+def cmd_export(settings, args):
+    db = Database(settings.db_path, settings)
+    try:
+        for text in export_csv(db.conn, args.company, args.kind, args.since, args.until):
+            sys.stdout.buffer.write(text.encode("utf-8"))
+        sys.stdout.buffer.flush()
+    finally:
+        db.close()
 
 
 @command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",

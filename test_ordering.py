@@ -6,6 +6,7 @@ command line and many-process set-ups through subprocess."""
 import argparse
 import ast
 import base64
+import csv
 import collections
 import email
 import email.header
@@ -11412,6 +11413,84 @@ def test_a_page_of_orders_takes_a_fixed_number_of_queries(app, api, tenant):
     assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) <= 3
 
 
+# 11.4 Spreadsheets ---------------------------------------------------------------------------
+
+def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutralised(
+        app, api, tenant, browser, monkeypatch):
+    money_tenant(tenant, rate=0.1)
+    monkeypatch.setattr(ordering, "EXPORT_BATCH", 2)  # batches end inside a second's orders
+    rice = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250)
+    formula = tenant.product("=HYPERLINK(\"http://evil.example\")", sku="-EVIL", unit="@bag",
+                             price_cents=100)
+    customer = tenant.customer(email="buyer@cafe.example", name="+Café Ünïcode")
+    placed = [place(api, tenant, [{"productId": rice["id"], "quantity": n},
+                                  {"productId": formula["id"], "quantity": 1}],
+                    customer_id=customer["id"], poNumber=f"=PO {n}").json["data"]
+              for n in (1, 2, 3)]
+    with tenant.db.write() as conn:
+        conn.execute("UPDATE orders SET created_at = '2026-11-02T10:00:00.000Z' WHERE id <> ?",
+                     (placed[2]["id"],))  # two of a moment: the keyset keeps them apart
+        conn.execute("UPDATE orders SET created_at = '2026-11-20T10:00:00.000Z' WHERE id = ?",
+                     (placed[2]["id"],))
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3990)
+        ordering.invoice_order(conn, tenant.id, placed[0]["id"], now_ms=NOV_1)
+    page = browser.get("/dashboard/spreadsheets?since=2026-11-01&until=2026-11-10")
+    answer = page.click("Orders, a row per line")
+    assert answer.content_type == "text/csv" and answer.charset == "utf-8"
+    assert answer.headers["Content-Disposition"] == 'attachment; filename="orders.csv"'
+    assert answer.body.startswith(b"\xef\xbb\xbf")
+    rows = list(csv.reader(io.StringIO(answer.body.decode("utf-8-sig"))))
+    assert rows[0] == list(ordering.EXPORT_COLUMNS["orders"])
+    assert sorted(row[0] for row in rows[1:]) == sorted(
+        [placed[0]["id"]] * 2 + [placed[1]["id"]] * 2)
+    first = [row for row in rows if row[0] == placed[0]["id"]]
+    assert first == [
+        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+         "'+Café Ünïcode", "'=PO 1", "GR-RICE-25", "Rice 25kg", "1", "42.50", "42.50", "43.50",
+         "4.35", "47.85"],
+        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+         "'+Café Ünïcode", "'=PO 1", "'-EVIL", "'=HYPERLINK(\"http://evil.example\")", "1",
+         "1.00", "1.00", "43.50", "4.35", "47.85"]]
+    everything = browser.get("/dashboard/spreadsheets/orders").body.decode("utf-8-sig")
+    assert len(everything.splitlines()) == 1 + 6
+    products = list(csv.reader(io.StringIO(
+        browser.get("/dashboard/spreadsheets/products").body.decode("utf-8-sig"))))
+    assert products[1][:11] == ["GR-RICE-25", "Rice 25kg", "", "each", "42.50", "94", "",
+                                "yes", "1", "1", ""]
+    assert products[2][:4] == ["'-EVIL", "'=HYPERLINK(\"http://evil.example\")", "", "'@bag"]
+    prices = browser.get("/dashboard/spreadsheets/prices").body.decode("utf-8-sig")
+    assert prices.splitlines()[1] == "buyer@cafe.example,GR-RICE-25,Rice 25kg,39.90"
+    invoices = browser.get("/dashboard/spreadsheets/invoices").body.decode("utf-8-sig")
+    assert invoices.splitlines()[1] == (f"INV-000001,2026-11-01,2026-12-01,OPEN,"
+                                        f"buyer@cafe.example,{placed[0]['id']},43.50,4.35,"
+                                        f"47.85,0.00,0.00,47.85")
+    customers = browser.get("/dashboard/spreadsheets/customers").body.decode("utf-8-sig")
+    assert customers.splitlines()[1].startswith("buyer@cafe.example,'+Café Ünïcode,ACTIVE,,")
+    refused = browser.get("/dashboard/spreadsheets/secrets", status=400)
+    assert ordering.EXPORT_KIND_MESSAGE in refused.text
+
+
+def test_export_streams_a_kind_to_standard_output_and_refuses_before_writing(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Csv Foods")
+    cli_json(db_path, "product-create", "--company", company["id"], "--name", "Tea, green",
+             "--price", "3.20", "--price-breaks", "10 3.00")
+    result = run_cli(db_path, "export", "products", "--company", company["id"])
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.lstrip("\ufeff").splitlines()
+    assert lines[0] == ",".join(ordering.EXPORT_COLUMNS["products"])
+    assert lines[1].startswith(',"Tea, green",,each,3.20,0,,yes,1,1,10 3.00,,,prod_')
+    for args, message in (
+            (("export", "products", "--company", "cmp_nope"), "Company not found."),
+            (("export", "orders", "--company", company["id"], "--since", "yesterday"),
+             "error: argument --since: must be an ISO 8601 date or datetime")):
+        result = run_cli(db_path, *args)
+        assert result.returncode in (1, 2) and result.stdout == ""
+        assert message in result.stderr
+    cli_refuses(db_path, "export", "secrets", "--company", company["id"],
+                message="argument kind: invalid choice: 'secrets' (choose from 'orders', "
+                        "'products', 'customers', 'prices', 'invoices')")
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -14648,7 +14727,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 40
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 41
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
