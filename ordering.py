@@ -2961,6 +2961,16 @@ QUANTITY_RULE = "{name} is sold {rule}: {quantity} is not a quantity it is sold 
 QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
 EXPORT_KINDS = ("orders", "products", "customers", "prices", "invoices")
 EXPORT_KIND_MESSAGE = f"Export one of {', '.join(EXPORT_KINDS)}."
+IMPORT_KINDS = ("products", "stock", "customers", "prices")
+IMPORT_KIND_MESSAGE = f"Import one of {', '.join(IMPORT_KINDS)}."
+#: An imported file's characters at most (some 20,000 products' rows).
+MAX_IMPORT_CHARACTERS = 5_000_000
+IMPORT_TOO_LONG = f"must be at most {MAX_IMPORT_CHARACTERS} characters"
+IMPORT_COLUMNS_MISSING = "The first line must name the columns; missing: {columns}."
+IMPORT_NOTE = ("A file in the columns export writes (the first line names them). Checking it "
+               "writes nothing: you see what each line would do, then apply it.")
+IMPORT_REFUSED = ("Nothing is written until every line is right: correct the file and check it "
+                  "again.")
 APPROVAL_NEEDED = ("Above your approval limit of {limit}, this order goes to your business's "
                    "admins: it is placed once one of them approves it.")
 ROLE_NOTE = "You sign in for {business} as its {role}."
@@ -2975,6 +2985,15 @@ CREDIT_LIMIT_REACHED = ("This order ({total}) would take your account past its c
 
 
 # 5.2 Validators ------------------------------------------------------------------------------
+
+class Undone(Exception):
+    """Raised in a transaction to undo it and still answer what its work found (a dry run, a
+    file with refused lines); code: a command's exit code."""
+
+    def __init__(self, result, code):
+        super().__init__(result)
+        self.result, self.code = result, code
+
 
 class StockShortage(ApiError):
     """INSUFFICIENT_STOCK, with the product's name for the pages that show no counts."""
@@ -7009,6 +7028,193 @@ def export_csv(conn, company_id, kind, since=None, until=None):
     return csv_text(itertools.chain([EXPORT_COLUMNS[kind]], rows))
 
 
+# CSV in: products (created, or updated when a row's id or SKU names one), stock counts,
+# customers (staff-created: no customer.created) and customers' own prices, from files in the
+# columns export writes (a file export wrote imports back unchanged: each row "unchanged",
+# nothing written, no event). All or nothing: the caller undoes the transaction when any line
+# is refused, and every line is checked, so the answer names them all (the header is line 1).
+
+#: The columns each kind of import must have (export's give them and more).
+IMPORT_REQUIRED = {"products": ("name", "price"), "stock": ("sku", "counted"),
+                   "customers": ("email",), "prices": ("customer_email", "sku", "price")}
+
+
+def cell_text(text):
+    """A cell as typed: export's apostrophe before a formula-like text is dropped again."""
+    text = text.strip()
+    if text[:1] == "'" and text[1:2] in ("=", "+", "-", "@", "\t", "\r"):
+        return text[1:]
+    return text
+
+
+def _cell_whole(row, column, low=0, blank=None):
+    text = row.get(column, "")
+    if not text:
+        return blank
+    if not re.fullmatch(r"\d{1,10}", text) or int(text) < low:
+        raise invalid(column, f"must be a whole number from {low}")
+    return int(text)
+
+
+def _cell_amount(row, column):
+    cents = cents_from_text(row.get(column, ""))
+    if cents is None:
+        raise invalid(column, "must be an amount such as 12.50")
+    return cents
+
+
+def _product_of(conn, company_id, row):
+    """The product a row names by its id, else by its SKU (the oldest with it), or None."""
+    if row.get("id"):
+        found = conn.execute("SELECT * FROM products WHERE id = ? AND company_id = ?",
+                             (row["id"], company_id)).fetchone()
+        if found is not None:
+            return found
+    if not row.get("sku"):
+        return None
+    return conn.execute("SELECT * FROM products WHERE company_id = ? AND sku = ? "
+                        "ORDER BY created_at, id LIMIT 1", (company_id, row["sku"])).fetchone()
+
+
+def _import_product(conn, company_id, row, actor):
+    fields = {column: row[column] or None for column in
+              ("name", "sku", "category", "unit", "image_url", "description") if column in row}
+    for column, parse in (("price", lambda: _cell_amount(row, "price")),
+                          ("stock", lambda: _cell_whole(row, "stock", blank=0)),
+                          ("low_stock_threshold",
+                           lambda: _cell_whole(row, "low_stock_threshold")),
+                          ("min_quantity", lambda: _cell_whole(row, "min_quantity", 1, 1)),
+                          ("order_multiple", lambda: _cell_whole(row, "order_multiple", 1, 1)),
+                          ("price_breaks", lambda: parse_price_breaks(row["price_breaks"]))):
+        if column in row:
+            fields["price_cents" if column == "price" else column] = parse()
+    if "active" in row:
+        if row["active"].casefold() not in ("yes", "no"):
+            raise invalid("active", "must be yes or no")
+        fields["is_active"] = int(row["active"].casefold() == "yes")
+    existing = _product_of(conn, company_id, row)
+    if existing is None:
+        create_product(conn, company_id, actor, opening="import", **fields)
+        return "created"
+    stored = dict(fields, price_breaks=fields["price_breaks"] and json_text(
+        fields["price_breaks"])) if "price_breaks" in fields else fields
+    changes = {column: fields[column] for column, value in stored.items()
+               if existing[column] != value}
+    if not changes:
+        return "unchanged"
+    update_product(conn, company_id, existing["id"], actor, **changes)
+    return "updated"
+
+
+def _import_stock(conn, company_id, row, actor):
+    product = _product_of(conn, company_id, row)
+    if product is None:
+        raise not_found("Product")
+    counted = _cell_whole(row, "counted")
+    if counted is None:
+        raise invalid("counted", "is required")
+    if counted == product["stock"]:
+        return "unchanged"
+    count_stock(conn, company_id, product["id"], counted, row.get("note") or "import", actor)
+    return "updated"
+
+
+def _import_customer(conn, company_id, row, actor):
+    body = {name: row[column] or None for name, column in (("name", "name"), ("notes", "notes"))
+            if column in row}
+    if row.get("status"):
+        body["status"] = row["status"]
+    if "credit_limit" in row:
+        body["creditLimit"] = row["credit_limit"] and money(
+            _cell_amount(row, "credit_limit"))
+    if "tax_rate_override" in row:
+        rate = row["tax_rate_override"]
+        body["taxRateOverride"] = float(rate) if re.fullmatch(r"\d+(\.\d+)?", rate) else (
+            rate or None)
+    terms = row.get("payment_terms_days") or None
+    existing = customer_by_email(conn, company_id, row["email"])
+    if existing is None:
+        created = create_customer(conn, company_id, dict(body, email=row["email"]),
+                                  source="dashboard")
+        set_customer_terms(conn, company_id, created["id"], terms)
+        return "created"
+    before = customer_json(existing)
+    changed = {name: value for name, value in body.items() if before[name] != value}
+    own_terms = None if terms is None else payment_terms(terms)
+    if not changed and existing["payment_terms_days"] == own_terms:
+        return "unchanged"
+    if changed:
+        update_customer(conn, company_id, existing["id"], changed)
+    set_customer_terms(conn, company_id, existing["id"], own_terms)
+    return "updated"
+
+
+def _import_price(conn, company_id, row, actor):
+    customer = customer_by_email(conn, company_id, row["customer_email"])
+    product = _product_of(conn, company_id, {"sku": row["sku"]})
+    if customer is None or product is None:
+        raise not_found("Customer" if customer is None else "Product")
+    own = customer_prices_of(conn, customer["id"], [product["id"]]).get(product["id"])
+    cents = _cell_amount(row, "price")
+    if own == cents:
+        return "unchanged"
+    set_customer_price(conn, company_id, customer["id"], product["id"], cents)
+    return "created" if own is None else "updated"
+
+
+_IMPORTERS = {"products": _import_product, "stock": _import_stock,
+              "customers": _import_customer, "prices": _import_price}
+
+
+def import_file(db, company_id, kind, text, actor, apply):
+    """import_rows in a transaction of its own, committed only when apply and no line is
+    refused: returns its answer either way."""
+    try:
+        with db.write() as conn:
+            result = import_rows(conn, company_id, kind, text, actor)
+            if result["errors"] or not apply:
+                raise Undone(result, 1 if result["errors"] else 0)
+    except Undone as undone:
+        return undone.result
+    return result
+
+
+def import_rows(conn, company_id, kind, text, actor=COMMAND):
+    """A CSV file's rows into the company's records of a kind of IMPORT_KINDS, in the caller's
+    transaction, every line tried. Returns {"created", "updated", "unchanged", "errors":
+    [{"line", "message"}], "lines": [(line, what it did or its error)]}; with errors, the
+    caller must not commit."""
+    load_company(conn, company_id)
+    if kind not in IMPORT_KINDS:
+        raise ApiError(400, IMPORT_KIND_MESSAGE)
+    if len(text) > MAX_IMPORT_CHARACTERS:
+        raise invalid("file", IMPORT_TOO_LONG)
+    result = {"created": 0, "updated": 0, "unchanged": 0, "errors": [], "lines": []}
+    rows = csv.reader(io.StringIO(text.lstrip("\ufeff")))
+    header = [cell.strip().casefold() for cell in next(rows, [])]
+    missing = [column for column in IMPORT_REQUIRED[kind] if column not in header]
+    if missing:
+        result["errors"].append({"line": 1, "message": IMPORT_COLUMNS_MISSING.format(
+            columns=", ".join(missing))})
+        return result
+    for number, cells in enumerate(rows, 2):
+        if not any(cell.strip() for cell in cells):
+            continue
+        row = dict(zip(header, map(cell_text, cells)))
+        try:
+            with savepoint(conn):
+                done = _IMPORTERS[kind](conn, company_id, row, actor)
+        except ApiError as error:
+            message = error.message + "".join(f" {d['field']}: {d['rule']}."
+                                              for d in error.details or ())
+            result["errors"].append({"line": number, "message": message})
+            result["lines"].append((number, message))
+            continue
+        result[done] += 1
+        result["lines"].append((number, done))
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -9367,6 +9573,7 @@ DONE = {
     "webhook": "Saved: the webhook is switched.",
     "revoked": "Saved: the key is revoked; requests with it are refused from now on.",
     "again": "Saved: the email waits to be sent again.",
+    "imported": "Saved: the file is imported.",
     "fitted": "Saved, raised to the least quantity the product is sold in (its line says how "
               "it is sold).",
     "requested": "Your order waits for approval: your business's admins are emailed, and this "
@@ -9400,6 +9607,24 @@ def page(method, path, refused=None):
         PAGES.append((method, path, handler, refused))
         return handler
     return register
+
+
+def uploaded_text(name, limit=MAX_QUICK_ORDER, too_long=QUICK_ORDER_TOO_LONG):
+    """The text of the file uploaded as name (UTF-8, with or without a byte-order mark), or
+    None without one. What cannot be limit characters is refused unread."""
+    upload = bottle.request.files.get(name)
+    if upload is None:
+        return None
+    data = upload.file.read(limit * 4 + 1)
+    if len(data) > limit * 4:
+        raise invalid(name, too_long)
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise invalid(name, QUICK_ORDER_NOT_TEXT) from None
+    if len(text) > limit:
+        raise invalid(name, too_long)
+    return text
 
 
 def pager(visit, result, path):
@@ -10768,7 +10993,46 @@ def spreadsheets_page(visit):
         render(FILTERS, path="/dashboard/spreadsheets", button="Choose dates", fields=join([
             visit.field("since", "Made from", query.get("since", ""), kind="date"),
             visit.field("until", "Made before", query.get("until", ""), kind="date")])),
-        render(HEADING, text="Download as CSV"), render(LIST, items=links)]))
+        render(HEADING, text="Download as CSV"), render(LIST, items=links),
+        render(HEADING, text="Import a CSV file"),
+        visit.form_tag("/dashboard/spreadsheets/import", join([
+            render(NOTE, text=IMPORT_NOTE),
+            visit.select("kind", "What the file holds", [(k, k) for k in IMPORT_KINDS]),
+            visit.field("file", "File", kind="file", accept=".csv,text/csv,text/plain"),
+            render(SUBMIT, text="Check the file")]), files=True)]))
+
+
+@page("POST", "/dashboard/spreadsheets/import", refused=spreadsheets_page)
+def import_preview_action(visit):
+    """What the file would do, line by line, written only when the staff apply it."""
+    text = uploaded_text("file", MAX_IMPORT_CHARACTERS, IMPORT_TOO_LONG)
+    if text is None:
+        raise invalid("file", "choose a file")
+    kind = visit.form.get("kind", "")
+    return import_result_page(visit, kind, text, import_file(
+        visit.service.db, visit.company_id, kind, text, visit.actor, apply=False))
+
+
+@page("POST", "/dashboard/spreadsheets/import/apply", refused=spreadsheets_page)
+def import_apply_action(visit):
+    kind, text = visit.form.get("kind", ""), visit.form.get("text", "")
+    result = import_file(visit.service.db, visit.company_id, kind, text, visit.actor,
+                         apply=True)
+    if result["errors"]:  # the records changed since the check: say so, line by line
+        return import_result_page(visit, kind, text, result, status=400)
+    return redirect("/dashboard/spreadsheets", "imported")
+
+
+def import_result_page(visit, kind, text, result, status=200):
+    counts = (f"{result['created']} to create, {result['updated']} to change, "
+              f"{result['unchanged']} unchanged, {len(result['errors'])} refused.")
+    apply = "" if result["errors"] else visit.form_tag(
+        "/dashboard/spreadsheets/import/apply", join([
+            render(HIDDEN, name="kind", value=kind), render(HIDDEN, name="text", value=text),
+            render(SUBMIT, text="Apply: write these changes")]))
+    return visit.page("Import " + kind, join([
+        render(PARAGRAPH, text=counts + ("" if apply else " " + IMPORT_REFUSED)),
+        table(("Line", "What it does"), result["lines"]), apply]), status)
 
 
 @page("GET", "/dashboard/spreadsheets/<kind>")
@@ -11461,24 +11725,6 @@ def remove_from_cart_action(visit, product_id):
     with visit.write() as conn:
         set_cart_quantity(conn, visit.company_id, visit.session["account_id"], product_id, 0)
     return redirect(visit.surface.prefix + "/cart")
-
-
-def uploaded_text(name):
-    """The text of the file uploaded as name (UTF-8), or None without one. What cannot be
-    MAX_QUICK_ORDER characters is refused unread."""
-    upload = bottle.request.files.get(name)
-    if upload is None:
-        return None
-    data = upload.file.read(MAX_QUICK_ORDER * 4 + 1)
-    if len(data) > MAX_QUICK_ORDER * 4:
-        raise invalid(name, QUICK_ORDER_TOO_LONG)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise invalid(name, QUICK_ORDER_NOT_TEXT) from None
-    if len(text) > MAX_QUICK_ORDER:
-        raise invalid(name, QUICK_ORDER_TOO_LONG)
-    return text
 
 
 @buyer_page("POST", "/store/<slug>/cart/quick-order", refused=cart_page, right="order")
@@ -12885,6 +13131,21 @@ def cmd_export(settings, args):
         db.close()
 
 
+@command("import", "read a CSV file of products, stock counts, customers or customers' prices "
+                   "(the columns export writes) and print what each line did; any refused line "
+                   "writes nothing (exit 1)",
+         option("kind", choices=IMPORT_KINDS), option("--company", required=True),
+         option("--file", required=True, type=argparse.FileType("r", encoding="utf-8-sig")),
+         option("--dry-run", action="store_true", help="check and count, write nothing"))
+def cmd_import(conn, args):
+    with args.file:
+        result = import_rows(conn, args.company, args.kind, args.file.read())
+    del result["lines"]
+    if result["errors"] or args.dry_run:
+        raise Undone(result, 1 if result["errors"] else 0)
+    return result
+
+
 @command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",
          option("--company", required=True, help="company ID"),
          option("--invoice-id", required=True, help="billing provider's invoice ID"),
@@ -13037,6 +13298,9 @@ def main(argv=None):
     except MailServerError as error:
         print(f"ordering {declared.name}: {error}", file=sys.stderr)
         return 1
+    except Undone as undone:
+        print(json.dumps(undone.result, ensure_ascii=False))
+        return undone.code
     if result is not None:
         print(json.dumps(result, ensure_ascii=False))
     return 0

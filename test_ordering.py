@@ -11491,6 +11491,92 @@ def test_export_streams_a_kind_to_standard_output_and_refuses_before_writing(db_
                         "'products', 'customers', 'prices', 'invoices')")
 
 
+def test_import_writes_all_or_nothing_and_an_exported_file_imports_back_unchanged(
+        db_path, tmp_path):
+    company = cli_json(db_path, "company-create", "--name", "Import Foods")["id"]
+    db = ordering.Database(str(db_path))
+    with db.write() as conn:
+        ordering.create_webhook(conn, company, {"url": "http://127.0.0.1:9/hook", "events": list(
+            ordering.EVENT_CATALOG)})
+    db.close()
+    path = tmp_path / "products.csv"
+
+    def imported(kind, text, *more):
+        path.write_text(text, encoding="utf-8")
+        result = run_cli(db_path, "import", kind, "--company", company, "--file", str(path),
+                         *more)
+        return result.returncode, json.loads(result.stdout)
+
+    bad = ("sku,name,price,stock,min_quantity,price_breaks\n"
+           "GR-RICE,Rice,42.50,10,6,12 40.00\nBV-TEA,,3.20,5,1,\nPA-OIL,Oil,lots,1,1,\n"
+           "PA-SALT,Salt,3.20,1,0,\n")
+    assert imported("products", bad) == (1, {
+        "created": 1, "updated": 0, "unchanged": 0, "errors": [
+            {"line": 3, "message": "Validation failed. name: is required."},
+            {"line": 4, "message": "Validation failed. price: must be an amount such as "
+                                   "12.50."},
+            {"line": 5, "message": "Validation failed. min_quantity: must be a whole number "
+                                   "from 1."}]})
+    assert table_counts(db_path)["products"] == 0  # all or nothing
+    good = "\ufeffsku,name,price,stock,min_quantity,price_breaks\nGR-RICE,Rice,42.50,10,6,12 40.00\n"
+    assert imported("products", good, "--dry-run") == (0, {
+        "created": 1, "updated": 0, "unchanged": 0, "errors": []})
+    assert table_counts(db_path)["products"] == 0
+    assert imported("products", good)[0] == 0
+    events = table_counts(db_path)["events"]
+    exported = run_cli(db_path, "export", "products", "--company", company).stdout
+    assert imported("products", exported) == (0, {"created": 0, "updated": 0, "unchanged": 1,
+                                                  "errors": []})
+    changed = exported.replace(",42.50,", ",41.00,")
+    assert imported("products", changed)[1]["updated"] == 1
+    assert table_counts(db_path)["events"] == events + 1  # product.updated, the spec's
+    assert imported("stock", "sku,counted,note\nGR-RICE,7,shelf count\n")[1]["updated"] == 1
+    assert tuple(read_db(db_path).execute(
+        "SELECT reason, change, note FROM stock_movements ORDER BY created_at DESC, id DESC"
+    ).fetchone()) == ("count", -3, "shelf count")
+    customers = "email,name,credit_limit,payment_terms_days\nbuyer@cafe.example,Cafe,500.00,30\n"
+    events = table_counts(db_path)["events"]
+    assert imported("customers", customers)[1]["created"] == 1
+    assert table_counts(db_path)["events"] == events  # staff-created: no customer.created
+    assert imported("prices", "customer_email,sku,price\nbuyer@cafe.example,GR-RICE,39.90\n"
+                    )[1]["created"] == 1
+    for kind in ("customers", "prices"):
+        again = run_cli(db_path, "export", kind, "--company", company).stdout
+        assert imported(kind, again)[1] == {"created": 0, "updated": 0, "unchanged": 1,
+                                            "errors": []}, kind
+    assert imported("prices", "sku,price\nGR-RICE,1.00\n") == (1, {
+        "created": 0, "updated": 0, "unchanged": 0, "errors": [
+            {"line": 1, "message": "The first line must name the columns; missing: "
+                                   "customer_email."}]})
+
+
+def test_staff_check_an_import_line_by_line_then_apply_it_on_the_spreadsheets_page(
+        app, tenant, browser):
+    tenant.product("=HYPERLINK(\"http://evil.example\")", sku="-EVIL", price_cents=100)
+    exported = browser.get("/dashboard/spreadsheets/products").body
+    page = browser.get("/dashboard/spreadsheets")
+    form = form_to(page, "/dashboard/spreadsheets/import")
+    form["kind"] = "products"
+    form["file"] = webtest.Upload("products.csv", exported + ",Tea,,each,3.20,0,,yes,1,1,,,,\r\n"
+                                  .encode(), "text/csv")
+    checked = form.submit(status=200)
+    assert "1 to create, 0 to change, 1 unchanged, 0 refused." in checked.text
+    assert table_rows(checked) == [["2", "unchanged"], ["3", "created"]]
+    assert len(table_rows(browser.get("/dashboard/products"))) == 1  # nothing written yet
+    done = form_to(checked, "/import/apply").submit(status=303).follow()
+    assert notice_of(done) == ordering.DONE["imported"]
+    assert sorted(r[0] for r in table_rows(browser.get("/dashboard/products"))) == [
+        "=HYPERLINK(\"http://evil.example\")", "Tea"]
+    form = form_to(browser.get("/dashboard/spreadsheets"), "/dashboard/spreadsheets/import")
+    form["kind"] = "stock"
+    form["file"] = webtest.Upload("stock.csv", b"sku,counted\n-EVIL,lots\n", "text/csv")
+    refused = form.submit(status=200)
+    assert ordering.IMPORT_REFUSED in refused.text and not refused.html.find(
+        "form", action="/dashboard/spreadsheets/import/apply")
+    assert table_rows(refused) == [["2", "Validation failed. counted: must be a whole number "
+                                         "from 0."]]
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -14727,7 +14813,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 41
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 42
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
