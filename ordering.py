@@ -2196,6 +2196,9 @@ dl.facts dd { margin: 0; }
 .add { display: inline-flex; gap: 6px; align-items: center; flex-wrap: wrap; }
 .add button { margin-top: 0; }
 input.qty { width: 6.5em; }
+img.thumb { float: left; margin: 0 10px 4px 0; object-fit: cover; background: var(--wash); }
+img.photo { width: 240px; height: 240px; max-width: 100%; object-fit: contain;
+  background: var(--wash); }
 .tracking { border-left: 4px solid var(--accent); }
 .tracking h2 { margin-top: 0; }
 ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
@@ -2599,19 +2602,23 @@ STORE_ADD_FORM = Template("cart csrf id most start", _ADD_FORM)
 #: A product's row in the storefront's catalog, with its form: one template a row, for a page
 #: of many (see Template.partial).
 _CATALOG_ROW = """\
-<tr><td><a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
+<tr><td>{image}<a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
 <td class="num">{price}</td><td>{level}</td><td>ADD</td></tr>"""
-STORE_CATALOG_ROW = Template("href name sku unit terms price level cart csrf id most start",
+STORE_CATALOG_ROW = Template("image href name sku unit terms price level cart csrf id most start",
                              _CATALOG_ROW.replace("ADD", _ADD_FORM))
 #: The same row for a contact whose role places no orders (a bookkeeper): no form.
-STORE_CATALOG_ROW_VIEW = Template("href name sku unit terms price level",
+STORE_CATALOG_ROW_VIEW = Template("image href name sku unit terms price level",
                                   _CATALOG_ROW.replace("ADD", ""))
 
 #: A product of the storefront's catalog, with the form that puts it in the cart.
-STORE_PRODUCT = Template("sku category unit price terms level description add", """\
-<div class="card"><dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
+STORE_PRODUCT = Template("image sku category unit price terms level description add", """\
+<div class="card">{image}<dl class="facts"><dt>SKU</dt><dd>{sku}</dd><dt>Category</dt><dd>{category}</dd>\
 <dt>Unit</dt><dd>{unit}</dd><dt>Your price</dt><dd>{price}</dd><dt>Sold</dt><dd>{terms}</dd>\
 <dt>Availability</dt><dd>{level}</dd></dl>{description}</div>{add}""")
+#: A product's picture, loaded as it scrolls into view; its name stands in when it does not
+#: load (the fixed box keeps the row's height either way).
+PRODUCT_IMAGE = Template("css url name", """\
+<img class="{css}" src="{url}" alt="{name}" loading="lazy" width="64" height="64">""")
 #: How a product is sold (its quantity rule and price breaks), under its catalog row's name.
 TERMS = Template("text", '<br><span class="muted">{text}</span>')
 
@@ -9381,7 +9388,8 @@ SESSION_TOUCH_SECONDS = 60
 CSRF_REFUSED = ("This form has expired or did not come from this site. Reload the page "
                 "and try again.")
 SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+    # product images come from wherever the merchant keeps them, over https only
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self' https:; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "same-origin",
@@ -11578,13 +11586,23 @@ def level_tag(product):
 def catalog_row(template, prefix, product, price, adds):
     """A product's row of the catalog (adds: with the form that puts it in the cart)."""
     terms = selling_text(product)
-    values = dict(href=f"{prefix}/products/{product['id']}", name=product["name"],
+    values = dict(image=product_image(product, "thumb"),
+                  href=f"{prefix}/products/{product['id']}", name=product["name"],
                   sku=product["sku"] or "", unit=product["unit"] or "",
                   terms=render(TERMS, text=terms) if terms else "", price=cents_text(price),
                   level=level_tag(product))
     if adds:
         values.update(id=product["id"], start=fitted_quantity(product, 1))
     return render(template, **values)
+
+
+def product_image(product, css):
+    """A product's image, when it has one at an https address (the only kind the pages'
+    Content-Security-Policy lets a browser load); "" otherwise."""
+    url = product["image_url"]
+    if not url or not url.lower().startswith("https://"):
+        return ""
+    return render(PRODUCT_IMAGE, css=css, url=url, name=product["name"])
 
 
 def selling_text(product):
@@ -11652,7 +11670,8 @@ def store_product_page(visit, product_id):
     product, price = store_product(visit.conn, visit.company_id, visit.session["customer_id"],
                                    product_id)
     return visit.page(product["name"], render(
-        STORE_PRODUCT, sku=product["sku"] or "", category=product["category"] or "",
+        STORE_PRODUCT, image=product_image(product, "photo"), sku=product["sku"] or "",
+        category=product["category"] or "",
         unit=product["unit"] or "", price=cents_text(price), level=level_tag(product),
         terms=selling_text(product) or "in any quantity",
         description=render(PARAGRAPH, text=product["description"])

@@ -14403,6 +14403,21 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
         "", "", "Balance", "", "0.00"]
 
 
+def test_product_images_show_lazily_from_https_only_with_the_name_as_their_text(app, tenant):
+    shown = tenant.product("Rice 25kg", image_url="https://images.example/rice.jpg")
+    tenant.product("Tea", image_url="http://images.example/tea.jpg")
+    _, buyer = shopper(app, tenant)
+    page = buyer.get(store_of(tenant) + "/products")
+    assert "img-src 'self' https:;" in page.headers["Content-Security-Policy"]
+    [image] = page.html.select("img")
+    assert (image["src"], image["alt"], image["loading"], image["width"], image["height"],
+            image["class"]) == ("https://images.example/rice.jpg", "Rice 25kg", "lazy", "64",
+                                "64", ["thumb"])
+    assert "images.example/tea.jpg" not in page.text
+    [photo] = buyer.get(f"{store_of(tenant)}/products/{shown['id']}").html.select("img")
+    assert (photo["alt"], photo["class"]) == ("Rice 25kg", ["photo"])
+
+
 def test_an_admin_invites_a_buyer_who_asks_above_the_limit_and_is_approved_in_chromium(served):
     driver, store = served.driver, "/store/" + served.company["slug"]
     with served.write() as conn:
