@@ -694,8 +694,10 @@ MIGRATIONS = {
     # customer's); the customer keeps no password. An order records who placed and approved it.
     10: (accounts_to_contacts,
          add_column("orders", "placed_by TEXT"), add_column("orders", "approved_by TEXT")),
-    # The wholesale catalog: a product's quantity rules and price breaks.
-    11: (add_column("products", "min_quantity INTEGER NOT NULL DEFAULT 1 CHECK "
+    # The wholesale catalog: a product's quantity rules and price breaks; a customer's group
+    # (the groups and their prices are new tables).
+    11: (add_column("customers", "group_id TEXT REFERENCES customer_groups(id)"),
+         add_column("products", "min_quantity INTEGER NOT NULL DEFAULT 1 CHECK "
                                 "(min_quantity >= 1)"),
          add_column("products", "order_multiple INTEGER NOT NULL DEFAULT 1 CHECK "
                                 "(order_multiple >= 1)"),
@@ -2523,6 +2525,13 @@ CUSTOMER_PRICES = Template("prices form", """\
 storefront and here in the dashboard use them; orders placed through the API always use the \
 catalog price.</p>{prices}{form}""")
 
+GROUP_PRICES = Template("prices form", """\
+<h2 id="prices">Prices</h2><p class="muted">This group's own prices: they replace its discount \
+for these products. A customer of the group pays the lowest of the catalog price, its own \
+price, its group's and a price break.</p>{prices}{form}""")
+GROUP_PAGE_NOTE = Template("members", """\
+<p class="muted">{members} customers in this group; a customer's page puts it in a group.</p>""")
+
 WEBHOOK_CARD = Template("url state events grace toggle rotate deliveries", """\
 <section class="card"><h2>{url}</h2><p>{state} &middot; {events}</p>{grace}\
 <p>{toggle}{rotate}</p><h3>Recent deliveries</h3>{deliveries}</section>""")
@@ -2966,6 +2975,9 @@ PRICE_BREAKS_RULE = (f"must be at most {MAX_PRICE_BREAKS} price breaks, each uni
                      f"more than the one before) and a price, such as 10 40.00")
 QUANTITY_RULE = "{name} is sold {rule}: {quantity} is not a quantity it is sold in."
 QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
+MAX_GROUP_NAME = 100
+GROUP_EXISTS = "A group with this name already exists."
+DISCOUNT_MESSAGE = "Discount must be a percentage from 0 to 100, with at most two decimals."
 EXPORT_KINDS = ("orders", "products", "customers", "prices", "invoices")
 EXPORT_KIND_MESSAGE = f"Export one of {', '.join(EXPORT_KINDS)}."
 IMPORT_KINDS = ("products", "stock", "customers", "prices")
@@ -4092,14 +4104,14 @@ def storefront_register(conn, store_slug, email, name=None, password=None):
 # and price-clear). Storefront and dashboard orders use it; API orders use the catalog price,
 # as the spec says.
 
-def unit_price(product, own_cents, units):
+def unit_price(product, special, units):
     """(cents, why) a unit of the product costs in a storefront or dashboard order of units
-    of it: the lowest of the catalog price ("catalog"), the customer's own (own_cents, or None:
-    "your price") and the price break units reach ("from N"). The lowest wins, so a buyer never
-    pays more for having a price of its own."""
+    of it: the lowest of the catalog price ("catalog"), the customer's (special: its own or
+    its group's, as special_prices gives it, or None) and the price break units reach
+    ("from N"). The lowest wins, so a buyer never pays more for a price list of its own."""
     found = [(product["price_cents"], "catalog")]
-    if own_cents is not None:
-        found.append((own_cents, "your price"))
+    if special is not None:
+        found.append(special)
     reached = [pair for pair in price_breaks_of(product) if pair[0] <= units]
     if reached:
         found.append((reached[-1][1], f"from {reached[-1][0]}"))
@@ -4113,6 +4125,36 @@ def next_break(product, units, paid_cents):
         if at > units and cents < paid_cents:
             return fitted_quantity(product, at) - units, cents
     return None
+
+
+def special_prices(conn, customer_id, products):
+    """{product ID: (cents, why)} of the customer's price for each of products (rows) that it
+    has one for: the lower of its own ("your price") and its group's ("group price": the
+    group's price for the product, else the catalog price less the group's discount, rounded
+    to the cent, half up)."""
+    own = customer_prices_of(conn, customer_id, [product["id"] for product in products])
+    group = conn.execute("SELECT g.* FROM customers c JOIN customer_groups g ON g.id = "
+                         "c.group_id WHERE c.id = ?", (customer_id,)).fetchone()
+    found = {product_id: (cents, "your price") for product_id, cents in own.items()}
+    if group is None:
+        return found
+    listed = group_prices_of(conn, group["id"], [product["id"] for product in products])
+    for product in products:
+        cents = listed.get(product["id"])
+        if cents is None and group["discount_bp"]:
+            cents = (product["price_cents"] * (10000 - group["discount_bp"]) + 5000) // 10000
+        if cents is not None and cents < found.get(product["id"], (cents + 1,))[0]:
+            found[product["id"]] = (cents, "group price")
+    return found
+
+
+def group_prices_of(conn, group_id, product_ids):
+    """{product ID: the group's price in cents}, for those of product_ids it lists."""
+    if not product_ids:
+        return {}
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT product_id, price_cents FROM group_prices WHERE group_id = ? AND "
+        f"product_id IN ({','.join('?' * len(product_ids))})", [group_id, *product_ids]))
 
 
 def customer_prices_of(conn, customer_id, product_ids):
@@ -4156,6 +4198,94 @@ def price_list(conn, company_id, customer_id):
         "SELECT p.id, p.name, p.sku, p.price_cents AS catalog_cents, p.is_active, "
         "c.price_cents, c.updated_at FROM customer_prices c JOIN products p ON p.id = "
         "c.product_id WHERE c.customer_id = ? ORDER BY p.name, p.id", (customer_id,)).fetchall()
+
+
+# Customer groups: a price list a group of customers shares (see special_prices).
+
+def load_group(conn, company_id, group_id):
+    return load_row(conn, "customer_groups", "Group", company_id, group_id)
+
+
+def discount_bp(text):
+    """A percentage as typed (12.5) in hundredths of a percent (1250), read exactly."""
+    try:
+        value = decimal.Decimal(str(text or "0").strip().rstrip("%"))
+    except decimal.InvalidOperation:
+        raise invalid("discount", DISCOUNT_MESSAGE) from None
+    if not value.is_finite() or not 0 <= value <= 100 or value != value.quantize(
+            decimal.Decimal("0.01")):
+        raise invalid("discount", DISCOUNT_MESSAGE)
+    return int(value * 100)
+
+
+def save_group(conn, company_id, name, discount, group_id=None):
+    """A new group (group_id None) or a group's new name and discount; returns its ID."""
+    load_company(conn, company_id)
+    name = (name or "").strip()
+    if not 1 <= len(name) <= MAX_GROUP_NAME:
+        raise invalid("name", f"must be 1 to {MAX_GROUP_NAME} characters")
+    bp = discount_bp(discount)
+    taken = conn.execute("SELECT id FROM customer_groups WHERE company_id = ? AND name_key = ?",
+                         (company_id, name.casefold())).fetchone()
+    if taken is not None and taken["id"] != group_id:
+        raise ApiError(409, GROUP_EXISTS)
+    if group_id is None:
+        group_id, at = new_id_at("grp")
+        insert_row(conn, "customer_groups", {"id": group_id, "company_id": company_id,
+                                             "name": name, "name_key": name.casefold(),
+                                             "discount_bp": bp, "created_at": at})
+        return group_id
+    load_group(conn, company_id, group_id)
+    conn.execute("UPDATE customer_groups SET name = ?, name_key = ?, discount_bp = ? "
+                 "WHERE id = ?", (name, name.casefold(), bp, group_id))
+    return group_id
+
+
+def group_size(conn, group_id):
+    """How many customers the group has."""
+    return conn.execute("SELECT COUNT(*) FROM customers WHERE group_id = ?",
+                        (group_id,)).fetchone()[0]
+
+
+def company_groups(conn, company_id):
+    """The company's groups by name, each with how many customers it has (members)."""
+    return conn.execute(
+        "SELECT g.*, (SELECT COUNT(*) FROM customers c WHERE c.group_id = g.id) AS members "
+        "FROM customer_groups g WHERE g.company_id = ? ORDER BY g.name_key", (company_id,)
+    ).fetchall()
+
+
+def set_group_price(conn, company_id, group_id, product_id, price_cents):
+    """The group's own price for a product (None: the group's discount applies again)."""
+    load_group(conn, company_id, group_id)
+    load_product(conn, company_id, product_id)
+    if price_cents is None:
+        conn.execute("DELETE FROM group_prices WHERE group_id = ? AND product_id = ?",
+                     (group_id, product_id))
+        return
+    if not (isinstance(price_cents, int) and 0 <= price_cents <= MAX_AMOUNT_CENTS):
+        raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
+    conn.execute("INSERT INTO group_prices (group_id, product_id, company_id, price_cents, "
+                 "updated_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (group_id, product_id) DO "
+                 "UPDATE SET price_cents = excluded.price_cents, updated_at = excluded.updated_at",
+                 (group_id, product_id, company_id, price_cents, now_iso()))
+
+
+def group_price_list(conn, company_id, group_id):
+    """The group's own prices, each with its product (name, SKU, catalog price), by name."""
+    load_group(conn, company_id, group_id)
+    return conn.execute(
+        "SELECT p.id, p.name, p.sku, p.price_cents AS catalog_cents, g.price_cents FROM "
+        "group_prices g JOIN products p ON p.id = g.product_id WHERE g.group_id = ? "
+        "ORDER BY p.name, p.id", (group_id,)).fetchall()
+
+
+def set_customer_group(conn, company_id, customer_id, group_id):
+    """The customer's group (None: none); no event (the API shows no groups)."""
+    load_customer(conn, company_id, customer_id)
+    if group_id is not None:
+        load_group(conn, company_id, group_id)
+    conn.execute("UPDATE customers SET group_id = ? WHERE id = ?", (group_id, customer_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -4264,8 +4394,8 @@ def order_prices(conn, source, customer_id, products, wanted):
         if fitted_quantity(product, quantity) != quantity:
             raise ApiError(400, QUANTITY_RULE.format(
                 name=product["name"], rule=quantity_rule_text(product), quantity=quantity))
-    own = customer_prices_of(conn, customer_id, list(wanted))
-    return {product_id: unit_price(products[product_id], own.get(product_id), units)[0]
+    special = special_prices(conn, customer_id, [products[pid] for pid in wanted])
+    return {product_id: unit_price(products[product_id], special.get(product_id), units)[0]
             for product_id, units in wanted.items()}
 
 
@@ -6380,8 +6510,8 @@ def catalog(conn, company_id, customer_id, query):
     result = find_products(conn, company_id, {
         name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
         "active": "true"})
-    own = customer_prices_of(conn, customer_id, [row["id"] for row in result["data"]])
-    return result, {row["id"]: unit_price(row, own.get(row["id"]), row["min_quantity"])[0]
+    special = special_prices(conn, customer_id, result["data"])
+    return result, {row["id"]: unit_price(row, special.get(row["id"]), row["min_quantity"])[0]
                     for row in result["data"]}
 
 
@@ -6402,8 +6532,8 @@ def store_product(conn, company_id, customer_id, product_id):
     product = load_product(conn, company_id, product_id)
     if not product["is_active"]:
         raise not_found("Product")
-    own = customer_prices_of(conn, customer_id, [product_id]).get(product_id)
-    return product, unit_price(product, own, product["min_quantity"])[0]
+    special = special_prices(conn, customer_id, [product]).get(product_id)
+    return product, unit_price(product, special, product["min_quantity"])[0]
 
 
 def cart_of(conn, company_id, contact_id):
@@ -6417,10 +6547,10 @@ def cart_of(conn, company_id, contact_id):
         "SELECT p.*, c.quantity AS cart_quantity FROM cart_lines c JOIN products p ON p.id = "
         "c.product_id WHERE c.contact_id = ? AND p.company_id = ? ORDER BY c.added_at, p.id",
         (contact_id, company_id)).fetchall()
-    own = customer_prices_of(conn, customer["id"], [row["id"] for row in rows])
+    special = special_prices(conn, customer["id"], rows)
     lines = []
     for row in rows:
-        cents, why = unit_price(row, own.get(row["id"]), row["cart_quantity"])
+        cents, why = unit_price(row, special.get(row["id"]), row["cart_quantity"])
         lines.append({"product": row, "quantity": row["cart_quantity"], "unitPrice": cents,
                       "lineTotal": cents * row["cart_quantity"], "why": why,
                       "next": next_break(row, row["cart_quantity"], cents),
@@ -6734,11 +6864,11 @@ def request_quote(conn, company_id, request):
         wanted[line["productId"]] += line["quantity"]
     products = {row["id"]: row for row in conn.execute(
         f"SELECT * FROM products WHERE id IN ({','.join('?' * len(wanted))})", list(wanted))}
-    own = customer_prices_of(conn, request["customer_id"], list(wanted))
+    special = special_prices(conn, request["customer_id"], list(products.values()))
     quoted = []
     for line in lines:
         product = products[line["productId"]]
-        cents = unit_price(product, own.get(product["id"]), wanted[product["id"]])[0]
+        cents = unit_price(product, special.get(product["id"]), wanted[product["id"]])[0]
         quoted.append((product["name"], product["sku"] or "", line["quantity"], cents,
                        cents * line["quantity"]))
     total = sum(line[4] for line in quoted)
@@ -10406,7 +10536,8 @@ def customers_page(visit):
         visit.select("status", "Status",
                      [("", "Any")] + [(s, s) for s in SETTABLE_CUSTOMER_STATUSES],
                      query.get("status"))],
-        join([waiting, render(HEADING, text="All customers") if waiting else "",
+        join([render(PARAGRAPH, text=link("/dashboard/groups", "Price groups")), waiting,
+              render(HEADING, text="All customers") if waiting else "",
               table(("Email", "Name", "Status", "Credit limit", "Since"), rows,
                     numeric=("Credit limit",))]), result)
 
@@ -10490,21 +10621,40 @@ def customer_page(visit, customer_id):
     orders = link(f"/dashboard/orders?customerId={customer_id}", "Orders of this customer")
     return visit.page(customer["email"], join([
         status, edit, render(PARAGRAPH, text=orders), customer_contacts_section(visit, customer_id),
-        credit_section(visit, customer), customer_prices_section(visit, customer_id)]))
+        credit_section(visit, customer), group_form(visit, customer),
+        customer_prices_section(visit, customer_id)]))
+
+
+def group_form(visit, customer):
+    """The customer's price group, and the form that changes it."""
+    path = f"/dashboard/customers/{customer['id']}/group"
+    choices = [("", "None")] + [(g["id"], g["name"])
+                                for g in company_groups(visit.conn, visit.company_id)]
+    view = visit.for_form(path, "group")
+    return view.form_tag(path, render(TITLED_FORM, title="Price group", button="Save group",
+                                      fields=view.select("groupId", "Group", choices,
+                                                         customer["group_id"] or "")))
 
 
 def customer_prices_section(visit, customer_id):
     """The customer's own prices, each with its Remove button, and the form that sets one."""
-    path = f"/dashboard/customers/{customer_id}/prices"
+    return prices_section(visit, f"/dashboard/customers/{customer_id}/prices",
+                          price_list(visit.conn, visit.company_id, customer_id),
+                          CUSTOMER_PRICES)
+
+
+def prices_section(visit, path, listed, template):
+    """A price list's prices (listed: rows of a product and a price), each with its Remove
+    button, and the form at path that sets one, under template's heading."""
     rows = [(row["name"], row["sku"] or "", amount_text(money(row["catalog_cents"])),
              amount_text(money(row["price_cents"])),
              visit.button(f"{path}/{row['id']}/clear", "Remove", "secondary"))
-            for row in price_list(visit.conn, visit.company_id, customer_id)]
+            for row in listed]
     products = [("", "(choose)")] + [(product_id, f"{name} ({sku or '-'})")
                                      for product_id, name, sku, _ in
                                      product_choices(visit.conn, visit.company_id)]
     form = visit.for_form(path, "price")
-    return render(CUSTOMER_PRICES, prices=table(
+    return render(template, prices=table(
         ("Product", "SKU", "Catalog price", "Their price", "Remove"), rows,
         numeric=("Catalog price", "Their price")), form=form.form_tag(path, render(
             TITLED_FORM, title="Set a price", button="Set price", fields=render(GRID, cells=join([
@@ -10625,6 +10775,81 @@ def pending_requests_table(visit):
     return join([render(HEADING, text="Order requests awaiting a buyer's admin"), table(
         ("Customer", "Asked by", "Asked (UTC)", "Total"), rows, numeric=("Total",)),
         render(HEADING, text="Orders")])
+
+
+# Customer groups: their price lists (docs/catalog.md).
+
+def group_fields(visit, group):
+    bp = group.get("discount_bp")
+    return render(GRID, cells=join([
+        visit.field("name", "Name", group.get("name"), required="required"),
+        visit.field("discount", "Discount off the catalog price (%)",
+                    "" if bp is None else f"{bp // 100}.{bp % 100:02d}", inputmode="decimal")]))
+
+
+@page("GET", "/dashboard/groups")
+def groups_page(visit):
+    rows = [(link(f"/dashboard/groups/{g['id']}", g["name"]),
+             f"{g['discount_bp'] // 100}.{g['discount_bp'] % 100:02d}%", g["members"])
+            for g in company_groups(visit.conn, visit.company_id)]
+    return visit.page("Price groups", join([
+        table(("Group", "Discount", "Customers"), rows, numeric=("Customers",)),
+        visit.form_tag("/dashboard/groups", render(TITLED_FORM, title="New group",
+                                                   button="Create group",
+                                                   fields=group_fields(visit, {})))]))
+
+
+@page("POST", "/dashboard/groups", refused=groups_page)
+def create_group_action(visit):
+    with visit.write() as conn:
+        group_id = save_group(conn, visit.company_id, visit.form.get("name"),
+                              visit.form.get("discount"))
+    return redirect(f"/dashboard/groups/{group_id}", "created")
+
+
+@page("GET", "/dashboard/groups/<group_id>")
+def group_page(visit, group_id):
+    group = load_group(visit.conn, visit.company_id, group_id)
+    path = f"/dashboard/groups/{group_id}"
+    return visit.page(group["name"], join([
+        render(GROUP_PAGE_NOTE, members=group_size(visit.conn, group_id)),
+        visit.form_tag(path, join([group_fields(visit, dict(group)),
+                                   render(SUBMIT, text="Save")])),
+        prices_section(visit, path + "/prices", group_price_list(
+            visit.conn, visit.company_id, group_id), GROUP_PRICES)]))
+
+
+@page("POST", "/dashboard/groups/<group_id>", refused=group_page)
+def update_group_action(visit, group_id):
+    with visit.write() as conn:
+        save_group(conn, visit.company_id, visit.form.get("name"), visit.form.get("discount"),
+                   group_id)
+    return redirect(f"/dashboard/groups/{group_id}", "saved")
+
+
+@page("POST", "/dashboard/groups/<group_id>/prices", refused=group_page)
+def set_group_price_action(visit, group_id):
+    if not visit.form.get("productId"):
+        raise invalid("productId", "choose a product")
+    with visit.write() as conn:
+        set_group_price(conn, visit.company_id, group_id, visit.form["productId"],
+                        form_amount(visit.form, "price"))
+    return redirect(f"/dashboard/groups/{group_id}#prices", "price")
+
+
+@page("POST", "/dashboard/groups/<group_id>/prices/<product_id>/clear", refused=group_page)
+def clear_group_price_action(visit, group_id, product_id):
+    with visit.write() as conn:
+        set_group_price(conn, visit.company_id, group_id, product_id, None)
+    return redirect(f"/dashboard/groups/{group_id}#prices", "price-cleared")
+
+
+@page("POST", "/dashboard/customers/<customer_id>/group", refused=customer_page)
+def customer_group_action(visit, customer_id):
+    with visit.write() as conn:
+        set_customer_group(conn, visit.company_id, customer_id,
+                           visit.form.get("groupId") or None)
+    return redirect(f"/dashboard/customers/{customer_id}", "saved")
 
 
 RETURN_STEPS = {"REQUESTED": ("approve", "Approve"), "APPROVED": ("receive", "Mark received")}
@@ -11715,7 +11940,8 @@ def cart_row(visit, line):
 
 def price_reason(line):
     """Under a cart line's unit price: which price applied, and what one more case saves."""
-    why = {"catalog": "", "your price": "your price"}.get(line["why"], line["why"] + " units")
+    why = "" if line["why"] == "catalog" else line["why"] + (
+        " units" if line["why"].startswith("from ") else "")
     more = line["next"] and (f"{line['next'][0]} more: {cents_text(line['next'][1])} each")
     return join(render(TERMS, text=text) for text in (why, more) if text)
 

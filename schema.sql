@@ -76,6 +76,20 @@ CREATE INDEX IF NOT EXISTS products_by_company_sku ON products (company_id, sku)
 CREATE INDEX IF NOT EXISTS products_by_company_active_category_newest  -- the store's catalog
     ON products (company_id, is_active, category, created_at, id);   -- and categories
 
+-- A customer group's price list (docs/catalog.md): a discount off the catalog price, in
+-- hundredths of a percent (1250: 12.5%), and prices of its own for some products, which its
+-- customers get in storefront and dashboard orders.
+CREATE TABLE IF NOT EXISTS customer_groups (
+    id           TEXT PRIMARY KEY,
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    name         TEXT NOT NULL,
+    name_key     TEXT NOT NULL,                -- case-folded name: one group a name
+    discount_bp  INTEGER NOT NULL DEFAULT 0 CHECK (discount_bp >= 0 AND discount_bp <= 10000),
+    created_at   TEXT NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS customer_groups_unique_name
+    ON customer_groups (company_id, name_key);
+
 CREATE TABLE IF NOT EXISTS customers (
     id                 TEXT PRIMARY KEY,
     email              TEXT NOT NULL,
@@ -89,7 +103,8 @@ CREATE TABLE IF NOT EXISTS customers (
     updated_at         TEXT NOT NULL,
     company_id         TEXT NOT NULL REFERENCES companies(id),
     email_key          TEXT NOT NULL,      -- case-folded email, for uniqueness and search
-    payment_terms_days INTEGER             -- its own payment terms (null: the company's)
+    payment_terms_days INTEGER,            -- its own payment terms (null: the company's)
+    group_id           TEXT REFERENCES customer_groups(id)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS customers_unique_email
     ON customers (company_id, email_key);
@@ -130,6 +145,15 @@ CREATE TABLE IF NOT EXISTS customer_prices (
     price_cents  INTEGER NOT NULL CHECK (price_cents >= 0),
     updated_at   TEXT NOT NULL,
     PRIMARY KEY (customer_id, product_id)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS group_prices (
+    group_id     TEXT NOT NULL REFERENCES customer_groups(id),
+    product_id   TEXT NOT NULL REFERENCES products(id),
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    price_cents  INTEGER NOT NULL CHECK (price_cents >= 0),
+    updated_at   TEXT NOT NULL,
+    PRIMARY KEY (group_id, product_id)
 ) WITHOUT ROWID;
 
 -- A contact's cart, kept on the server: it survives signing out and follows the contact to

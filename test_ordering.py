@@ -11297,6 +11297,55 @@ def test_quantity_rules_and_price_breaks_hold_at_every_storefront_and_dashboard_
 
 
 
+def test_a_price_group_gives_its_customers_the_lowest_price_and_the_cart_says_which(
+        app, api, tenant, browser):
+    rice = tenant.product("Rice 25kg", price_cents=4250, stock=500,
+                          price_breaks=[[24, 4000]])
+    tea = tenant.product("Tea", price_cents=1000, stock=500)
+    customer, buyer = shopper(app, tenant)
+    page = browser.get("/dashboard/customers").click("Price groups")
+    form = form_to(page, "/dashboard/groups")
+    form["name"], form["discount"] = "Restaurants", "12.345"
+    refused = form.submit(status=400)
+    assert field_error(refused, "discount") == ordering.DISCOUNT_MESSAGE
+    form = form_to(refused, "/dashboard/groups")
+    form["discount"] = "10"
+    group = form.submit(status=303).follow()
+    assert notice_of(group) == ordering.DONE["created"]
+    again = form_to(browser.get("/dashboard/groups"), "/dashboard/groups")
+    again["name"], again["discount"] = "RESTAURANTS", "5"
+    assert ordering.GROUP_EXISTS in again.submit(status=409).text
+    prices = form_to(group, "/prices")
+    prices["productId"], prices["price"] = tea["id"], "8.00"
+    group = prices.submit(status=303).follow()
+    assert table_rows(group) == [["Tea", "", "10.00", "8.00", "Remove"]]
+    member = form_to(browser.get(f"/dashboard/customers/{customer['id']}"), "/group")
+    member["groupId"] = ordering.company_groups(tenant.db.conn, tenant.id)[0]["id"]
+    member.submit(status=303)
+    assert "1 customers in this group" in browser.get("/dashboard/groups").click(
+        "Restaurants").text
+
+    catalog = {row[0]: row[1] for row in table_rows(buyer.get(store_of(tenant) + "/products"))}
+    assert catalog == {"Tea each": "8.00", "Rice 25kg each 24 or more: 40.00 each": "38.25"}
+    put_in_cart(buyer, tenant, rice["id"], 24)
+    put_in_cart(buyer, tenant, tea["id"], 1)
+    lines = table_rows(buyer.get(store_of(tenant) + "/cart"))
+    assert [line[2:] for line in lines[:2]] == [["38.25 group price", "918.00"],
+                                                 ["8.00 group price", "8.00"]]
+    with tenant.db.write() as conn:  # its own price wins while it is the lowest
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3700)
+    assert table_rows(buyer.get(store_of(tenant) + "/cart"))[0][2:] == [
+        "37.00 your price", "888.00"]
+    placed = place(api, tenant, [{"productId": tea["id"], "quantity": 1}],
+                   customer_id=customer["id"]).json["data"]
+    assert placed["items"][0]["unitPrice"] == 10  # the API's orders: the catalog price
+    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form["customerId"], form["productId0"], form["quantity0"] = customer["id"], tea["id"], "2"
+    made = form.submit(status=303).location.split("/orders/")[1].split("?")[0]
+    assert ordering.order_with_items(tenant.db.conn, tenant.id, made)["items"][0][
+        "unitPrice"] == 8
+
+
 # 11.3 Records as the database writes them ----------------------------------------------------
 
 def test_every_read_answers_the_bytes_of_the_reference_rendering(api, tenant, other, database):
