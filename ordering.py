@@ -2180,7 +2180,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
   margin-bottom: 16px; }
 .notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
-  margin-bottom: 16px; word-break: break-all; }
+  margin-bottom: 16px; overflow-wrap: anywhere; }
 .status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
   font-weight: 600; background: #e6ebf2; }
 .status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
