@@ -47,7 +47,8 @@ ones above it.
                    11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
                    checkout, order requests above an approval limit, a buyer's orders);
                    11.3 records as the database writes them (the API's reads of products and
-                   orders); 11.4 spreadsheets (CSV out, streamed)
+                   orders); 11.4 spreadsheets (CSV out, streamed; CSV in, all or nothing);
+                   11.5 reports (a daily or weekly summary to the staff, once a period)
  12. Outbox        claims, leases, dead claimers, the dispatcher and its threads, retention,
                    for any channel; 12.1 webhooks (signing, address checks, the POST); 12.2 email
                    (SMTP, TLS, retries, message building); 12.3 channels (which ones an app's
@@ -697,6 +698,7 @@ MIGRATIONS = {
     # The wholesale catalog: a product's quantity rules and price breaks; a customer's group
     # (the groups and their prices are new tables).
     11: (add_column("customers", "group_id TEXT REFERENCES customer_groups(id)"),
+         add_column("companies", "report_period TEXT"),
          add_column("products", "min_quantity INTEGER NOT NULL DEFAULT 1 CHECK "
                                 "(min_quantity >= 1)"),
          add_column("products", "order_multiple INTEGER NOT NULL DEFAULT 1 CHECK "
@@ -2377,6 +2379,10 @@ EMAIL_TEMPLATES = {
              "{lines}\n\nSee and print the invoice: {link}\n",
         html="<p>Hello {customerName},</p>\n<p>{store} invoiced you for your order.</p>\n"
              '{facts}\n{lines}\n<p><a href="{link}">See and print the invoice</a></p>'),
+    "report": EmailTemplate(
+        subject="{store}: {title}",
+        text="{title}\n\n{facts}\n\nThe dashboard: {link}\n",
+        html="<p>{title}</p>\n{facts}\n<p><a href=\"{link}\">Open the dashboard</a></p>"),
     "invoice_reminder": EmailTemplate(
         subject="Reminder: invoice {number} from {store} is overdue",
         text="Hello {customerName},\n\nInvoice {number} is past its due date and has a "
@@ -2561,8 +2567,8 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
 SETTINGS_FORM = Template(
-    "server mail_name reply_to alerts buyer_emails approval tax_rate terms stripe", """\
-<h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{buyer_emails}\
+    "server mail_name reply_to alerts reports buyer_emails approval tax_rate terms stripe", """\
+<h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{reports}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
@@ -2975,6 +2981,13 @@ PRICE_BREAKS_RULE = (f"must be at most {MAX_PRICE_BREAKS} price breaks, each uni
                      f"more than the one before) and a price, such as 10 40.00")
 QUANTITY_RULE = "{name} is sold {rule}: {quantity} is not a quantity it is sold in."
 QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
+#: Scheduled reports: their periods (days and ISO weeks, in UTC), how many missed periods a
+#: process that starts after downtime catches up at most, and what the commands say.
+REPORT_PERIODS = ("daily", "weekly")
+REPORT_PERIOD_MESSAGE = "Report period must be daily, weekly or off."
+REPORT_CATCH_UP = 7
+REPORT_SENT = "The {period} report of the period from {start} was sent already."
+REPORT_NOWHERE = "The company has no staff alert addresses to send its report to."
 MAX_GROUP_NAME = 100
 GROUP_EXISTS = "A group with this name already exists."
 DISCOUNT_MESSAGE = "Discount must be a percentage from 0 to 100, with at most two decimals."
@@ -3227,7 +3240,8 @@ COMPANY_FIELDS = (
     ("replyTo", "reply_to", "value"), ("staffAlerts", "staff_alerts", "list"),
     ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
     ("paymentTermsDays", "payment_terms_days", "value"),
-    ("buyerEmailsOff", "buyer_emails_off", "list"), ("createdAt", "created_at", "value"))
+    ("buyerEmailsOff", "buyer_emails_off", "list"), ("reportPeriod", "report_period", "value"),
+    ("createdAt", "created_at", "value"))
 #: A new company as create_company answers (it has no settings yet).
 NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
 #: A new API key as create_api_key answers: the key itself, which only its creation has (the
@@ -3617,12 +3631,21 @@ def _buyer_emails_off(value):
     return json_text(kinds) if kinds else None
 
 
+def _report_period(value):
+    if value in (None, "", "off"):
+        return None
+    if value not in REPORT_PERIODS:
+        raise ApiError(400, REPORT_PERIOD_MESSAGE)
+    return value
+
+
 #: The company's settings update_company changes: column, and the check that returns the value
 #: to store (None clears it). A new setting is a column and a line here.
 COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_name,
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
                     "storefront_approval": _storefront_approval, "tax_rate": _tax_rate,
-                    "payment_terms_days": payment_terms, "buyer_emails_off": _buyer_emails_off}
+                    "payment_terms_days": payment_terms, "buyer_emails_off": _buyer_emails_off,
+                    "report_period": _report_period}
 
 
 def update_company(conn, company_id, changes):
@@ -7352,6 +7375,95 @@ def import_rows(conn, company_id, kind, text, actor=COMMAND):
     return result
 
 
+# 11.5 Reports --------------------------------------------------------------------------------
+# A daily or weekly summary emailed to a company's staff alert addresses (docs/operations.md,
+# Scheduled reports): days and ISO weeks in UTC; each period's report is claimed by a row of
+# report_runs written with its emails, so that however many processes look, it is sent once,
+# and a process that starts after downtime sends the periods missed since the last one.
+
+def period_bounds(period, ms):
+    """(start, end) in epoch ms of the UTC day, or ISO week (from Monday), that holds ms."""
+    day = ms - ms % DAY_MS
+    if period == "daily":
+        return day, day + DAY_MS
+    start = day - datetime.datetime.fromtimestamp(day / 1000, datetime.timezone.utc).weekday() \
+        * DAY_MS
+    return start, start + 7 * DAY_MS
+
+
+def report_facts(conn, company_id, start, end, before):
+    """A report's facts of the period [start, end) (epoch ms), against the one from before."""
+    def sales(since, until):
+        return conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(total_cents + tax_cents), 0) FROM orders WHERE "
+            "company_id = ? AND status <> 'CANCELLED' AND created_at >= ? AND created_at < ?",
+            (company_id, iso(since), iso(until))).fetchone()
+    (count, revenue), (count_before, revenue_before) = sales(start, end), sales(before, start)
+    top = conn.execute(
+        "SELECT p.name, SUM(i.quantity) AS units FROM order_items i JOIN orders o ON o.id = "
+        "i.order_id JOIN products p ON p.id = i.product_id WHERE o.company_id = ? AND "
+        "o.status <> 'CANCELLED' AND o.created_at >= ? AND o.created_at < ? GROUP BY p.id, "
+        "p.name ORDER BY units DESC, p.name LIMIT 5", (company_id, iso(start), iso(end)))
+    low = conn.execute(
+        "SELECT name, stock FROM products WHERE company_id = ? AND is_active = 1 AND "
+        "low_stock_threshold IS NOT NULL AND stock <= low_stock_threshold ORDER BY stock, name "
+        "LIMIT 10", (company_id,))
+    overdue = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(total_cents - paid_cents - credited_cents), 0) FROM "
+        "customer_invoices WHERE company_id = ? AND status = 'OPEN' AND due_at < ?",
+        (company_id, iso(end))).fetchone()
+    return [["Orders", f"{count} (the period before: {count_before})"],
+            ["Revenue, tax included", f"{cents_text(revenue)} (the period before: "
+                                      f"{cents_text(revenue_before)})"],
+            ["Top products", "; ".join(f"{name}: {units} units" for name, units in top)
+             or "none"],
+            ["At or below their low-stock threshold",
+             "; ".join(f"{name}: {stock} left" for name, stock in low) or "none"],
+            ["Overdue invoices", f"{overdue[0]}, {cents_text(overdue[1])} owed"]]
+
+
+def send_report(conn, company, period, start):
+    """The company's report of the period from start (epoch ms), to each of its staff alert
+    addresses, unless it was sent already (then False)."""
+    claimed = conn.execute(
+        "INSERT INTO report_runs (company_id, period, starts_at, sent_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (company_id, period, starts_at) DO NOTHING",
+        (company["id"], period, iso(start), now_iso())).rowcount
+    if not claimed:
+        return False
+    end = period_bounds(period, start)[1]
+    title = (f"Daily report for {iso(start)[:10]}" if period == "daily"
+             else f"Weekly report for the week of {iso(start)[:10]}")
+    facts = report_facts(conn, company["id"], start, end, period_bounds(period, start - 1)[0])
+    for address in json.loads(company["staff_alerts"] or "[]"):
+        queue_email(conn, company["id"], "report", address, {
+            "store": company["name"], "title": title, "facts": facts,
+            "path": "/dashboard/orders"})
+    return True
+
+
+def last_period(period, now_ms):
+    """The start (epoch ms) of the last complete period at now_ms."""
+    return period_bounds(period, period_bounds(period, now_ms)[0] - 1)[0]
+
+
+def send_due_reports(conn, now_ms):
+    """Each company's reports due at now_ms: its last complete period's, and those it missed
+    since its last report (REPORT_CATCH_UP at most), oldest first. Returns how many it sent."""
+    sent = 0
+    for company in conn.execute("SELECT * FROM companies WHERE report_period IS NOT NULL "
+                                "AND staff_alerts IS NOT NULL").fetchall():
+        period = company["report_period"]
+        (last,) = conn.execute("SELECT MAX(starts_at) FROM report_runs WHERE company_id = ? "
+                               "AND period = ?", (company["id"], period)).fetchone()
+        starts = [last_period(period, now_ms)]
+        while last is not None and len(starts) < REPORT_CATCH_UP and \
+                iso(period_bounds(period, starts[-1] - 1)[0]) > last:
+            starts.append(period_bounds(period, starts[-1] - 1)[0])
+        sent += sum(send_report(conn, company, period, start) for start in reversed(starts))
+    return sent
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -8582,13 +8694,16 @@ class Service:
 
     def housekeeping(self):
         """The app's own, run by the outbox's dispatcher as it starts and about once a minute:
-        expired idempotency keys, and the reminders of overdue invoices that are due."""
+        expired idempotency keys, the reminders of overdue invoices that are due, and the
+        scheduled reports."""
         with self.db.write() as conn:
             expire_idempotency_keys(conn, now_iso())
         while True:
             with self.db.write() as conn:
                 if not send_reminders(conn, int(self.clock() * 1000)):
                     break
+        with self.db.write() as conn:
+            send_due_reports(conn, int(self.clock() * 1000))
 
     def health(self):
         """GET /healthz, for load balancers and supervisors: 200 while the database answers.
@@ -11369,6 +11484,13 @@ def settings_page(visit):
         **settings_fields(visit, company))))
 
 
+#: The Settings page's choices of new storefront accounts and of a scheduled report.
+APPROVAL_CHOICES = (("required", "wait for approval by staff (required)"),
+                    ("automatic", "are active at once (automatic)"))
+REPORT_CHOICES = (("", "none"), ("daily", "every day (the day before)"),
+                  ("weekly", "every Monday (the week before)"))
+
+
 def settings_fields(visit, company):
     """The fields of the Settings form, by their place in SETTINGS_FORM."""
     return dict(
@@ -11377,10 +11499,11 @@ def settings_fields(visit, company):
         reply_to=visit.field("replyTo", "Reply-to address", company["reply_to"], kind="email"),
         alerts=visit.field("staffAlerts", "Staff alert addresses (separated by commas)",
                            ", ".join(json.loads(company["staff_alerts"] or "[]"))),
+        reports=visit.select("reportPeriod", "A report to the staff alert addresses",
+                             REPORT_CHOICES, company["report_period"] or ""),
         buyer_emails=buyer_email_switches(company),
-        approval=visit.select("storefrontApproval", "New storefront accounts", (
-            ("required", "wait for approval by staff (required)"),
-            ("automatic", "are active at once (automatic)")), company["storefront_approval"]),
+        approval=visit.select("storefrontApproval", "New storefront accounts",
+                              APPROVAL_CHOICES, company["storefront_approval"]),
         tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} "
                              "(0.0825 is 8.25%; a customer's own rate wins)",
                              rate_field_text(company["tax_rate"]),
@@ -11404,7 +11527,8 @@ def update_settings_action(visit):
                "reply_to": form_text(visit.form, "replyTo"),
                "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
     for field, column in (("storefrontApproval", "storefront_approval"),
-                          ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days")):
+                          ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days"),
+                          ("reportPeriod", "report_period")):
         if field in visit.form:  # (a form of an older page may not have it)
             changes[column] = visit.form.get(field)
     if "buyerEmailsShown" in visit.form:
@@ -12999,7 +13123,8 @@ def cmd_company_create(conn, args):
 #: company-update's options and the company settings they change.
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
                     ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"),
-                    ("tax_rate", "tax_rate"), ("payment_terms", "payment_terms_days"))
+                    ("tax_rate", "tax_rate"), ("payment_terms", "payment_terms_days"),
+                    ("report", "report_period"))
 
 
 @command("company-update", "change a company's settings and print the company",
@@ -13020,7 +13145,9 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                      "(0.0825 is 8.25%%; 0 charges none); a customer's override wins"),
          option("--payment-terms", metavar="DAYS",
                 help=f"days from an invoice's issue to its due date, 0 (on receipt, the "
-                     f"default) to {MAX_PAYMENT_TERMS}; a customer's own terms win"))
+                     f"default) to {MAX_PAYMENT_TERMS}; a customer's own terms win"),
+         option("--report", metavar="daily|weekly|off",
+                help="a summary emailed to the staff alert addresses each day or week"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}
@@ -13389,6 +13516,21 @@ def cmd_import(conn, args):
     if result["errors"] or args.dry_run:
         raise Undone(result, 1 if result["errors"] else 0)
     return result
+
+
+@command("report-send", "email the company's report of the last complete day or week to its "
+                        "staff alert addresses now (each period's once)",
+         option("--company", required=True), option("--period", required=True,
+                                                     choices=REPORT_PERIODS))
+def cmd_report_send(conn, args):
+    company = load_company(conn, args.company)
+    if not company["staff_alerts"]:
+        raise ApiError(409, REPORT_NOWHERE)
+    start = last_period(args.period, int(time.time() * 1000))
+    if not send_report(conn, company, args.period, start):
+        raise ApiError(409, REPORT_SENT.format(period=args.period, start=iso(start)[:10]))
+    return {"companyId": company["id"], "period": args.period, "startsAt": iso(start),
+            "sentTo": json.loads(company["staff_alerts"])}
 
 
 @command("invoice-paid", "record a paid invoice of the company's subscription (invoice.paid)",

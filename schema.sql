@@ -25,7 +25,8 @@ CREATE TABLE IF NOT EXISTS companies (
     storefront_approval TEXT NOT NULL DEFAULT 'required', -- or 'automatic': new buyers ACTIVE at once
     tax_rate            REAL NOT NULL DEFAULT 0, -- a fraction; a customer's override wins
     payment_terms_days  INTEGER NOT NULL DEFAULT 0, -- invoices fall due N days after issue (0: on receipt)
-    buyer_emails_off    TEXT                -- JSON array of the buyer emails it does not send
+    buyer_emails_off    TEXT,               -- JSON array of the buyer emails it does not send
+    report_period       TEXT                -- daily or weekly: its staff get a report (null: none)
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -441,6 +442,16 @@ CREATE INDEX IF NOT EXISTS credit_applications_of_invoice ON credit_applications
 
 -- Stripe events acted on, by Stripe's event ID, written in the transaction of what they did:
 -- Stripe may send an event more than once, and a repeat finds its ID here.
+-- The scheduled reports sent (docs/operations.md): one row a company, period and start,
+-- written with the report's emails, so that however many processes look, each is sent once.
+CREATE TABLE IF NOT EXISTS report_runs (
+    company_id  TEXT NOT NULL REFERENCES companies(id),
+    period      TEXT NOT NULL CHECK (period IN ('daily', 'weekly')),
+    starts_at   TEXT NOT NULL,
+    sent_at     TEXT NOT NULL,
+    PRIMARY KEY (company_id, period, starts_at)
+) WITHOUT ROWID;
+
 CREATE TABLE IF NOT EXISTS stripe_events (
     id           TEXT PRIMARY KEY,          -- Stripe's evt_...
     company_id   TEXT NOT NULL REFERENCES companies(id),

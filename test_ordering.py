@@ -3161,6 +3161,37 @@ def wholesale_rice(tenant):
                           price_breaks=[[24, 4000], [48, 3800]])
 
 
+REPORT_NOW = 1795593600000  # 2026-11-25T08:00:00Z, a Wednesday
+
+
+def reporting_company(db, period="daily"):
+    """A company that sends reports of period to two staff addresses, with orders on the 23rd
+    and the 24th of November 2026 (one cancelled), a product at its low-stock threshold and an
+    overdue invoice. Returns its ID."""
+    with db.write() as conn:
+        company = ordering.create_company(conn, "Report Foods")["id"]
+        ordering.update_company(conn, company, {
+            "staff_alerts": ["boss@report.example", "stock@report.example"],
+            "report_period": period})
+        rice = ordering.create_product(conn, company, name="Rice", price_cents=1000, stock=100)
+        tea = ordering.create_product(conn, company, name="Tea", price_cents=500, stock=12,
+                                      low_stock_threshold=3)
+        buyer = ordering.create_customer(conn, company, {"email": "b@report.example"})["id"]
+        for day, items, cancel in (("2026-11-23T10:00:00.000Z", [(rice, 1)], False),
+                                   ("2026-11-24T09:00:00.000Z", [(rice, 2), (tea, 1)], False),
+                                   ("2026-11-24T23:59:59.999Z", [(rice, 4)], False),
+                                   ("2026-11-24T12:00:00.000Z", [(tea, 9)], True)):
+            order = ordering.place_order(conn, company, {"customerId": buyer, "items": [
+                {"productId": p["id"], "quantity": n} for p, n in items]})["id"]
+            if cancel:
+                ordering.update_order_status(conn, company, order, "CANCELLED")
+            conn.execute("UPDATE orders SET created_at = ? WHERE id = ?", (day, order))
+        first = conn.execute("SELECT id FROM orders WHERE created_at = ?",
+                             ("2026-11-23T10:00:00.000Z",)).fetchone()[0]
+        ordering.invoice_order(conn, company, first, now_ms=REPORT_NOW - 10 * DAY_MS)
+    return company
+
+
 def alert_of(page):
     return page.html.find(class_="alert").get_text()
 
@@ -5471,7 +5502,7 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     company = cli_json(db_path, "company-create", "--name", "Acme Wholesale")
     printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
                        "cus_NffrFeUfNV2Hib")
-    unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [],
+    unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [], "reportPeriod": None,
                 "storefrontApproval": "required", "taxRate": 0, "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", paymentTermsDays=0,
                            buyerEmailsOff=[], **unmailed)
@@ -5523,7 +5554,7 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
                        "storefrontApproval": "required", "taxRate": 0,
-                       "paymentTermsDays": 0, "buyerEmailsOff": [],
+                       "paymentTermsDays": 0, "buyerEmailsOff": [], "reportPeriod": None,
                        "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "")
@@ -11626,6 +11657,77 @@ def test_staff_check_an_import_line_by_line_then_apply_it_on_the_spreadsheets_pa
                                          "from 0."]]
 
 
+# 11.5 Reports --------------------------------------------------------------------------------
+
+def test_a_report_sums_its_period_against_the_one_before_goes_once_and_catches_up(database):
+    db = ordering.Database(str(database))
+    try:
+        company = reporting_company(db)
+        with db.write() as conn:
+            assert ordering.send_due_reports(conn, REPORT_NOW) == 1
+            assert ordering.send_due_reports(conn, REPORT_NOW + 3600_000) == 0
+        emails = db.conn.execute("SELECT to_address, subject, data FROM emails WHERE kind = "
+                                 "'report' ORDER BY to_address").fetchall()
+        assert [row[0] for row in emails] == ["boss@report.example", "stock@report.example"]
+        data = json.loads(emails[0][2])
+        assert (data["title"], data["path"]) == ("Daily report for 2026-11-24",
+                                                 "/dashboard/orders")
+        assert data["facts"] == [
+            ["Orders", "2 (the period before: 1)"],
+            ["Revenue, tax included", "65.00 (the period before: 10.00)"],
+            ["Top products", "Rice: 6 units; Tea: 1 units"],
+            ["At or below their low-stock threshold", "Tea: 2 left"],
+            ["Overdue invoices", "1, 10.00 owed"]]
+        with db.write() as conn:  # four days down: the days missed, oldest first, once each
+            assert ordering.send_due_reports(conn, REPORT_NOW + 4 * DAY_MS) == 4
+            ordering.update_company(conn, company, {"report_period": "weekly"})
+            assert ordering.send_due_reports(conn, REPORT_NOW) == 1
+        titles = [json.loads(row[0])["title"] for row in db.conn.execute(
+            "SELECT data FROM emails WHERE kind = 'report' AND to_address = "
+            "'boss@report.example' ORDER BY created_at, id")]
+        assert titles == ["Daily report for 2026-11-24", "Daily report for 2026-11-25",
+                          "Daily report for 2026-11-26", "Daily report for 2026-11-27",
+                          "Daily report for 2026-11-28",
+                          "Weekly report for the week of 2026-11-16"]
+    finally:
+        db.close()
+
+
+def test_two_processes_send_each_period_once_and_the_command_refuses_a_second(database,
+                                                                               db_path):
+    db = ordering.Database(str(database))
+    company = reporting_company(db)
+    db.close()
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import ordering\n"
+              "db = ordering.Database(sys.argv[2])\n"
+              "with db.write() as conn:\n"
+              "    print(ordering.send_due_reports(conn, int(sys.argv[3])))\n"
+              "db.close()\n")
+    runs = [subprocess.Popen([sys.executable, "-c", script, HERE, str(database),
+                              str(REPORT_NOW)], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    assert sorted(run.communicate(timeout=60)[0].strip() for run in runs) == ["0", "1"]
+    db = ordering.Database(str(database))
+    try:
+        assert db.conn.execute("SELECT COUNT(*) FROM emails WHERE kind = 'report'"
+                               ).fetchone()[0] == 2
+    finally:
+        db.close()
+    other = cli_json(db_path, "company-create", "--name", "Cli Reports")["id"]
+    cli_refuses(db_path, "report-send", "--company", other, "--period", "daily",
+                message=ordering.REPORT_NOWHERE)
+    updated = cli_json(db_path, "company-update", other, "--staff-alerts", "a@cli.example",
+                       "--report", "weekly")
+    assert updated["reportPeriod"] == "weekly"
+    sent = cli_json(db_path, "report-send", "--company", other, "--period", "daily")
+    assert (sent["period"], sent["sentTo"]) == ("daily", ["a@cli.example"])
+    cli_refuses(db_path, "report-send", "--company", other, "--period", "daily",
+                message=ordering.REPORT_SENT.format(period="daily",
+                                                    start=sent["startsAt"][:10]))
+    cli_refuses(db_path, "company-update", other, "--report", "hourly",
+                message=ordering.REPORT_PERIOD_MESSAGE)
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Outbox
 # ---------------------------------------------------------------------------------------------
@@ -14877,7 +14979,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 42
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 43
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
