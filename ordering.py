@@ -2080,6 +2080,7 @@ FILTERS = Template("path fields button",
                    '<form class="card filters" method="get" action="{path}">{fields}<div>'
                    '<button type="submit">{button}</button> <a href="{path}">Clear</a></div>'
                    '</form>')
+PAGE_LINKS = Template("links", '<nav class="pager" aria-label="Pages">{links}</nav>')
 NEXT_PAGE = Template("path query",
                      '<p class="pager"><a class="button" href="{path}?{query}">Next page</a></p>')
 NEW_RECORD = Template("path noun", '<p><a class="button" href="{path}/new">New {noun}</a></p>')
@@ -2192,6 +2193,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .muted { color: var(--muted); font-size: 13px; }
 code { font-size: 13px; word-break: break-all; }
 .pager { margin: 8px 0 24px; }
+nav.pager a { display: inline-block; padding: 10px 0; margin-right: 20px; }
 dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
 dl.facts dt { color: var(--muted); }
 dl.facts dd { margin: 0; }
@@ -2988,6 +2990,11 @@ REPORT_PERIOD_MESSAGE = "Report period must be daily, weekly or off."
 REPORT_CATCH_UP = 7
 REPORT_SENT = "The {period} report of the period from {start} was sent already."
 REPORT_NOWHERE = "The company has no staff alert addresses to send its report to."
+#: How a store's catalog is sorted: newest first, by name, by catalog price (lowest first).
+CATALOG_SORTS = ("newest", "name", "price")
+CATALOG_ORDERS = {"newest": ("created_at", True), "name": ("name", False),
+                  "price": ("price_cents", False)}
+CATALOG_SORT_MESSAGE = f"Sort must be one of {', '.join(CATALOG_SORTS)}."
 MAX_GROUP_NAME = 100
 GROUP_EXISTS = "A group with this name already exists."
 DISCOUNT_MESSAGE = "Discount must be a percentage from 0 to 100, with at most two decimals."
@@ -6299,28 +6306,39 @@ def page_limit(text):
     return DEFAULT_PAGE_SIZE if number is None else min(MAX_PAGE_SIZE, max(1, number))
 
 
-def paginate(conn, table, company_id, query, filters=(), params=(), columns="*"):
-    """One page of rows of a list, newest first, (createdAt, id) descending so that equal
-    timestamps never skip or repeat a record. The cursor is the last ID of the previous page;
-    one that is not the company's gives an empty last page. columns: what to read of each row
-    (its id among them)."""
+def paginate(conn, table, company_id, query, filters=(), params=(), columns="*",
+             order=("created_at", True), before=None):
+    """One page of rows of a list, in order ((column, descending): newest first unless told),
+    by (column, id) so that equal values never skip or repeat a record. The cursor is the last
+    ID of the previous page; before, the first ID of the next page (a page back). An anchor
+    that is not the company's gives an empty last page. columns: what to read of each row
+    (its id among them). Besides the API's pagination, "previous": the ID that before takes
+    for the page before this one, or None at the first page."""
+    column, descending = order
+    backward = before is not None
     limit = page_limit(query.get("limit"))
     where, args = ["company_id = ?", *filters], [company_id, *params]
-    cursor = query.get("cursor")
-    if cursor:
-        anchor = conn.execute(f"SELECT created_at, id FROM {table} WHERE id = ? AND company_id = ?",
-                              (cursor, company_id)).fetchone()
+    anchor_id = before or query.get("cursor")
+    if anchor_id:
+        anchor = conn.execute(f"SELECT {column}, id FROM {table} WHERE id = ? AND company_id = ?",
+                              (anchor_id, company_id)).fetchone()
         if anchor is None:
-            return {"data": [], "pagination": {"hasMore": False, "nextCursor": None}}
-        where.append("(created_at, id) < (?, ?)")
-        args += [anchor["created_at"], anchor["id"]]
+            return {"data": [], "pagination": {"hasMore": False, "nextCursor": None},
+                    "previous": None}
+        where.append(f"({column}, id) {'<' if descending != backward else '>'} (?, ?)")
+        args += [anchor[column], anchor["id"]]
+    way = "DESC" if descending != backward else "ASC"
     rows = conn.execute(
         f"SELECT {columns} FROM {table} WHERE {' AND '.join(where)} "
-        f"ORDER BY created_at DESC, id DESC LIMIT ?", [*args, limit + 1]).fetchall()
-    has_more = len(rows) > limit
-    rows = rows[:limit]
+        f"ORDER BY {column} {way}, id {way} LIMIT ?", [*args, limit + 1]).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit][::-1] if backward else rows[:limit]
+    has_more = backward or more
+    earlier = more if backward else bool(anchor_id)
     return {"data": rows,
-            "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more else None}}
+            "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more and rows
+                           else None},
+            "previous": rows[0]["id"] if earlier and rows else None}
 
 
 def search_filter(columns, needle):
@@ -6339,8 +6357,10 @@ def date_filter(query, name):
     return iso(ms)
 
 
-def find_products(conn, company_id, query, columns="*"):
-    """A page of the company's products: category, search (name, SKU, category) and active."""
+def find_products(conn, company_id, query, columns="*", order=("created_at", True),
+                  before=None):
+    """A page of the company's products: category, search (name, SKU, category) and active;
+    in order, and before, as paginate takes them."""
     filters, params = [], []
     if query.get("category"):
         filters.append("category = ?")
@@ -6353,7 +6373,8 @@ def find_products(conn, company_id, query, columns="*"):
     if active in ("true", "false"):
         filters.append("is_active = ?")
         params.append(int(active == "true"))
-    return paginate(conn, "products", company_id, query, filters, params, columns)
+    return paginate(conn, "products", company_id, query, filters, params, columns, order,
+                    before)
 
 
 def find_customers(conn, company_id, query):
@@ -6528,11 +6549,15 @@ def stock_level(product):
 
 
 def catalog(conn, company_id, customer_id, query):
-    """A page of the store's active products (search, category, cursor, limit) and
-    {product ID: the customer's price in cents for the fewest units it may order}."""
+    """A page of the store's active products (search, category, sort: one of CATALOG_SORTS,
+    cursor or before, limit) and {product ID: the customer's price in cents for the fewest
+    units it may order}."""
+    sort = query.get("sort") or CATALOG_SORTS[0]
+    if sort not in CATALOG_SORTS:
+        raise ApiError(400, CATALOG_SORT_MESSAGE)
     result = find_products(conn, company_id, {
         name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
-        "active": "true"})
+        "active": "true"}, order=CATALOG_ORDERS[sort], before=query.get("before") or None)
     special = special_prices(conn, customer_id, result["data"])
     return result, {row["id"]: unit_price(row, special.get(row["id"]), row["min_quantity"])[0]
                     for row in result["data"]}
@@ -7063,7 +7088,7 @@ EXPORT_COLUMNS = {
                  "description", "id"),
     "customers": ("email", "name", "status", "credit_limit", "tax_rate_override",
                   "payment_terms_days", "notes", "id"),
-    "prices": ("customer_email", "sku", "product", "price"),
+    "prices": ("customer_email", "group", "sku", "product", "price"),
     "invoices": ("number", "issued", "due", "status", "customer_email", "order_id", "subtotal",
                  "tax", "total", "paid", "credited", "balance"),
 }
@@ -7154,11 +7179,16 @@ def _customer_rows(conn, company_id, since, until):
 
 
 def _price_rows(conn, company_id, since, until):
+    """Customers' own prices (of customers made from since until before until), then every
+    price group's."""
     for customers in in_batches(conn, "SELECT t.id, t.email, t.created_at FROM customers t "
                                       "WHERE t.company_id = ?", [company_id], since, until):
         for c in customers:
             for row in price_list(conn, company_id, c["id"]):
-                yield c["email"], row["sku"], row["name"], decimal_text(row["price_cents"])
+                yield c["email"], None, row["sku"], row["name"], decimal_text(row["price_cents"])
+    for group in company_groups(conn, company_id):
+        for row in group_price_list(conn, company_id, group["id"]):
+            yield None, group["name"], row["sku"], row["name"], decimal_text(row["price_cents"])
 
 
 def _invoice_rows(conn, company_id, since, until):
@@ -7196,7 +7226,7 @@ def export_csv(conn, company_id, kind, since=None, until=None):
 
 #: The columns each kind of import must have (export's give them and more).
 IMPORT_REQUIRED = {"products": ("name", "price"), "stock": ("sku", "counted"),
-                   "customers": ("email",), "prices": ("customer_email", "sku", "price")}
+                   "customers": ("email",), "prices": ("sku", "price")}
 
 
 def cell_text(text):
@@ -7310,16 +7340,27 @@ def _import_customer(conn, company_id, row, actor):
 
 
 def _import_price(conn, company_id, row, actor):
-    customer = customer_by_email(conn, company_id, row["customer_email"])
+    """A customer's own price (customer_email) or a price group's (group, by name)."""
     product = _product_of(conn, company_id, {"sku": row["sku"]})
-    if customer is None or product is None:
-        raise not_found("Customer" if customer is None else "Product")
-    own = customer_prices_of(conn, customer["id"], [product["id"]]).get(product["id"])
+    if product is None:
+        raise not_found("Product")
     cents = _cell_amount(row, "price")
-    if own == cents:
-        return "unchanged"
-    set_customer_price(conn, company_id, customer["id"], product["id"], cents)
-    return "created" if own is None else "updated"
+    if row.get("group"):
+        group = next((g for g in company_groups(conn, company_id)
+                      if g["name_key"] == row["group"].casefold()), None)
+        if group is None:
+            raise not_found("Group")
+        before = group_prices_of(conn, group["id"], [product["id"]]).get(product["id"])
+        if before != cents:
+            set_group_price(conn, company_id, group["id"], product["id"], cents)
+    else:
+        customer = customer_by_email(conn, company_id, row.get("customer_email"))
+        if customer is None:
+            raise not_found("Customer")
+        before = customer_prices_of(conn, customer["id"], [product["id"]]).get(product["id"])
+        if before != cents:
+            set_customer_price(conn, company_id, customer["id"], product["id"], cents)
+    return "unchanged" if before == cents else "created" if before is None else "updated"
 
 
 _IMPORTERS = {"products": _import_product, "stock": _import_stock,
@@ -11484,6 +11525,11 @@ def settings_page(visit):
         **settings_fields(visit, company))))
 
 
+#: The store catalog's orders, as its Order select names them.
+CATALOG_SORT_CHOICES = (("newest", "Newest first"), ("name", "Name"),
+                        ("price", "Price, lowest first"))
+
+
 #: The Settings page's choices of new storefront accounts and of a scheduled report.
 APPROVAL_CHOICES = (("required", "wait for approval by staff (required)"),
                     ("automatic", "are active at once (automatic)"))
@@ -11999,19 +12045,40 @@ def lines_table(lines, total, rate, tax):
 def catalog_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result, prices = catalog(visit.conn, visit.company_id, visit.session["customer_id"], query)
-    categories = store_categories(visit.conn, visit.company_id)
-    search = render(FILTERS, path=prefix + "/products", button="Search", fields=join([
-        visit.field("search", "Search", query.get("search"), kind="search"),
-        visit.select("category", "Category",
-                     [("", "All categories")] + [(c, c) for c in categories],
-                     query.get("category"))]))
     adds = may(visit, "order")
     row = with_add_form(visit, STORE_CATALOG_ROW) if adds else STORE_CATALOG_ROW_VIEW
     rows = [catalog_row(row, prefix, product, prices[product["id"]], adds)
             for product in result["data"]]
     return visit.page("Catalog", join([
-        search, table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
-        pager(visit, result, prefix + "/products")]))
+        catalog_filters(visit, query),
+        table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
+        catalog_pages(visit, result, prefix + "/products")]))
+
+
+def catalog_filters(visit, query):
+    """The catalog's search, category and order."""
+    categories = store_categories(visit.conn, visit.company_id)
+    return render(FILTERS, path=visit.surface.prefix + "/products", button="Search",
+                  fields=join([
+                      visit.field("search", "Search", query.get("search"), kind="search"),
+                      visit.select("category", "Category",
+                                   [("", "All categories")] + [(c, c) for c in categories],
+                                   query.get("category")),
+                      visit.select("sort", "Order", CATALOG_SORT_CHOICES, query.get("sort"))]))
+
+
+def catalog_pages(visit, result, path):
+    """First, previous and next pages of the catalog, keeping its search, category and order."""
+    kept = {name: value for name, value in visit.filters().items()
+            if name in ("search", "category", "sort", "limit")}
+    pages = [("First page", kept if result["previous"] else None),
+             ("Previous page", kept | {"before": result["previous"]} if result["previous"]
+              else None),
+             ("Next page", kept | {"cursor": result["pagination"]["nextCursor"]}
+              if result["pagination"]["nextCursor"] else None)]
+    links = [link(f"{path}?{urllib.parse.urlencode(query)}", text)
+             for text, query in pages if query is not None]
+    return render(PAGE_LINKS, links=join(links)) if links else ""
 
 
 @buyer_page("GET", "/store/<slug>/products/<product_id>")

@@ -10664,7 +10664,7 @@ def test_the_catalog_searches_filters_by_category_and_pages(app, tenant):
     assert names(buyer.get(catalog + "?category=Pantry")) == ["Sea Salt"]
     page = buyer.get(catalog + "?category=Grains&limit=2")
     assert names(page) == ["Basmati Rice", "Bread Flour"]
-    [categories] = [select for select in page.html.find_all("select")]
+    categories = page.html.find("select", attrs={"name": "category"})
     assert [option["value"] for option in categories.find_all("option")] == [
         "", "Grains", "Pantry"]
     following = page.click("Next page")
@@ -11539,7 +11539,7 @@ def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutra
                                 "yes", "1", "1", ""]
     assert products[2][:4] == ["'-EVIL", "'=HYPERLINK(\"http://evil.example\")", "", "'@bag"]
     prices = browser.get("/dashboard/spreadsheets/prices").body.decode("utf-8-sig")
-    assert prices.splitlines()[1] == "buyer@cafe.example,GR-RICE-25,Rice 25kg,39.90"
+    assert prices.splitlines()[1] == "buyer@cafe.example,,GR-RICE-25,Rice 25kg,39.90"
     invoices = browser.get("/dashboard/spreadsheets/invoices").body.decode("utf-8-sig")
     assert invoices.splitlines()[1] == (f"INV-000001,2026-11-01,2026-12-01,OPEN,"
                                         f"buyer@cafe.example,{placed[0]['id']},43.50,4.35,"
@@ -11624,10 +11624,22 @@ def test_import_writes_all_or_nothing_and_an_exported_file_imports_back_unchange
         again = run_cli(db_path, "export", kind, "--company", company).stdout
         assert imported(kind, again)[1] == {"created": 0, "updated": 0, "unchanged": 1,
                                             "errors": []}, kind
-    assert imported("prices", "sku,price\nGR-RICE,1.00\n") == (1, {
+    assert imported("prices", "sku\nGR-RICE\n") == (1, {
         "created": 0, "updated": 0, "unchanged": 0, "errors": [
-            {"line": 1, "message": "The first line must name the columns; missing: "
-                                   "customer_email."}]})
+            {"line": 1, "message": "The first line must name the columns; missing: price."}]})
+    db = ordering.Database(str(db_path))
+    with db.write() as conn:
+        ordering.save_group(conn, company, "Schools", "5")
+    db.close()
+    group_prices = "group,sku,price\nschools,GR-RICE,38.00\nNobody,GR-RICE,1.00\n"
+    assert imported("prices", group_prices)[1]["errors"] == [
+        {"line": 3, "message": "Group not found."}]
+    assert imported("prices", group_prices.splitlines(True)[0] + group_prices.splitlines(
+        True)[1])[1]["created"] == 1
+    everything = run_cli(db_path, "export", "prices", "--company", company).stdout
+    assert everything.splitlines()[-1] == ",Schools,GR-RICE,Rice,38.00"
+    assert imported("prices", everything)[1] == {"created": 0, "updated": 0, "unchanged": 2,
+                                                 "errors": []}
 
 
 def test_staff_check_an_import_line_by_line_then_apply_it_on_the_spreadsheets_page(
@@ -14552,6 +14564,33 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
     other_buyer.get(f"{store_of(tenant)}/invoices/{invoice['id']}", status=404)
     assert table_rows(other_buyer.get(f"{store_of(tenant)}/statement"))[-1] == [
         "", "", "Balance", "", "0.00"]
+
+
+def test_the_catalog_sorts_by_name_newest_or_price_and_pages_forward_and_back(app, tenant):
+    for name, cents in (("Dill", 400), ("Basil", 900), ("Anise", 700), ("Cumin", 100),
+                        ("Esparto", 300)):
+        tenant.product(name, price_cents=cents)
+    _, buyer = shopper(app, tenant)
+
+    def names(page):
+        return [row[0].split()[0] for row in table_rows(page)]
+    page = buyer.get(store_of(tenant) + "/products?sort=name&limit=2")
+    assert names(page) == ["Anise", "Basil"] and "Previous page" not in page.text
+    page = page.click("Next page")
+    assert names(page) == ["Cumin", "Dill"]
+    assert names(page.click("Previous page")) == ["Anise", "Basil"]
+    last = page.click("Next page")
+    assert names(last) == ["Esparto"] and "Next page" not in last.text
+    back = last.click("Previous page")
+    assert names(back) == ["Cumin", "Dill"]
+    assert names(back.click("First page")) == ["Anise", "Basil"]
+    assert names(back.click("Previous page")) == ["Anise", "Basil"]
+    by_price = buyer.get(store_of(tenant) + "/products?sort=price&limit=3")
+    assert names(by_price) == ["Cumin", "Esparto", "Dill"]
+    assert names(by_price.click("Next page")) == ["Anise", "Basil"]
+    assert names(buyer.get(store_of(tenant) + "/products?limit=2")) == ["Esparto", "Cumin"]
+    refused = buyer.get(store_of(tenant) + "/products?sort=cheapest", status=400)
+    assert ordering.CATALOG_SORT_MESSAGE in refused.text
 
 
 def test_product_images_show_lazily_from_https_only_with_the_name_as_their_text(app, tenant):
