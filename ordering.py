@@ -6307,13 +6307,14 @@ def page_limit(text):
 
 
 def paginate(conn, table, company_id, query, filters=(), params=(), columns="*",
-             order=("created_at", True), before=None):
+             order=("created_at", True), before=None, back=False):
     """One page of rows of a list, in order ((column, descending): newest first unless told),
     by (column, id) so that equal values never skip or repeat a record. The cursor is the last
     ID of the previous page; before, the first ID of the next page (a page back). An anchor
     that is not the company's gives an empty last page. columns: what to read of each row
-    (its id among them). Besides the API's pagination, "previous": the ID that before takes
-    for the page before this one, or None at the first page."""
+    (its id among them). With back (never the API's, whose answer is the spec's), also
+    "previous": the ID that before takes for the page before this one, or None at the first
+    page."""
     column, descending = order
     backward = before is not None
     limit = page_limit(query.get("limit"))
@@ -6324,7 +6325,7 @@ def paginate(conn, table, company_id, query, filters=(), params=(), columns="*",
                               (anchor_id, company_id)).fetchone()
         if anchor is None:
             return {"data": [], "pagination": {"hasMore": False, "nextCursor": None},
-                    "previous": None}
+                    **({"previous": None} if back else {})}
         where.append(f"({column}, id) {'<' if descending != backward else '>'} (?, ?)")
         args += [anchor[column], anchor["id"]]
     way = "DESC" if descending != backward else "ASC"
@@ -6335,10 +6336,12 @@ def paginate(conn, table, company_id, query, filters=(), params=(), columns="*",
     rows = rows[:limit][::-1] if backward else rows[:limit]
     has_more = backward or more
     earlier = more if backward else bool(anchor_id)
-    return {"data": rows,
+    page = {"data": rows,
             "pagination": {"hasMore": has_more, "nextCursor": rows[-1]["id"] if has_more and rows
-                           else None},
-            "previous": rows[0]["id"] if earlier and rows else None}
+                           else None}}
+    if back:
+        page["previous"] = rows[0]["id"] if earlier and rows else None
+    return page
 
 
 def search_filter(columns, needle):
@@ -6358,7 +6361,7 @@ def date_filter(query, name):
 
 
 def find_products(conn, company_id, query, columns="*", order=("created_at", True),
-                  before=None):
+                  before=None, back=False):
     """A page of the company's products: category, search (name, SKU, category) and active;
     in order, and before, as paginate takes them."""
     filters, params = [], []
@@ -6374,7 +6377,7 @@ def find_products(conn, company_id, query, columns="*", order=("created_at", Tru
         filters.append("is_active = ?")
         params.append(int(active == "true"))
     return paginate(conn, "products", company_id, query, filters, params, columns, order,
-                    before)
+                    before, back)
 
 
 def find_customers(conn, company_id, query):
@@ -6557,7 +6560,8 @@ def catalog(conn, company_id, customer_id, query):
         raise ApiError(400, CATALOG_SORT_MESSAGE)
     result = find_products(conn, company_id, {
         name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
-        "active": "true"}, order=CATALOG_ORDERS[sort], before=query.get("before") or None)
+        "active": "true"}, order=CATALOG_ORDERS[sort], before=query.get("before") or None,
+        back=True)
     special = special_prices(conn, customer_id, result["data"])
     return result, {row["id"]: unit_price(row, special.get(row["id"]), row["min_quantity"])[0]
                     for row in result["data"]}
