@@ -10944,13 +10944,13 @@ def group_fields(visit, group):
     return render(GRID, cells=join([
         visit.field("name", "Name", group.get("name"), required="required"),
         visit.field("discount", "Discount off the catalog price (%)",
-                    "" if bp is None else f"{bp // 100}.{bp % 100:02d}", inputmode="decimal")]))
+                    "" if bp is None else decimal_text(bp), inputmode="decimal")]))
 
 
 @page("GET", "/dashboard/groups")
 def groups_page(visit):
     rows = [(link(f"/dashboard/groups/{g['id']}", g["name"]),
-             f"{g['discount_bp'] // 100}.{g['discount_bp'] % 100:02d}%", g["members"])
+             decimal_text(g["discount_bp"]) + "%", g["members"])
             for g in company_groups(visit.conn, visit.company_id)]
     return visit.page("Price groups", join([
         table(("Group", "Discount", "Customers"), rows, numeric=("Customers",)),
