@@ -2941,7 +2941,8 @@ MAX_PAYMENT_REFERENCE = 100
 MAX_REMINDERS = 3
 REMINDER_INTERVAL_DAYS = 7
 #: The receivables' aging: (label, fewest days past due, most), "current" not yet due; and
-#: the open invoices its page lists at most, those due longest ago.
+#: the open invoices (those due longest ago) and the customers (those owing most) its page
+#: lists at most.
 AGING_BUCKETS = (("Current", None, 0), ("1-30", 1, 30), ("31-60", 31, 60), ("61-90", 61, 90),
                  ("Over 90", 91, None))
 RECEIVABLES_SHOWN = 100
@@ -11227,9 +11228,11 @@ def receivables_page(visit):
                                              visit.surface.now_ms())
     listed = "Open invoices" if count <= len(invoices) else \
         f"The {len(invoices)} open invoices due longest ago, of {count}"
+    owing = "Owed by customer, by days past due" if len(customers) <= RECEIVABLES_SHOWN else \
+        f"The {RECEIVABLES_SHOWN} customers who owe most, of {len(customers)}, by days past due"
     return visit.page("Receivables", join([
         render(PARAGRAPH, text=link("/dashboard/invoices", "Every invoice, paid and void too")),
-        render(HEADING, text="Owed by customer, by days past due"), owed_table(customers),
+        render(HEADING, text=owing), owed_table(customers),
         render(HEADING, text=listed), table(
             ("Invoice", "Customer", "Issued", "Due", "Past due", "Balance"),
             [(link(f"/dashboard/invoices/{i['id']}", i["number"]), i["email"] or "",
@@ -11238,11 +11241,13 @@ def receivables_page(visit):
 
 
 def owed_table(customers):
-    """Each customer's open balances by aging bucket, and their totals."""
+    """The open balances by aging bucket of the RECEIVABLES_SHOWN customers who owe most
+    (rows for them all would make the page grow with the business), and the totals of every
+    customer's."""
     rows = [(link(f"/dashboard/customers/{owed['customer_id']}/statement",
                   owed["name"] or owed["email"]) if owed["customer_id"] else "no customer",
              *map(cents_text, owed["buckets"]), cents_text(owed["total"]))
-            for owed in customers]
+            for owed in customers[:RECEIVABLES_SHOWN]]
     sums = [sum(owed["buckets"][index] for owed in customers)
             for index in range(len(AGING_LABELS))]
     rows.append((render(TOTAL_CELL, text="Total"), *map(cents_text, sums),

@@ -7614,7 +7614,8 @@ def test_a_statement_lists_invoices_payments_and_credit_notes_to_the_balance(app
     assert account["balance"] == 25 and account["customerId"] == customer["id"]
 
 
-def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant, staff):
+def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant, staff,
+                                                                   monkeypatch):
     money_tenant(tenant, rate=0, terms=0)
     cafe = tenant.customer(name="Cafe")
     for days_ago, cents in ((0, 100), (1, 200), (30, 400), (31, 800), (90, 1600), (91, 3200)):
@@ -7643,6 +7644,15 @@ def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant
         (bakery["id"], 4), (cafe["id"], 4)] and count == 7
     assert [(owed["name"], owed["total"]) for owed in customers] == [
         ("Cafe", 6300), ("Corner Cafe", 1000)]
+    # so do the customers: those who owe most, above totals of them all
+    monkeypatch.setattr(ordering, "RECEIVABLES_SHOWN", 1)
+    page = signed_in(app).get("/dashboard/receivables")
+    assert page.html.find_all("h2")[0].get_text() == (
+        "The 1 customers who owe most, of 2, by days past due")
+    assert [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
+            for row in page.html.find("tbody").find_all("tr")] == [
+        ["Cafe", "1.00", "6.00", "8.00", "16.00", "32.00", "63.00"],
+        ["Total", "1.00", "6.00", "8.00", "16.00", "42.00", "73.00"]]
 
 
 def test_reminders_begin_the_day_after_due_then_weekly_three_at_most_never_when_paid(
