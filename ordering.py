@@ -4842,9 +4842,10 @@ def invoice_details(conn, company_id, invoice_id):
             (invoice_id,))])
 
 
-def find_customer_invoices(conn, company_id, status=None, customer_id=None, overdue_at=None):
-    """The company's invoices, newest first: of a status, of a customer, or overdue at a
-    time (ISO text: open, and due before that day began)."""
+def find_customer_invoices(conn, company_id, status=None, customer_id=None, overdue_at=None,
+                           open_or_since=None):
+    """The company's invoices, newest first: of a status, of a customer, overdue at a time
+    (ISO text: open, and due before that day began), or open or issued since a time."""
     if status is not None and status not in INVOICE_STATUSES:
         raise ApiError(400, INVOICE_STATUS_FILTER)
     filters, params = ["company_id = ?"], [company_id]
@@ -4855,6 +4856,9 @@ def find_customer_invoices(conn, company_id, status=None, customer_id=None, over
     if overdue_at is not None:
         filters.append("status = 'OPEN' AND due_at < ?")
         params.append(overdue_at[:10])
+    if open_or_since is not None:
+        filters.append("(status = 'OPEN' OR issued_at >= ?)")
+        params.append(open_or_since)
     return conn.execute(f"SELECT * FROM customer_invoices WHERE {' AND '.join(filters)} "
                         "ORDER BY sequence DESC", params).fetchall()
 
@@ -4902,34 +4906,55 @@ def require_credit(conn, company_id, customer_id, order_id):
 
 #: The kinds of a statement's lines, in the order a day's lines of each kind come.
 STATEMENT_LINE_KINDS = ("INVOICE", "PAYMENT", "CREDIT_NOTE")
+#: A statement's period on the pages, unless the reader asks for another: its last this many
+#: days (what came before is its opening balance), so that the page does not grow with an
+#: account's history.
+STATEMENT_DAYS = 90
 
 
-def statement(conn, company_id, customer_id):
+def statement(conn, company_id, customer_id, since=None):
     """A customer's account: its invoices (void ones aside), payments and credit notes by
     day (an invoice before what settles it on the same day), each line's amount (what it
     adds to what the customer owes, or takes off), the balance after it and the invoice it
     concerns (invoiceId; none for a credit note); the balance is what its open invoices owe
-    less its unapplied credit."""
+    less its unapplied credit. From since (ISO text, the start of a day) if given: the lines
+    from then on, after the opening balance that those before it add up to (since, opening);
+    else the whole history."""
     load_customer(conn, company_id, customer_id)
+    start = since or ""  # the empty text sorts before every time
     entries = [(row["issued_at"], "INVOICE", row["number"], row["total_cents"], row["id"])
                for row in conn.execute("SELECT * FROM customer_invoices WHERE company_id = ? AND "
-                                       "customer_id = ? AND status <> 'VOID'",
-                                       (company_id, customer_id))]
+                                       "customer_id = ? AND status <> 'VOID' AND issued_at >= ?",
+                                       (company_id, customer_id, start))]
     entries += [(row["paid_at"], "PAYMENT", " ".join(filter(None, [
         row["number"], row["method"], row["reference"]])), -row["amount_cents"],
         row["invoice_id"]) for row in conn.execute(
             "SELECT p.*, i.number FROM customer_invoices i JOIN payments p ON p.invoice_id = "
-            "i.id WHERE i.company_id = ? AND i.customer_id = ?", (company_id, customer_id))]
+            "i.id WHERE i.company_id = ? AND i.customer_id = ? AND p.paid_at >= ?",
+            (company_id, customer_id, start))]
     entries += [(row["created_at"], "CREDIT_NOTE", row["number"], -row["amount_cents"], None)
-                for row in conn.execute("SELECT * FROM credit_notes WHERE customer_id = ?",
-                                        (customer_id,))]
-    lines, balance = [], 0
+                for row in conn.execute("SELECT * FROM credit_notes WHERE customer_id = ? AND "
+                                        "created_at >= ?", (customer_id, start))]
+    account = {"customerId": customer_id}
+    balance = 0
+    if since:
+        (balance,) = conn.execute(
+            "SELECT (SELECT COALESCE(SUM(total_cents), 0) FROM customer_invoices WHERE "
+            "company_id = ? AND customer_id = ? AND status <> 'VOID' AND issued_at < ?) - "
+            "(SELECT COALESCE(SUM(p.amount_cents), 0) FROM customer_invoices i JOIN payments p "
+            "ON p.invoice_id = i.id WHERE i.company_id = ? AND i.customer_id = ? AND "
+            "p.paid_at < ?) - (SELECT COALESCE(SUM(amount_cents), 0) FROM credit_notes WHERE "
+            "customer_id = ? AND created_at < ?)", (company_id, customer_id, since, company_id,
+                                                     customer_id, since, customer_id, since)
+        ).fetchone()
+        account.update(since=since, opening=money(balance))
+    lines = []
     for at, kind, reference, cents, invoice_id in sorted(entries, key=lambda entry: (
             entry[0][:10], STATEMENT_LINE_KINDS.index(entry[1]), entry[0])):
         balance += cents
         lines.append({"date": at, "kind": kind, "reference": reference, "amount": money(cents),
                       "balance": money(balance), "invoiceId": invoice_id})
-    return {"customerId": customer_id, "lines": lines, "balance": money(balance)}
+    return dict(account, lines=lines, balance=money(balance))
 
 
 def aging_sql(now_ms):
@@ -9842,7 +9867,11 @@ class Visit:
     def refusal(self, error):
         self.errors = {}  # the page says why alone, whatever a form sent before
         title = "Not found" if error.status == 404 else "Refused"
-        return self.page(title, render(ALERT, message=error.message), error.status)
+        # A query's bad value (a filter's date) is named with its rule: the generic message
+        # alone would not say what to change.
+        message = "; ".join(f"{detail['field']} {detail['rule']}" for detail in
+                            error.details) + "." if error.details else error.message
+        return self.page(title, render(ALERT, message=message), error.status)
 
 
 #: What a page says once the form that led to it did its work (the redirect's ?done=KEY,
@@ -10050,13 +10079,36 @@ def invoice_lines_table(conn, invoice):
 STATEMENT_KINDS = {"INVOICE": "Invoice", "PAYMENT": "Payment", "CREDIT_NOTE": "Credit note"}
 
 
+def statement_since(visit):
+    """The start of the statement's period that the query asks for (since, a date; empty: the
+    whole history, None): by default the day STATEMENT_DAYS before today."""
+    if "since" not in visit.query:
+        return iso(visit.surface.now_ms() - STATEMENT_DAYS * DAY_MS)[:10] + "T00:00:00.000Z"
+    bound = date_filter(visit.query, "since")
+    return bound and bound[:10] + "T00:00:00.000Z"
+
+
+def statement_section(visit, customer_id, path, invoice_path):
+    """A customer's statement of the period the query asks for, with the form that asks."""
+    since = statement_since(visit)
+    return join([render(FILTERS, path=path, fields=visit.field(
+        "since", "From", (since or "")[:10], kind="date"), button="Show"),
+        render(PARAGRAPH, text=link(path + "?since=", "The whole history")),
+        statement_table(statement(visit.conn, visit.company_id, customer_id, since),
+                        invoice_path)])
+
+
 def statement_table(account, invoice_path):
-    """A statement (statement()): its lines by date, each invoice's and payment's linked to
-    the invoice (invoice_path and its ID), and the balance under them."""
-    rows = [(line["date"][:10], STATEMENT_KINDS[line["kind"]],
-             link(invoice_path + line["invoiceId"], line["reference"]) if line["invoiceId"]
-             else line["reference"], amount_text(line["amount"]), amount_text(line["balance"]))
-            for line in account["lines"]]
+    """A statement (statement()): its opening balance (of a period), its lines by date, each
+    invoice's and payment's linked to the invoice (invoice_path and its ID), and the balance
+    under them."""
+    rows = [(account["since"][:10], "", render(TOTAL_CELL, text="Opening balance"), "",
+             render(TOTAL_CELL, text=amount_text(account["opening"])))
+            ] if "since" in account else []
+    rows += [(line["date"][:10], STATEMENT_KINDS[line["kind"]],
+              link(invoice_path + line["invoiceId"], line["reference"]) if line["invoiceId"]
+              else line["reference"], amount_text(line["amount"]), amount_text(line["balance"]))
+             for line in account["lines"]]
     rows.append(("", "", render(TOTAL_CELL, text="Balance"), "",
                  render(TOTAL_CELL, text=amount_text(account["balance"]))))
     return table(("Date", "Kind", "Reference", "Amount", "Balance"), rows,
@@ -11260,8 +11312,8 @@ def owed_table(customers):
 def customer_statement_page(visit, customer_id):
     customer = load_customer(visit.conn, visit.company_id, customer_id)
     return visit.page(f"Statement of {customer['name'] or customer['email']}", join([
-        statement_table(statement(visit.conn, visit.company_id, customer_id),
-                        "/dashboard/invoices/"),
+        statement_section(visit, customer_id, f"/dashboard/customers/{customer_id}/statement",
+                          "/dashboard/invoices/"),
         render(PARAGRAPH, text=link(f"/dashboard/customers/{customer_id}",
                                     "Back to the customer"))]))
 
@@ -12309,14 +12361,16 @@ def store_invoice_page(visit, invoice_id):
 @buyer_page("GET", "/store/<slug>/statement", right="statements")
 def store_statement_page(visit):
     conn, me, prefix = visit.conn, visit.session["customer_id"], visit.surface.prefix
-    invoices = find_customer_invoices(conn, visit.company_id, customer_id=me)
+    since = statement_since(visit)
+    invoices = find_customer_invoices(conn, visit.company_id, customer_id=me,
+                                      open_or_since=since)
     rows = [(link(f"{prefix}/invoices/{row['id']}", row["number"]), row["issued_at"][:10],
              row["due_at"][:10], status_tag(row["status"]), cents_text(row["total_cents"]),
              cents_text(balance_cents(row)))
             for row in invoices]
     return visit.page("Statement", join([
-        statement_table(statement(conn, visit.company_id, me), prefix + "/invoices/"),
-        render(HEADING, text="Invoices"), table(
+        statement_section(visit, me, prefix + "/statement", prefix + "/invoices/"),
+        render(HEADING, text="Open invoices and the period's" if since else "Invoices"), table(
             ("Invoice", "Issued", "Due", "Status", "Total", "Balance"), rows,
             numeric=("Total", "Balance"))]))
 
@@ -13502,9 +13556,12 @@ def cmd_credit_apply(conn, args):
 
 
 @command("statement", "print a customer's statement: invoices, payments and credit notes, "
-                      "and the balance", option("id", metavar="CUSTOMER_ID"))
+                      "and the balance", option("id", metavar="CUSTOMER_ID"),
+         option("--since", type=_moment, help="from this day on, after the opening balance "
+                                              "(default: the whole history)"))
 def cmd_statement(conn, args):
-    return statement(conn, company_of(conn, "Customer", args.id), args.id)
+    since = args.since and args.since[:10] + "T00:00:00.000Z"
+    return statement(conn, company_of(conn, "Customer", args.id), args.id, since)
 
 
 @command("customer-terms", "set a customer's own payment terms, or give it the company's "

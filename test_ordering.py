@@ -7612,6 +7612,13 @@ def test_a_statement_lists_invoices_payments_and_credit_notes_to_the_balance(app
         ("INVOICE", "INV-000001", 60, 60), ("PAYMENT", "INV-000001 wire W-1", -25, 35),
         ("CREDIT_NOTE", "CN-000001", -10, 25)]
     assert account["balance"] == 25 and account["customerId"] == customer["id"]
+    # a period: what came before it is the opening balance (the void invoice is not in it)
+    for since, opening, kinds in (("2026-11-02T00:00:00.000Z", 60, ["PAYMENT", "CREDIT_NOTE"]),
+                                  ("2026-11-03T00:00:00.000Z", 35, ["CREDIT_NOTE"]),
+                                  ("2999-01-01T00:00:00.000Z", 25, [])):
+        period = ordering.statement(tenant.db.conn, tenant.id, customer["id"], since)
+        assert (period["since"], period["opening"], period["balance"]) == (since, opening, 25)
+        assert [line["kind"] for line in period["lines"]] == kinds
 
 
 def test_receivables_age_open_invoices_by_days_past_due_per_customer(app, tenant, staff,
@@ -7754,7 +7761,12 @@ def test_money_commands_invoice_pay_credit_void_list_and_print_a_statement(app, 
     account = cli_json(db, "statement", customer["id"])
     assert [(line["kind"], line["amount"]) for line in account["lines"]] == [
         ("INVOICE", 91.8), ("PAYMENT", -50), ("CREDIT_NOTE", -11.8)]
-    assert account["balance"] == 30
+    assert account["balance"] == 30 and "since" not in account
+    later = cli_json(db, "statement", customer["id"], "--since", "2999-01-01T10:00:00Z")
+    assert (later["since"], later["opening"], later["lines"], later["balance"]) == (
+        "2999-01-01T00:00:00.000Z", 30, [], 30)
+    cli_refuses(db, "statement", customer["id"], "--since", "soon",
+                message="argument --since: must be an ISO 8601 date or datetime")
     cli_refuses(db, "invoice-show", "cin_unknown", message="Invoice not found.")
     cli_refuses(db, "invoice-list", "--company", tenant.id, "--status", "DUE",
                 message="argument --status: invalid choice: 'DUE' (choose from 'OPEN', 'PAID', "
@@ -14097,9 +14109,19 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
         "h2", string="Credit and invoices").find_next("dl").get_text(" ").split())
     invoice, _, _ = invoiced(tenant, customer=customer)
     assert invoice["paymentTermsDays"] == 14
-    page = page.click("Statement")
-    assert table_rows(page) == [[invoice["issuedAt"][:10], "Invoice", "INV-000001", "85.00",
+    app.dashboard.clock = lambda: (NOV_1 + 10 * DAY_MS) / 1000
+    page = page.click("Statement")  # the last 90 days by default, after the balance before
+    assert table_rows(page) == [["2026-08-13", "", "Opening balance", "", "0.00"],
+                                [invoice["issuedAt"][:10], "Invoice", "INV-000001", "85.00",
                                  "85.00"], ["", "", "Balance", "", "85.00"]]
+    form = form_to(page, f"/customers/{customer['id']}/statement")
+    form["since"] = "2026-11-02"
+    assert table_rows(form.submit()) == [["2026-11-02", "", "Opening balance", "", "85.00"],
+                                         ["", "", "Balance", "", "85.00"]]
+    assert table_rows(page.click("The whole history")) == table_rows(page)[1:]
+    form["since"] = "someday"
+    assert alert_of(form.submit(status=400)) == (
+        "since must be a date (2026-11-22) or an ISO 8601 datetime.")
 
 
 # 15.2 Billing, emails and settings -----------------------------------------------------------
@@ -14568,9 +14590,18 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
     assert "Ship to Dock 4 Receiving 1 Quay Street Unit 7 Leith" in document
     assert 'media print' in buyer.get(f"{store_of(tenant)}/style.css").text.replace("@", "")
     assert table_rows(buyer.get(f"{store_of(tenant)}/orders"))[0][-1] == "91.80"  # tax in
+    issued_ms = ordering.js_parse_date(invoice["issued_at"])
+    app.storefront.clock = lambda: issued_ms / 1000
     page = buyer.get(f"{store_of(tenant)}/statement")
-    assert table_rows(page) == [[invoice["issued_at"][:10], "Invoice", "INV-000001", "91.80",
+    opened = ordering.iso(issued_ms - 90 * DAY_MS)[:10]
+    assert table_rows(page) == [[opened, "", "Opening balance", "", "0.00"],
+                                [invoice["issued_at"][:10], "Invoice", "INV-000001", "91.80",
                                  "91.80"], ["", "", "Balance", "", "91.80"]]
+    later = buyer.get(f"{store_of(tenant)}/statement?since=2999-01-01")
+    assert table_rows(later)[0] == ["2999-01-01", "", "Opening balance", "", "91.80"]
+    # the invoices listed: the period's and any still open
+    assert [row.find("td").get_text() for row in later.html.find_all("tbody")[1].find_all(
+        "tr")] == ["INV-000001"]
     other_buyer.get(f"{store_of(tenant)}/invoices/{invoice['id']}", status=404)
     assert table_rows(other_buyer.get(f"{store_of(tenant)}/statement"))[-1] == [
         "", "", "Balance", "", "0.00"]
