@@ -390,6 +390,9 @@ CREATE INDEX IF NOT EXISTS customer_invoices_by_company_newest   -- the dashboar
     ON customer_invoices (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS customer_invoices_of_customer
     ON customer_invoices (company_id, customer_id, created_at, id);
+-- A statement's period, and the opening balance summed from this index alone.
+CREATE INDEX IF NOT EXISTS customer_invoices_of_customer_issued
+    ON customer_invoices (company_id, customer_id, issued_at, status, total_cents);
 CREATE INDEX IF NOT EXISTS customer_invoices_by_company_status
     ON customer_invoices (company_id, status, due_at);
 -- Receivables sum what each customer's open invoices owe from this index alone.

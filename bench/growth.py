@@ -6,8 +6,9 @@
 Two databases, each built as bench.py builds one (1,000 products, 200 customers) and then
 grown by plain inserts of rows shaped as the service writes them:
 
-- receivables and a statement: 1,000 against 10,000 invoices, half of them one customer's
-  (the statement's), the rest spread over the other customers, a fifth of them open;
+- receivables and a statement: 1,000 against 10,000 invoices, one every three hours up to
+  today (the large database has the longer history), half of them one customer's (the
+  statement's), the rest spread over the other customers, a fifth of them open;
 - a product's stock history: 1,000 against 1,000,000 movements of that product;
 - the dashboard's lists (customers, products, returns, invoices, emails; the orders list is
   dashboard.py's): 1,000 against 100,000 rows each.
@@ -33,13 +34,16 @@ import dashboard  # noqa: E402
 import ordering  # noqa: E402
 
 DAY_MS = 86_400_000
+#: A business invoices at the same pace in both databases, up to today: the large one has the
+#: longer history (a statement's period holds about as many invoices in both).
+INVOICE_EVERY_MS = 3 * 3_600_000
 
 
-def timed_ids(prefix, count, start_ms):
-    """count IDs of prefix and their creation times, one millisecond apart from start_ms,
-    sorting as the service's own do."""
-    return [(f"{prefix}_{start_ms + i:012x}{i:018x}", ordering.iso(start_ms + i))
-            for i in range(count)]
+def timed_ids(prefix, count, start_ms, step_ms=1):
+    """count IDs of prefix and their creation times, step_ms apart from start_ms, sorting as
+    the service's own do."""
+    return [(f"{prefix}_{start_ms + i * step_ms:012x}{i:018x}",
+             ordering.iso(start_ms + i * step_ms)) for i in range(count)]
 
 
 def insert(conn, table, rows):
@@ -53,7 +57,8 @@ def grow(path, data, invoices, movements, rows):
     """Add the invoices, one product's movements and the list rows to a database from
     bench.build_database; returns the statement's customer and the product."""
     company, customers, orders = data["company"], data["customers"], data["orders"]
-    start = int(time.time() * 1000) - 400 * DAY_MS
+    now = int(time.time() * 1000)
+    start = now - 400 * DAY_MS
     conn = sqlite3.connect(path)
     with conn:
         owner = customers[0]
@@ -64,9 +69,10 @@ def grow(path, data, invoices, movements, rows):
             "status": "OPEN" if i % 5 == 0 else "PAID", "subtotal_cents": 10_000,
             "tax_rate": 0, "tax_cents": 0, "total_cents": 10_000,
             "paid_cents": 0 if i % 5 == 0 else 10_000, "credited_cents": 0, "terms_days": 30,
-            "issued_at": at, "due_at": ordering.iso(start + i + 30 * DAY_MS),
+            "issued_at": at, "due_at": ordering.iso(ordering.js_parse_date(at) + 30 * DAY_MS),
             "reminders_sent": 0, "next_reminder_at": None, "created_at": at,
-            "updated_at": at} for i, (made, at) in enumerate(timed_ids("cin", invoices, start))])
+            "updated_at": at} for i, (made, at) in enumerate(timed_ids(
+                "cin", invoices, now - invoices * INVOICE_EVERY_MS, INVOICE_EVERY_MS))])
         product = data["products"][0]
         for first in range(0, movements, 100_000):
             insert(conn, "stock_movements", [{
