@@ -13057,6 +13057,8 @@ def prepare_demo(conn):
     company = company_with_slug(conn, DEMO_SLUG)
     if company is None:
         company_id = create_company(conn, "Demo Wholesale", DEMO_SLUG)["id"]
+        # Staff alerts (a new buyer to approve, low stock, reports) go to the demo's staff.
+        update_company(conn, company_id, {"staff_alerts": [DEMO_STAFF_EMAIL]})
         products = {sku: create_product(
             conn, company_id, opening="import", name=name, sku=sku, category=category,
             unit=unit, price_cents=price, stock=stock, low_stock_threshold=threshold,

@@ -15085,6 +15085,8 @@ def test_demo_is_made_once_and_its_key_places_an_order(db_path):
     assert conn.execute("SELECT COUNT(*) FROM products").fetchone()[0] == 12
     assert conn.execute("SELECT COUNT(*) FROM products WHERE is_active = 0").fetchone()[0] == 1
     assert conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 2
+    assert conn.execute("SELECT staff_alerts FROM companies").fetchone()[0] == \
+        '["staff@demo-wholesale.example"]'
     order_body = re.search(r"-d '([^']+)'", first.stdout).group(1)
     app = build_app(db_path)
     try:
