@@ -2037,7 +2037,8 @@ NAV_LINK = Template("href current text", '<li><a href="{href}"{current}>{text}</
 CURRENT = Markup(' aria-current="page"')
 #: What a page says once a form is saved (or a link emailed), above its body.
 NOTICE = Template("message", '<div class="notice" role="status">{message}</div>')
-#: Why a form was not saved, above its body, when no field it shows has the message.
+#: Why a form was not saved, above its body, when no field it shows has the message; or
+#: what a change could not do.
 FORM_ALERT = Template("message", '<div class="alert" role="alert">{message}</div>')
 #: A page's refusal, alone on it (not found, refused, too many requests).
 ALERT = Template("message", '<p class="alert" role="alert">{message}</p>')
@@ -2688,8 +2689,6 @@ NO_ADDRESSES = Template("", """\
 
 LEVEL_TAG = Template("style level", '<span class="status level-{style}">{level}</span>')
 #: What a quick order or a reorder put in the cart.
-ADDED = Template("items", "<p>Added to your cart:</p><ul>{items}</ul>")
-NOTHING_ADDED = Template("", "<p>Nothing was added to your cart.</p>")
 
 NO_LONGER_SOLD = Template("name", '{name} <span class="status level-out">No longer sold</span>')
 CART_QUANTITY = Template("most quantity name error", """\
@@ -9883,6 +9882,10 @@ DONE = {
     "contact": "Saved: the contact's changes are in force.",
     "contact-added": "Saved: the contact is added and emailed an invitation to set a password.",
     "invite": "Saved: a link to set a password is on its way.",
+    "added": "Added to your cart: its lines are below.",
+    "nothing-added": "Nothing was added to your cart.",
+    "link-sent": VERIFICATION_SENT,
+    "link-not-sent": VERIFICATION_NOT_SENT,
 }
 
 
@@ -10866,10 +10869,8 @@ def customer_status_action(visit, customer_id):
 @page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page)
 def invite_customer_action(visit, customer_id):
     with visit.write() as conn:
-        customer = invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
-    visit.notice = render("A link to set a password at the store is on its way to {e}.",
-                          e=customer["email"])
-    return customer_page(visit, customer_id)
+        invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
+    return redirect(f"/dashboard/customers/{customer_id}", "invite")
 
 
 def customer_contacts_section(visit, customer_id):
@@ -11906,8 +11907,7 @@ def resend_verification_action(visit):
     with visit.write() as conn:
         sent = resend_verification(conn, visit.company_id, visit.session["account_id"],
                                    visit.surface.now_ms())
-    visit.notice = VERIFICATION_SENT if sent else VERIFICATION_NOT_SENT
-    return awaiting_confirmation(visit)
+    return redirect(visit.surface.prefix + "/products", "link-sent" if sent else "link-not-sent")
 
 
 @page("POST", "/store/<slug>/account/password", refused=account_page)
@@ -11954,6 +11954,7 @@ def buyer_page(method, path, refused=None, right=None):
     role has right (of ROLE_RIGHTS; None: any role): one awaiting approval sees that it does
     (and a form it sends changes nothing), any other is refused."""
     def register(handler):
+        @functools.wraps(handler)
         def for_buyers(visit, **url_args):
             try:
                 require_contact(visit.conn, visit.company_id, visit.session["account_id"],
@@ -12020,16 +12021,32 @@ def with_add_form(visit, template):
                             most=MAX_QUANTITY)
 
 
-def added_notice(result, missing_title, missing):
-    """What a quick order or a reorder put in the cart (its result), what its products' rules
-    made of it, and what it could not add."""
-    items = join(render(LIST_ITEM, text=f"{quantity} x {product['name']}")
-                 for product, quantity in result["added"])
-    notice = join([render(ADDED, items=items) if result["added"] else render(NOTHING_ADDED)] +
-                  [render(PARAGRAPH, text=note) for note in result["fitted"]])
-    if missing:
-        notice = join([notice, render(PARAGRAPH, text=f"{missing_title} {', '.join(missing)}")])
-    return notice
+#: What the cart warns of after a quick order (unknown SKUs) or a reorder (products no
+#: longer sold): the redirect's query parameter, and the words before its values.
+NOT_ADDED = {"unknown": "Not found or no longer sold (SKU):",
+             "skipped": "No longer sold, so not added:"}
+#: Values of a NOT_ADDED parameter the redirect names (the rest it counts), so that its
+#: address stays short.
+MAX_NOT_ADDED_NAMED = 20
+
+
+def added_redirect(visit, result, kind, missing):
+    """To the cart, once a quick order or a reorder (its result) put in it what it could:
+    the cart says so, and warns of what it could not add (missing, of NOT_ADDED's kind)."""
+    done = "fitted" if result["fitted"] else "added" if result["added"] else "nothing-added"
+    named = missing[:MAX_NOT_ADDED_NAMED]
+    if len(missing) > len(named):
+        named.append(f"and {len(missing) - len(named)} more")
+    query = "?" + urllib.parse.urlencode({kind: named}, doseq=True) if named else ""
+    return redirect(f"{visit.surface.prefix}/cart{query}", done)
+
+
+def not_added_warnings():
+    """The cart's warnings of what a quick order or a reorder could not add (see
+    added_redirect), each in an element of its own, apart from the notice of what it did."""
+    query = bottle.request.query.decode()
+    return join(render(FORM_ALERT, message=f"{words} {', '.join(query.getall(kind))}")
+                for kind, words in NOT_ADDED.items() if query.getall(kind))
 
 
 def address_text(address):
@@ -12113,7 +12130,8 @@ def cart_page(visit):
         lines=visit.field("lines", "SKUs and quantities", kind="textarea", rows="5"),
         file=visit.field("file", "Or a CSV file", kind="file",
                          accept=".csv,text/csv,text/plain")), files=True)
-    return visit.page("Your cart", join([visit.error("cart"), listed, quick]))
+    return visit.page("Your cart", join([not_added_warnings(), visit.error("cart"), listed,
+                                         quick]))
 
 
 def cart_row(visit, line):
@@ -12145,10 +12163,9 @@ def price_reason(line):
 def add_to_cart_action(visit):
     quantity = form_number(visit.form, "quantity")
     with visit.write() as conn:
-        product, _, note = add_to_cart(conn, visit.company_id, visit.session["account_id"],
-                                       visit.form.get("productId", ""), quantity)
-    visit.notice = note or f"Added {quantity} x {product['name']} to your cart."
-    return cart_page(visit)
+        _, _, note = add_to_cart(conn, visit.company_id, visit.session["account_id"],
+                                 visit.form.get("productId", ""), quantity)
+    return redirect(visit.surface.prefix + "/cart", "fitted" if note else "added")
 
 
 @buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page, right="order")
@@ -12173,9 +12190,7 @@ def quick_order_action(visit):
     with visit.write() as conn:
         result = quick_order(conn, visit.company_id, visit.session["account_id"],
                              visit.form.get("lines", "") if text is None else text)
-    visit.notice = added_notice(result, "Not found or no longer sold (SKU):",
-                                result["unknown"])
-    return cart_page(visit)
+    return added_redirect(visit, result, "unknown", result["unknown"])
 
 
 @buyer_page("POST", "/store/<slug>/cart/reorder", refused=cart_page, right="order")
@@ -12183,8 +12198,7 @@ def reorder_action(visit):
     with visit.write() as conn:
         result = reorder(conn, visit.company_id, visit.session["account_id"],
                          visit.form.get("orderId", ""))
-    visit.notice = added_notice(result, "No longer sold, so not added:", result["skipped"])
-    return cart_page(visit)
+    return added_redirect(visit, result, "skipped", result["skipped"])
 
 
 @buyer_page("GET", "/store/<slug>/checkout", right="order")
