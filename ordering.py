@@ -2042,8 +2042,16 @@ NOTICE = Template("message", '<div class="notice" role="status">{message}</div>'
 FORM_ALERT = Template("message", '<div class="alert" role="alert">{message}</div>')
 #: A page's refusal, alone on it (not found, refused, too many requests).
 ALERT = Template("message", '<p class="alert" role="alert">{message}</p>')
-#: A refused field's message, under the field.
-FIELD_ERROR = Template("message", '<p class="error" role="alert">{message}</p>')
+#: A refused field's message, under the field, which names it (FIELD_INVALID) as what
+#: describes it; the page's ERROR_SUMMARY is the alert that lists every one.
+FIELD_ERROR = Template("id message", '<p class="error" id="{id}-error">{message}</p>')
+FIELD_INVALID = Template("id", ' aria-invalid="true" aria-describedby="{id}-error"')
+#: Every refused field of a form, above it, each linked to its field (label: message).
+ERROR_SUMMARY = Template("items", """\
+<div class="alert" role="alert"><p>Please correct these, then send the form again:</p>\
+<ul>{items}</ul></div>""")
+ERROR_SUMMARY_ITEM = Template("id label message",
+                              '<li><a href="#{id}">{label}</a>: {message}</li>')
 
 #: A labelled form field: control is INPUT, TEXTAREA or SELECT.
 FIELD = Template("id label control error",
@@ -2052,14 +2060,18 @@ INPUT = Template("id name kind value extra",
                  '<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>')
 TEXTAREA = Template("id name extra value",
                     '<textarea id="{id}" name="{name}"{extra}>{value}</textarea>')
-SELECT = Template("id name options", '<select id="{id}" name="{name}">{options}</select>')
+SELECT = Template("id name extra options",
+                  '<select id="{id}" name="{name}"{extra}>{options}</select>')
 OPTION = Template("value selected text", '<option value="{value}"{selected}>{text}</option>')
 #: One more attribute of a field (min, maxlength, autocomplete ...).
 ATTRIBUTE = Template("name value", ' {name}="{value}"')
 SELECTED, CHECKED = Markup(" selected"), Markup(" checked")
-INVALID = Markup(' aria-invalid="true"')
+#: Fields that one message may refuse together (a return's lines), under their legend.
+GROUP = Template("id legend invalid fields error",
+                 '<fieldset id="{id}"{invalid}><legend>{legend}</legend>{fields}{error}</fieldset>')
 #: Checkboxes of one name, one for each of its values.
-CHECKS = Template("name boxes error", '<fieldset><legend>{name}</legend>{boxes}{error}</fieldset>')
+CHECKS = Template("name invalid boxes error",
+                  '<fieldset id="{name}"{invalid}><legend>{name}</legend>{boxes}{error}</fieldset>')
 CHECK = Template("name value checked", '<label class="check"><input type="checkbox" '
                  'name="{name}" value="{value}"{checked}> {value}</label>')
 #: The one checkbox of a form that sends isActive=on.
@@ -2476,17 +2488,18 @@ price where one is set (on the customer's page), else the catalog price.</p>\
 SHIP_FORM = Template("carrier number url", """\
 <h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
 <div class="grid">{carrier}{number}{url}</div><button type="submit">Mark SHIPPED</button>""")
-CANCEL_FORM = Template("reason error", """\
+CANCEL_FORM = Template("reason invalid error", """\
 <h3>Cancel</h3><input type="hidden" name="status" value="CANCELLED">{reason}<label class="check">\
 <input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
-<label class="check"><input type="checkbox" name="confirm" value="yes" required> Yes, cancel \
+<label class="check"><input type="checkbox" id="confirm" name="confirm" value="yes" \
+required{invalid}> Yes, cancel \
 this order (its buyer is emailed, with the reason)</label>{error}\
 <div><button type="submit" class="danger">Cancel the order</button></div>""")
 FINAL_STATUS = Template("status", '<p class="muted">{status} is final: no further status.</p>')
 RESTOCKED = Template("", '<p class="muted">Its units are back in stock.</p>')
 
-OPEN_RETURN_FORM = Template("reason units error", """\
-<h3>Open a return</h3>{reason}<div class="grid">{units}</div>{error}\
+OPEN_RETURN_FORM = Template("reason units", """\
+<h3>Open a return</h3>{reason}{units}\
 <button type="submit" class="secondary">Open return</button>""")
 #: A return's line as a cell of the returns' tables shows it, one a line.
 RETURN_LINE = Template("name sku units", "{name} ({sku}): {units}<br>")
@@ -2510,8 +2523,9 @@ CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
 <div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
 {approve}{button}{invite}</div>""")
 #: Where Approve would be, for a customer whose address is not confirmed yet.
-VOID_FORM = Template("number error", """\
-<h2>Void</h2><label class="check"><input type="checkbox" name="confirm" value="yes" required> \
+VOID_FORM = Template("number invalid error", """\
+<h2>Void</h2><label class="check"><input type="checkbox" id="confirm-void" name="confirm" value="yes" \
+required{invalid}> \
 Void {number}: its number stays used, nothing more can be paid or credited to it, and its \
 order can be invoiced again</label>{error}<div><button type="submit" class="danger">Void \
 this invoice</button></div>""")
@@ -2717,9 +2731,8 @@ SHIP_TO = Template("address", '<h2>Ship to</h2><p class="card">{address}</p>')
 TIMELINE = Template("steps", '<h2>Status</h2><ol class="card timeline">{steps}</ol>')
 TIMELINE_STEP = Template("tag at", '<li>{tag} <span class="muted">{at}</span></li>')
 REFUNDED = Template("amount", " &middot; refunded {amount}")
-RETURN_FORM = Template("units error reason", """\
-<h3>Return goods</h3><p class="muted">How many units of each line go back (0: none of that \
-line).</p>{units}{error}{reason}<button type="submit">Request a return</button>""")
+RETURN_FORM = Template("units reason", """\
+<h3>Return goods</h3>{units}{reason}<button type="submit">Request a return</button>""")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2737,6 +2750,7 @@ class ApiError(Exception):
         self.details = details
         self.extra = extra or {}
         self.headers = headers or {}
+        self.others = []  # the refusals of a form's other fields (see Refusals)
 
     def body(self):
         body = {"error": self.message}
@@ -3031,6 +3045,31 @@ class Undone(Exception):
     def __init__(self, result, code):
         super().__init__(result)
         self.result, self.code = result, code
+
+
+class Refusals:
+    """The checks of one form, each run whatever the one before it refused, so that a page
+    can show every refusal at once: what a check() raises is kept, and raise_any() raises the
+    first with the rest as its others. first=True raises each at once, as the API answers
+    (the spec's first refusal, whatever else is wrong)."""
+
+    def __init__(self, first=False):
+        self.first = first
+        self.refused = []
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except ApiError as error:
+            if self.first:
+                raise
+            self.refused.append(error)
+
+    def raise_any(self):
+        if self.refused:
+            first, *self.refused[0].others = self.refused
+            raise first
 
 
 class StockShortage(ApiError):
@@ -5141,6 +5180,20 @@ def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
 
 
+def check_return_lines(returnable, lines):
+    """Refuses lines ({order item ID: units}) that are not some of returnable's units
+    (returnable_units())."""
+    if not lines:
+        raise invalid("lines", "choose at least one line and how many of its units go back")
+    for item_id, units in lines.items():
+        if item_id not in returnable:
+            raise invalid("lines", f"{item_id} is not a line of this order")
+        name, left = returnable[item_id]
+        if not isinstance(units, int) or not 1 <= units <= left:
+            raise invalid("lines", f"at most {left} units of {name} can go back" if left
+                          else f"every unit of {name} is already in a return")
+
+
 def open_return(conn, company_id, order_id, reason, item_count=None, actor=None, lines=None,
                 customer_id=None):
     """A return opened by a customer (actor None) or from the dashboard (actor 'staff').
@@ -5156,28 +5209,23 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
         order = buyer_order(conn, company_id, customer_id, order_id)
         if order["status"] not in RETURNABLE_ORDER_STATUSES:
             raise ApiError(422, RETURN_NOT_SHIPPED)
-    reason = (reason or "").strip()
-    shortest, longest = RETURN_REASON_LENGTH
-    if not shortest <= len(reason) <= longest:
-        raise invalid("reason", f"must be {shortest} to {longest} characters")
     if actor not in (None, "staff"):
         raise invalid("actor", "must be staff or absent")
+    reason, refusals = (reason or "").strip(), Refusals()
+    shortest, longest = RETURN_REASON_LENGTH
+    with refusals.check():
+        if not shortest <= len(reason) <= longest:
+            raise invalid("reason", f"must be {shortest} to {longest} characters")
     returnable = returnable_units(conn, order_id)
-    if lines is not None:
-        if not lines:
-            raise invalid("lines", "choose at least one line and how many of its units go back")
-        for item_id, units in lines.items():
-            if item_id not in returnable:
-                raise invalid("lines", f"{item_id} is not a line of this order")
-            name, left = returnable[item_id]
-            if not isinstance(units, int) or not 1 <= units <= left:
-                raise invalid("lines", f"at most {left} units of {name} can go back" if left
-                              else f"every unit of {name} is already in a return")
-        item_count = len(lines)
-    elif item_count is None:
-        item_count = len(returnable)
-    if not 1 <= item_count <= len(returnable):
-        raise invalid("itemCount", f"must be 1 to {len(returnable)}, the order's line items")
+    with refusals.check():
+        if lines is not None:
+            check_return_lines(returnable, lines)
+            item_count = len(lines)
+        elif item_count is None:
+            item_count = len(returnable)
+        if not 1 <= item_count <= len(returnable):
+            raise invalid("itemCount", f"must be 1 to {len(returnable)}, the order's line items")
+    refusals.raise_any()
     return_id, at = new_id_at("ret")
     conn.execute(
         "INSERT INTO returns (id, company_id, order_id, customer_id, status, reason, item_count, "
@@ -9711,9 +9759,18 @@ _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", me
 
 
 def form_errors(error):
-    """{form field: message} for an operation's refusal, the API's own words."""
+    """{form field: message} for an operation's refusal, the API's own words, and for the
+    other fields it refused at once (see Refusals): the first message of each field."""
+    errors = {}
+    for refusal in reversed([error, *error.others]):
+        errors.update(field_errors(refusal))
+    return errors
+
+
+def field_errors(error):
     if error.details:
-        return {detail["field"].split("[")[0]: detail["rule"] for detail in error.details}
+        return {detail["field"].split("[")[0]: detail["rule"]
+                for detail in reversed(error.details)}
     field = FIELD_OF_MESSAGE.get(error.message)
     if field is None:
         field = next((field for pattern, field in _FILLED_MESSAGES
@@ -9736,7 +9793,7 @@ class Visit:
         self.query = {name: query.get(name) for name in query}
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
-        self.shown = set()  # the fields whose messages the page shows beside them
+        self.shown = {}  # {field: (its ID, label)} of the messages shown beside fields
         self.notice = None
         self.id_suffix = ""
 
@@ -9775,36 +9832,52 @@ class Visit:
         return "" if default is None else default
 
     def field(self, name, label, default="", kind="text", **attributes):
-        extra = join(render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
-                     for key, value in attributes.items())
         field_id = name + self.id_suffix
+        extra = join([render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
+                      for key, value in attributes.items()] + [self.invalid(name, field_id)])
         if kind == "textarea":
             control = render(TEXTAREA, id=field_id, name=name, extra=extra,
                              value=self.value(name, default))
         else:  # a refused form shows again what was sent, never a password
             control = render(INPUT, id=field_id, name=name, kind=kind, extra=extra,
                              value="" if kind == "password" else self.value(name, default))
-        return render(FIELD, id=field_id, label=label, control=control, error=self.error(name))
+        return render(FIELD, id=field_id, label=label, control=control,
+                      error=self.error(name, field_id, label))
 
     def select(self, name, label, options, default=""):
-        chosen = str(self.value(name, default))
+        chosen, field_id = str(self.value(name, default)), name + self.id_suffix
         options = join(render(OPTION, value=value, text=text,
                               selected=SELECTED if str(value) == chosen else "")
                        for value, text in options)
-        return render(FIELD, id=name + self.id_suffix, label=label, error=self.error(name),
-                      control=render(SELECT, id=name + self.id_suffix, name=name,
-                                     options=options))
+        return render(FIELD, id=field_id, label=label, error=self.error(name, field_id, label),
+                      control=render(SELECT, id=field_id, name=name, options=options,
+                                     extra=self.invalid(name, field_id)))
 
     def checks(self, name, values, chosen):
         chosen = set(self.form.getall(name)) if self.errors and self.form else set(chosen)
-        return render(CHECKS, name=name, error=self.error(name), boxes=join(
+        return render(CHECKS, name=name, invalid=self.invalid(name, name),
+                      error=self.error(name, name, name), boxes=join(
             render(CHECK, name=name, value=value, checked=CHECKED if value in chosen else "")
             for value in values))
 
-    def error(self, name):
-        self.shown.add(name)
+    def group(self, name, legend, fields):
+        """fields under legend, refused together as name."""
+        group_id = name + self.id_suffix
+        return render(GROUP, id=group_id, legend=legend, fields=fields,
+                      invalid=self.invalid(name, group_id),
+                      error=self.error(name, group_id, legend))
+
+    def error(self, name, field_id=None, label=None):
+        """The message of a refused field, under it (field_id: its control's ID, which the
+        control names with invalid(); label: how the page's summary names it)."""
+        field_id = field_id or name + self.id_suffix
+        self.shown[name] = field_id, label
         message = self.errors.get(name)
-        return render(FIELD_ERROR, message=message) if message else ""
+        return render(FIELD_ERROR, id=field_id, message=message) if message else ""
+
+    def invalid(self, name, field_id):
+        """The attributes that mark a refused field's control and tie its message to it."""
+        return render(FIELD_INVALID, id=field_id) if name in self.errors else ""
 
     def form_tag(self, action, body, css="card", files=False):
         """A form that changes something (files: it may carry a file, as multipart)."""
@@ -9826,14 +9899,23 @@ class Visit:
                         csrf=render(HIDDEN, name="csrf", value=self.csrf))
         message = self.notice or DONE.get(self.query.get("done"))
         notice = render(NOTICE, message=message) if message else ""
-        if self.errors:  # a message that belongs to no field the page shows is shown here
-            elsewhere = [message for field, message in self.errors.items()
-                         if field not in self.shown and field != "form"]
-            message = self.errors.get("form") or " ".join(elsewhere) or "see the messages below."
-            notice = join([notice, render(FORM_ALERT, message="Not saved: " + message)])
+        if self.errors:
+            notice = join([notice, self.error_summary()])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
                       site=self.surface.site(), header=header, notice=notice, body=body)
+
+    def error_summary(self):
+        """Above a refused form: a message that belongs to no field the page shows, and a
+        list of every field's message, each linked to its field."""
+        elsewhere = [message for field, message in self.errors.items()
+                     if field not in self.shown and field != "form"]
+        message = self.errors.get("form") or " ".join(elsewhere)
+        items = join(render(ERROR_SUMMARY_ITEM, id=field_id, label=label or name,
+                            message=self.errors[name])
+                     for name, (field_id, label) in self.shown.items() if name in self.errors)
+        return join([render(FORM_ALERT, message="Not saved: " + message) if message else "",
+                     render(ERROR_SUMMARY, items=items) if items else ""])
 
     def refusal(self, error):
         self.errors = {}  # the page says why alone, whatever a form sent before
@@ -10466,7 +10548,8 @@ def status_form(visit, action, status):
         return visit.form_tag(action, render(
             CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
                                             maxlength=MAX_CANCEL_REASON),
-            error=visit.error("confirm")), css="")
+            invalid=visit.invalid("confirm", "confirm"),
+            error=visit.error("confirm", "confirm", "Yes, cancel this order")), css="")
     return visit.button(action, f"Mark {status}", "", status=status)
 
 
@@ -10491,10 +10574,9 @@ def open_return_form(visit, order_id):
         OPEN_RETURN_FORM, reason=visit.field(
             "reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
             kind="textarea"),
-        units=join(visit.field(f"units.{item_id}", f"{name}: units going back (at most {left})",
-                               left, kind="number", min="0", max=left)
-                   for item_id, (name, left) in returnable.items()),
-        error=visit.error("lines")))
+        units=visit.group("lines", "Units going back", render(GRID, cells=join(
+            visit.field(f"units.{item_id}", f"{name} (at most {left})", left, kind="number",
+                        min="0", max=left) for item_id, (name, left) in returnable.items())))))
 
 
 def return_lines_text(lines, item_count):
@@ -11142,7 +11224,8 @@ def invoice_actions(visit, invoice):
     if not invoice["paid_cents"] and not invoice["credited_cents"]:
         voiding = visit.for_form(path + "/void", "void")
         actions.append(voiding.form_tag(path + "/void", render(
-            VOID_FORM, number=invoice["number"], error=voiding.error("confirm"))))
+            VOID_FORM, number=invoice["number"], invalid=voiding.invalid("confirm", "confirm-void"),
+            error=voiding.error("confirm", "confirm-void", "Void"))))
     return actions
 
 
@@ -11738,12 +11821,16 @@ class StoreSurface(Surface):
         errors = errors or {}
         controls = join(render(
             STORE_FORM_FIELD, name=name, label=label, kind=kind, auto=auto, value=value,
-            invalid=INVALID if name in errors else "",
-            error=render(FIELD_ERROR, message=errors[name]) if name in errors else "")
+            invalid=render(FIELD_INVALID, id=name) if name in errors else "",
+            error=render(FIELD_ERROR, id=name, message=errors[name]) if name in errors else "")
             for name, label, kind, auto, value in fields)
         notice = render(NOTICE, message=notice) if notice else ""
         if "form" in errors:
             notice = render(FORM_ALERT, message=errors["form"])
+        elif errors:
+            notice = render(ERROR_SUMMARY, items=join(
+                render(ERROR_SUMMARY_ITEM, id=name, label=label, message=errors[name])
+                for name, label, *_ in fields if name in errors))
         form = render(FORM, css="card narrow", action=action, enctype="", csrf=self.form_token(),
                       body=join([controls, render(SUBMIT, text=button)]))
         return self.public_page(title, join([form, after]), status, notice)
@@ -12381,10 +12468,11 @@ def return_request_form(visit, order):
     if not returnable:
         return ""
     return visit.form_tag(f"{visit.surface.prefix}/orders/{order['id']}/returns", render(
-        RETURN_FORM, units=join(
-            visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
-                        min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
-        error=visit.error("lines"),
+        RETURN_FORM, units=visit.group(
+            "lines", "How many units of each line go back (0: none of that line)", join(
+                visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
+                            min="0", max=str(left))
+                for item_id, (name, left) in returnable.items())),
         reason=visit.field("reason", "Reason", kind="textarea",
                            maxlength=RETURN_REASON_LENGTH[1])))
 
