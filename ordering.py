@@ -3064,7 +3064,7 @@ class Refusals:
         except ApiError as error:
             if self.first:
                 raise
-            self.refused.append(error)
+            self.refused.extend([error, *error.others])
 
     def raise_any(self):
         if self.refused:
@@ -3824,29 +3824,35 @@ def fitted_quantity(product, quantity):
 
 
 def _check_product_fields(fields):
-    if "name" in fields and not (fields["name"] or "").strip():
-        raise invalid("name", "is required")
-    if "unit" in fields and not (fields["unit"] or "").strip():
-        raise invalid("unit", "must not be empty")
-    price = fields.get("price_cents")
-    if "price_cents" in fields and not (
-            isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS):
-        raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
-    if "stock" in fields and not (
-            isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY):
-        raise invalid("stock", f"must be a whole number from 0 to {MAX_QUANTITY}")
-    threshold = fields.get("low_stock_threshold")
-    if threshold is not None and not (isinstance(threshold, int) and threshold >= 0):
-        raise invalid("lowStockThreshold", "must be a whole number >= 0")
-    if fields.get("image_url") is not None and not valid_http_url(fields["image_url"]):
-        raise invalid("imageUrl", "must be an http or https URL")
-    for column, field in (("min_quantity", "minQuantity"), ("order_multiple", "orderMultiple")):
-        if column in fields and not (isinstance(fields[column], int)
-                                     and 1 <= fields[column] <= MAX_QUANTITY):
-            raise invalid(field, f"must be a whole number from 1 to {MAX_QUANTITY}")
-    if fields.get("price_breaks") is not None:
-        breaks = check_price_breaks(fields["price_breaks"])
-        fields["price_breaks"] = breaks and json_text(breaks)
+    """Refuses what no product may hold, every field's refusal at once (see Refusals)."""
+    refusals, price = Refusals(), fields.get("price_cents")
+    for field, refused, rule in (
+            ("name", "name" in fields and not (fields["name"] or "").strip(), "is required"),
+            ("unit", "unit" in fields and not (fields["unit"] or "").strip(), "must not be empty"),
+            ("price", "price_cents" in fields and not (
+                isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS),
+             f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}"),
+            ("stock", "stock" in fields and not (
+                isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY),
+             f"must be a whole number from 0 to {MAX_QUANTITY}"),
+            ("lowStockThreshold", fields.get("low_stock_threshold") is not None and not (
+                isinstance(fields["low_stock_threshold"], int)
+                and fields["low_stock_threshold"] >= 0), "must be a whole number >= 0"),
+            ("imageUrl", fields.get("image_url") is not None
+             and not valid_http_url(fields["image_url"]), "must be an http or https URL"),
+            *((field, column in fields and not (isinstance(fields[column], int)
+                                                and 1 <= fields[column] <= MAX_QUANTITY),
+               f"must be a whole number from 1 to {MAX_QUANTITY}")
+              for column, field in (("min_quantity", "minQuantity"),
+                                    ("order_multiple", "orderMultiple")))):
+        with refusals.check():
+            if refused:
+                raise invalid(field, rule)
+    with refusals.check():
+        if fields.get("price_breaks") is not None:
+            breaks = check_price_breaks(fields["price_breaks"])
+            fields["price_breaks"] = breaks and json_text(breaks)
+    refusals.raise_any()
     unknown = set(fields) - set(_PRODUCT_FIELDS)
     if unknown:
         raise invalid(sorted(unknown)[0], "is not a product field")
@@ -10670,16 +10676,26 @@ def selling_fields(visit, product):
 
 
 def product_fields(form):
-    fields = {"name": (form.get("name") or "").strip(), "unit": (form.get("unit") or "").strip(),
-              "price_cents": form_amount(form, "price"), "stock": form_int(form, "stock"),
-              "low_stock_threshold": form_int(form, "lowStockThreshold", required=False),
-              "is_active": int("isActive" in form),
-              "min_quantity": form_int(form, "minQuantity", required=False) or 1,
-              "order_multiple": form_int(form, "orderMultiple", required=False) or 1,
-              "price_breaks": parse_price_breaks(form.get("priceBreaks"))}
+    """A product's form as create_product's fields, refused with every field's refusal at
+    once: what cannot be read, and what no product may hold."""
+    refusals, fields = Refusals(), {"is_active": int("isActive" in form)}
+    for column, read in (
+            ("name", lambda: (form.get("name") or "").strip()),
+            ("unit", lambda: (form.get("unit") or "").strip()),
+            ("price_cents", lambda: form_amount(form, "price")),
+            ("stock", lambda: form_int(form, "stock")),
+            ("low_stock_threshold", lambda: form_int(form, "lowStockThreshold", required=False)),
+            ("min_quantity", lambda: form_int(form, "minQuantity", required=False) or 1),
+            ("order_multiple", lambda: form_int(form, "orderMultiple", required=False) or 1),
+            ("price_breaks", lambda: parse_price_breaks(form.get("priceBreaks")))):
+        with refusals.check():
+            fields[column] = read()
     for name, column in (("sku", "sku"), ("category", "category"), ("imageUrl", "image_url"),
                          ("description", "description")):
         fields[column] = form_text(form, name)
+    with refusals.check():
+        _check_product_fields(dict(fields))
+    refusals.raise_any()
     return fields
 
 

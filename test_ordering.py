@@ -5907,6 +5907,15 @@ def test_product_form_errors_show_next_to_their_fields(app, tenant, browser):
     assert main_form(refused)["price"].value == "12.345"
     main_form(refused)["price"], main_form(refused)["name"] = "12.00", " "
     assert field_error(main_form(refused).submit(status=400), "name") == "is required"
+    form = main_form(page)  # every refusal at once, what can't be read and what can't be held
+    form["name"], form["price"], form["stock"], form["imageUrl"] = " ", "x", "-1", "ftp://a"
+    refused = form.submit(status=400)
+    assert [field_error(refused, name) for name in ("name", "price", "stock", "imageUrl")] == [
+        "is required", "must be an amount such as 12.50",
+        f"must be a whole number from 0 to {ordering.MAX_QUANTITY}",
+        "must be an http or https URL"]
+    assert len(refused.html.select("[role=alert] li")) == 4
+    assert main_form(refused)["stock"].value == "-1"
     assert snapshot(app.service.db) == before
 
 
