@@ -4104,24 +4104,30 @@ def insert_contact(conn, customer, email, role, name=None, password=None, email_
     return load_contact(conn, customer["company_id"], contact_id)
 
 
-def _customer_changes(body):
-    """The validated fields of a create or update body that it actually sends."""
-    changes = {}
-    if "name" in body:
-        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
-    if "notes" in body:
-        changes["notes"] = optional_text(body, "notes", MAX_CUSTOMER_NOTES)
-    if "creditLimit" in body:
-        changes["credit_limit_cents"] = optional_money(body, "creditLimit", 0, MAX_CREDIT_LIMIT,
-                                                       CREDIT_LIMIT_MESSAGE)
-    if "taxRateOverride" in body:
-        changes["tax_rate_override"] = optional_bounded_number(body, "taxRateOverride", 0, MAX_TAX_RATE,
-                                                               TAX_RATE_MESSAGE)
-    if "status" in body:
-        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
-            raise ApiError(400, INVALID_STATUS)
-        changes["status"] = body["status"]
+def _customer_changes(body, refusals=None):
+    """The validated fields of a create or update body that it actually sends; refusals: a
+    form's (see Refusals), which gathers each field's refusal (by default the first is
+    raised, as the API answers)."""
+    refusals, changes = refusals or Refusals(first=True), {}
+    for field, column, read in (
+            ("name", "name", lambda: optional_text(body, "name", MAX_CUSTOMER_NAME,
+                                                   min_length=1, strip=True)),
+            ("notes", "notes", lambda: optional_text(body, "notes", MAX_CUSTOMER_NOTES)),
+            ("creditLimit", "credit_limit_cents", lambda: optional_money(
+                body, "creditLimit", 0, MAX_CREDIT_LIMIT, CREDIT_LIMIT_MESSAGE)),
+            ("taxRateOverride", "tax_rate_override", lambda: optional_bounded_number(
+                body, "taxRateOverride", 0, MAX_TAX_RATE, TAX_RATE_MESSAGE)),
+            ("status", "status", lambda: settable_customer_status(body["status"]))):
+        if field in body:
+            with refusals.check():
+                changes[column] = read()
     return changes
+
+
+def settable_customer_status(status):
+    if status not in SETTABLE_CUSTOMER_STATUSES:
+        raise ApiError(400, INVALID_STATUS)
+    return status
 
 
 def customer_by_email(conn, company_id, email):
@@ -4131,17 +4137,21 @@ def customer_by_email(conn, company_id, email):
 
 
 def create_customer(conn, company_id, body, source="api", store_slug=None, password=None,
-                    status="ACTIVE", email_verified=False):
+                    status="ACTIVE", email_verified=False, every=False):
+    """every: gather every field's refusal (see Refusals) for a form; the API's answer is
+    the first."""
     require_object(body)
-    email = body.get("email")
-    if email is not None and not isinstance(email, str):
-        raise invalid("email", "must be a string")
-    email = (email or "").strip()
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
-    fields = _customer_changes(body)
+    refusals, email = Refusals(first=not every), body.get("email")
+    with refusals.check():
+        if email is not None and not isinstance(email, str):
+            raise invalid("email", "must be a string")
+        email = (email or "").strip()
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
+    fields = _customer_changes(body, refusals)
+    refusals.raise_any()
     email_key = email.casefold()
     if contact_by_email(conn, company_id, email_key):  # any customer's, or any contact's
         raise ApiError(409, CUSTOMER_EXISTS)
@@ -6224,11 +6234,15 @@ def end_contact_access(conn, contact_ids):
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
 # emailed links, and approving one emails it.
 
-def update_customer(conn, company_id, customer_id, body):
+def update_customer(conn, company_id, customer_id, body, every=False):
+    """every: gather every field's refusal (see Refusals) for a form; the API's answer is
+    the first."""
     require_object(body)
     if "email" in body:
         raise invalid("email", "cannot be changed")
-    changes = _customer_changes(body)
+    refusals = Refusals(first=not every)
+    changes = _customer_changes(body, refusals)
+    refusals.raise_any()
     before = load_customer(conn, company_id, customer_id)
     changed = update_changed(conn, "customers", before, changes)
     if not changed:
@@ -10858,7 +10872,7 @@ def new_customer_page(visit):
 def create_customer_action(visit):
     body = dict(customer_body(visit.form), email=visit.form.get("email", ""))
     with visit.write() as conn:
-        customer = create_customer(conn, visit.company_id, body, source="dashboard")
+        customer = create_customer(conn, visit.company_id, body, source="dashboard", every=True)
         save_customer_terms(visit, conn, customer["id"])
     return redirect(f"/dashboard/customers/{customer['id']}", "created")
 
@@ -10943,9 +10957,14 @@ def clear_customer_price_action(visit, customer_id, product_id):
 
 @page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
 def update_customer_action(visit, customer_id):
+    refusals = Refusals()
     with visit.write() as conn:
-        update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
-        save_customer_terms(visit, conn, customer_id)
+        with refusals.check():
+            update_customer(conn, visit.company_id, customer_id, customer_body(visit.form),
+                            every=True)
+        with refusals.check():
+            save_customer_terms(visit, conn, customer_id)
+        refusals.raise_any()
     return redirect(f"/dashboard/customers/{customer_id}", "saved")
 
 

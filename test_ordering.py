@@ -6362,6 +6362,27 @@ def test_customer_form_errors_are_the_apis_messages(app, tenant, browser):
         "Tax rate override must be between 0 and 0.3.")
     main_form(page)["taxRateOverride"], main_form(page)["email"] = "", "not-an-email"
     assert field_error(main_form(page).submit(status=400), "email") == "Invalid email address."
+    main_form(page)["creditLimit"], main_form(page)["taxRateOverride"] = "-1", "0.5"
+    refused = main_form(page).submit(status=400)  # the form shows every refusal at once
+    assert [field_error(refused, name) for name in ("email", "creditLimit", "taxRateOverride",
+                                                    "name")] == [
+        "Invalid email address.", "Credit limit must be between 0 and 100000000.",
+        "Tax rate override must be between 0 and 0.3.", None]
+    answer = webtest.TestApp(app).post_json("/api/v1/customers", {
+        "email": "not-an-email", "creditLimit": -1, "taxRateOverride": 0.5},
+        headers=tenant.headers, status=400)  # the API answers the first, as the spec says
+    assert answer.json == {"error": "Invalid email address."}
+    assert snapshot(app.service.db) == before
+    customer = tenant.customer(email="kept@cafe.example")
+    before = snapshot(app.service.db)
+    page = browser.get(f"/dashboard/customers/{customer['id']}")
+    form = form_to(page, f"/dashboard/customers/{customer['id']}")
+    form["name"], form["creditLimit"] = "x" * (ordering.MAX_CUSTOMER_NAME + 1), "x"
+    form["paymentTermsDays"] = "-3"
+    refused = form.submit(status=400)
+    assert [field_error(refused, name) for name in ("name", "creditLimit")] == [
+        f"must be 1 to {ordering.MAX_CUSTOMER_NAME} characters", "must be a number or null"]
+    assert alert_of(refused).startswith("Not saved: Payment terms must be a whole number")
     assert snapshot(app.service.db) == before
 
 
