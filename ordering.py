@@ -2069,6 +2069,9 @@ SELECTED, CHECKED = Markup(" selected"), Markup(" checked")
 #: Fields that one message may refuse together (a return's lines), under their legend.
 GROUP = Template("id legend invalid fields error",
                  '<fieldset id="{id}"{invalid}><legend>{legend}</legend>{fields}{error}</fieldset>')
+#: One of a choice of radio buttons (see Visit.radios).
+RADIO = Template("id name value checked text", '<label class="check" for="{id}"><input '
+                 'type="radio" id="{id}" name="{name}" value="{value}"{checked}> {text}</label>')
 #: Checkboxes of one name, one for each of its values.
 CHECKS = Template("name invalid boxes error",
                   '<fieldset id="{name}"{invalid}><legend>{name}</legend>{boxes}{error}</fieldset>')
@@ -2223,6 +2226,8 @@ img.photo { width: 240px; height: 240px; max-width: 100%; object-fit: contain;
 ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
 ol.timeline li { margin: 2px 0; }
 fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
+.ship-to:has(input[value=""]:not(:checked)) + fieldset.address { display: none; }
+.ship-to label.check { display: block; }
 .invoice-head { display: flex; flex-wrap: wrap; justify-content: space-between; gap: 8px 24px; }
 .invoice-head h2 { margin-top: 0; }
 .invoice-head > * { min-width: 0; }
@@ -2720,8 +2725,11 @@ QUICK_ORDER_FORM = Template("lines file", """\
 CHECKOUT_FORM = Template("token address po notes button", """\
 <input type="hidden" name="token" value="{token}">{address}{po}{notes}\
 <button type="submit">{button}</button>""")
+#: A new address's fields, which the stylesheet hides while a saved address is chosen above
+#: them (SHIP_TO_CHOICE), without a script.
 NEW_ADDRESS = Template("fields", """\
 <fieldset class="address"><legend>New address (saved for next time)</legend>{fields}</fieldset>""")
+SHIP_TO_CHOICE = Template("choice", '<div class="ship-to">{choice}</div>')
 
 STORE_ORDER_PAGE = Template("facts tracking ship_to lines again timeline returns", """\
 {facts}{tracking}{ship_to}<h2>Lines</h2>{lines}<p>{again}</p>{timeline}{returns}""")
@@ -2896,6 +2904,76 @@ ADDRESS_FIELDS = (("name", "Recipient", 200, True), ("line1", "Address", 200, Tr
                   ("line2", "Address line 2", 200, False), ("city", "City", 100, True),
                   ("region", "Region or state", 100, False),
                   ("postalCode", "Postal code", 20, True), ("country", "Country", 100, True))
+#: The countries an address is shipped to (ISO 3166-1 alpha-2 code: English name), in the
+#: order of their names: checkout's list, whose codes a new address keeps as its country
+#: (an address saved before keeps the text it was given, and shows it).
+COUNTRIES = {"AF": "Afghanistan", "AX": "Åland Islands", "AL": "Albania", "DZ": "Algeria",
+             "AS": "American Samoa", "AD": "Andorra", "AO": "Angola", "AI": "Anguilla",
+             "AQ": "Antarctica", "AG": "Antigua and Barbuda", "AR": "Argentina", "AM": "Armenia",
+             "AW": "Aruba", "AU": "Australia", "AT": "Austria", "AZ": "Azerbaijan",
+             "BS": "Bahamas", "BH": "Bahrain", "BD": "Bangladesh", "BB": "Barbados",
+             "BY": "Belarus", "BE": "Belgium", "BZ": "Belize", "BJ": "Benin", "BM": "Bermuda",
+             "BT": "Bhutan", "BO": "Bolivia", "BQ": "Bonaire, Sint Eustatius and Saba",
+             "BA": "Bosnia and Herzegovina", "BW": "Botswana", "BV": "Bouvet Island",
+             "BR": "Brazil", "IO": "British Indian Ocean Territory", "BN": "Brunei Darussalam",
+             "BG": "Bulgaria", "BF": "Burkina Faso", "BI": "Burundi", "CV": "Cabo Verde",
+             "KH": "Cambodia", "CM": "Cameroon", "CA": "Canada", "KY": "Cayman Islands",
+             "CF": "Central African Republic", "TD": "Chad", "CL": "Chile", "CN": "China",
+             "CX": "Christmas Island", "CC": "Cocos (Keeling) Islands", "CO": "Colombia",
+             "KM": "Comoros", "CG": "Congo", "CD": "Congo, The Democratic Republic of the",
+             "CK": "Cook Islands", "CR": "Costa Rica", "CI": "Côte d'Ivoire", "HR": "Croatia",
+             "CU": "Cuba", "CW": "Curaçao", "CY": "Cyprus", "CZ": "Czechia", "DK": "Denmark",
+             "DJ": "Djibouti", "DM": "Dominica", "DO": "Dominican Republic", "EC": "Ecuador",
+             "EG": "Egypt", "SV": "El Salvador", "GQ": "Equatorial Guinea", "ER": "Eritrea",
+             "EE": "Estonia", "SZ": "Eswatini", "ET": "Ethiopia",
+             "FK": "Falkland Islands (Malvinas)", "FO": "Faroe Islands", "FJ": "Fiji",
+             "FI": "Finland", "FR": "France", "GF": "French Guiana", "PF": "French Polynesia",
+             "TF": "French Southern Territories", "GA": "Gabon", "GM": "Gambia", "GE": "Georgia",
+             "DE": "Germany", "GH": "Ghana", "GI": "Gibraltar", "GR": "Greece", "GL": "Greenland",
+             "GD": "Grenada", "GP": "Guadeloupe", "GU": "Guam", "GT": "Guatemala",
+             "GG": "Guernsey", "GN": "Guinea", "GW": "Guinea-Bissau", "GY": "Guyana",
+             "HT": "Haiti", "HM": "Heard Island and McDonald Islands",
+             "VA": "Holy See (Vatican City State)", "HN": "Honduras", "HK": "Hong Kong",
+             "HU": "Hungary", "IS": "Iceland", "IN": "India", "ID": "Indonesia", "IR": "Iran",
+             "IQ": "Iraq", "IE": "Ireland", "IM": "Isle of Man", "IL": "Israel", "IT": "Italy",
+             "JM": "Jamaica", "JP": "Japan", "JE": "Jersey", "JO": "Jordan", "KZ": "Kazakhstan",
+             "KE": "Kenya", "KI": "Kiribati", "KW": "Kuwait", "KG": "Kyrgyzstan", "LA": "Laos",
+             "LV": "Latvia", "LB": "Lebanon", "LS": "Lesotho", "LR": "Liberia", "LY": "Libya",
+             "LI": "Liechtenstein", "LT": "Lithuania", "LU": "Luxembourg", "MO": "Macao",
+             "MG": "Madagascar", "MW": "Malawi", "MY": "Malaysia", "MV": "Maldives", "ML": "Mali",
+             "MT": "Malta", "MH": "Marshall Islands", "MQ": "Martinique", "MR": "Mauritania",
+             "MU": "Mauritius", "YT": "Mayotte", "MX": "Mexico",
+             "FM": "Micronesia, Federated States of", "MD": "Moldova", "MC": "Monaco",
+             "MN": "Mongolia", "ME": "Montenegro", "MS": "Montserrat", "MA": "Morocco",
+             "MZ": "Mozambique", "MM": "Myanmar", "NA": "Namibia", "NR": "Nauru", "NP": "Nepal",
+             "NL": "Netherlands", "NC": "New Caledonia", "NZ": "New Zealand", "NI": "Nicaragua",
+             "NE": "Niger", "NG": "Nigeria", "NU": "Niue", "NF": "Norfolk Island",
+             "KP": "North Korea", "MK": "North Macedonia", "MP": "Northern Mariana Islands",
+             "NO": "Norway", "OM": "Oman", "PK": "Pakistan", "PW": "Palau",
+             "PS": "Palestine, State of", "PA": "Panama", "PG": "Papua New Guinea",
+             "PY": "Paraguay", "PE": "Peru", "PH": "Philippines", "PN": "Pitcairn", "PL": "Poland",
+             "PT": "Portugal", "PR": "Puerto Rico", "QA": "Qatar", "RE": "Réunion",
+             "RO": "Romania", "RU": "Russian Federation", "RW": "Rwanda", "BL": "Saint Barthélemy",
+             "SH": "Saint Helena, Ascension and Tristan da Cunha", "KN": "Saint Kitts and Nevis",
+             "LC": "Saint Lucia", "MF": "Saint Martin (French part)",
+             "PM": "Saint Pierre and Miquelon", "VC": "Saint Vincent and the Grenadines",
+             "WS": "Samoa", "SM": "San Marino", "ST": "Sao Tome and Principe",
+             "SA": "Saudi Arabia", "SN": "Senegal", "RS": "Serbia", "SC": "Seychelles",
+             "SL": "Sierra Leone", "SG": "Singapore", "SX": "Sint Maarten (Dutch part)",
+             "SK": "Slovakia", "SI": "Slovenia", "SB": "Solomon Islands", "SO": "Somalia",
+             "ZA": "South Africa", "GS": "South Georgia and the South Sandwich Islands",
+             "KR": "South Korea", "SS": "South Sudan", "ES": "Spain", "LK": "Sri Lanka",
+             "SD": "Sudan", "SR": "Suriname", "SJ": "Svalbard and Jan Mayen", "SE": "Sweden",
+             "CH": "Switzerland", "SY": "Syria", "TW": "Taiwan", "TJ": "Tajikistan",
+             "TZ": "Tanzania", "TH": "Thailand", "TL": "Timor-Leste", "TG": "Togo",
+             "TK": "Tokelau", "TO": "Tonga", "TT": "Trinidad and Tobago", "TN": "Tunisia",
+             "TR": "Türkiye", "TM": "Turkmenistan", "TC": "Turks and Caicos Islands",
+             "TV": "Tuvalu", "UG": "Uganda", "UA": "Ukraine", "AE": "United Arab Emirates",
+             "GB": "United Kingdom", "US": "United States",
+             "UM": "United States Minor Outlying Islands", "UY": "Uruguay", "UZ": "Uzbekistan",
+             "VU": "Vanuatu", "VE": "Venezuela", "VN": "Vietnam", "VG": "Virgin Islands, British",
+             "VI": "Virgin Islands, U.S.", "WF": "Wallis and Futuna", "EH": "Western Sahara",
+             "YE": "Yemen", "ZM": "Zambia", "ZW": "Zimbabwe"}
 RETURN_NOT_SHIPPED = "Only a shipped or delivered order can be returned."
 #: The statuses of an order its buyer may return goods of.
 RETURNABLE_ORDER_STATUSES = ("SHIPPED", "DELIVERED")
@@ -9864,14 +9942,24 @@ class Visit:
         return render(FIELD, id=field_id, label=label, control=control,
                       error=self.error(name, field_id, label))
 
-    def select(self, name, label, options, default=""):
+    def select(self, name, label, options, default="", **attributes):
         chosen, field_id = str(self.value(name, default)), name + self.id_suffix
         options = join(render(OPTION, value=value, text=text,
                               selected=SELECTED if str(value) == chosen else "")
                        for value, text in options)
+        extra = join([render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
+                      for key, value in attributes.items()] + [self.invalid(name, field_id)])
         return render(FIELD, id=field_id, label=label, error=self.error(name, field_id, label),
                       control=render(SELECT, id=field_id, name=name, options=options,
-                                     extra=self.invalid(name, field_id)))
+                                     extra=extra))
+
+    def radios(self, name, legend, options, default=""):
+        """One choice of options [(value, text)], a radio button each, under legend."""
+        chosen = str(self.value(name, default))
+        return self.group(name, legend, join(
+            render(RADIO, name=name, value=value, text=text, id=f"{name}-{index}",
+                   checked=CHECKED if str(value) == chosen else "")
+            for index, (value, text) in enumerate(options)))
 
     def checks(self, name, values, chosen):
         chosen = set(self.form.getall(name)) if self.errors and self.form else set(chosen)
@@ -10167,8 +10255,14 @@ def statement_table(account, invoice_path):
 
 def address_lines(address):
     """A shipping address's fields that are filled, a line each."""
-    return Markup(LINE_BREAK.join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
-                                  if address[name]))
+    return Markup(LINE_BREAK.join(escape(country_text(address, name))
+                                  for name, *_ in ADDRESS_FIELDS if address[name]))
+
+
+def country_text(address, name):
+    """A field of an address as a reader reads it: a country's code by its name."""
+    value = address[name]
+    return COUNTRIES.get(value, value) if name == "country" else value
 
 
 def form_units(form, prefix):
@@ -12172,7 +12266,8 @@ def not_added_warnings():
 
 
 def address_text(address):
-    return ", ".join(address[name] for name, *_ in ADDRESS_FIELDS if address.get(name))
+    return ", ".join(country_text(address, name) for name, *_ in ADDRESS_FIELDS
+                     if address.get(name))
 
 
 def lines_table(lines, total, rate, tax):
@@ -12351,14 +12446,28 @@ def cart_summary(cart):
                         for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
 
 
+#: The autocomplete token of each of a shipping address's fields (HTML's autofill names).
+ADDRESS_AUTOCOMPLETE = {
+    "name": "shipping name", "line1": "shipping address-line1",
+    "line2": "shipping address-line2", "city": "shipping address-level2",
+    "region": "shipping address-level1", "postalCode": "shipping postal-code",
+    "country": "shipping country"}
+
+
 def address_fields(visit, saved):
-    """Where an order ships: one of the buyer's saved addresses, or a new one."""
-    ship_to = visit.select("addressId", "Ship to", [
+    """Where an order ships: one of the buyer's saved addresses, or a new one, whose fields
+    show only while it is the one chosen."""
+    fields = render(NEW_ADDRESS, fields=join(
+        visit.select(name, label, [("", "Choose a country")] + list(COUNTRIES.items()),
+                     autocomplete=ADDRESS_AUTOCOMPLETE[name]) if name == "country" else
+        visit.field(name, label if required else label + " (optional)", maxlength=longest,
+                    autocomplete=ADDRESS_AUTOCOMPLETE[name])
+        for name, label, longest, required in ADDRESS_FIELDS))
+    if not saved:
+        return fields
+    return join([render(SHIP_TO_CHOICE, choice=visit.radios("addressId", "Ship to", [
         (row["id"], address_text(address_of(row))) for row in saved] + [
-        ("", "A new address (below)")], saved[0]["id"] if saved else "")
-    return join([ship_to, render(NEW_ADDRESS, fields=join(
-        visit.field(name, label if required else label + " (optional)", maxlength=longest)
-        for name, label, longest, required in ADDRESS_FIELDS))])
+        ("", "A new address")], saved[0]["id"])), fields])
 
 
 @buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page, right="order")
