@@ -14594,6 +14594,15 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
         assert sorted(message["to"][0] for message in arrived) == [
             "alerts@phone.example", "buyer@phone.example"]
         assert all("PO-7781" in parts(message)[0] for message in arrived)
+        browser.open(store + "/cart")  # a saved address, chosen, hides the new one's fields
+        send("/cart/quick-order", lines="PA-SALT-1 1")
+        browser.open(store + "/checkout")
+        new_address = driver.find_element("css selector", "fieldset.address")
+        assert not new_address.is_displayed()
+        driver.find_element("css selector", '.ship-to input[value=""]').click()
+        assert new_address.is_displayed()
+        browser.open(store + "/cart")
+        send("/remove")
 
         browser.open("/dashboard/sign-in")
         send("/dashboard/sign-in", email="staff@phone.example", password=STAFF_PASSWORD)
