@@ -2153,6 +2153,8 @@ body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, s
 a { color: var(--accent); }
 :focus-visible { outline: 3px solid #f5b400; outline-offset: 2px; }
 .skip { position: absolute; left: -999px; }
+.hidden-label { position: absolute; width: 1px; height: 1px; overflow: hidden;
+  clip-path: inset(50%); white-space: nowrap; }
 .skip:focus { left: 8px; top: 8px; background: var(--paper); padding: 6px; z-index: 1; }
 header { display: flex; flex-wrap: wrap; align-items: center; justify-content: space-between;
   gap: 8px; padding: 8px 16px; background: var(--ink); color: #fff; }
@@ -2629,19 +2631,21 @@ when it is approved; until then prices and ordering stay closed.</p></div>""")
 
 _ADD_FORM = """\
 <form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
-value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
-name="quantity" type="number" min="1" max="{most}" value="{start}" aria-label="Quantity"> \
-<button type="submit">Add to cart</button></form>"""
+value="{csrf}"><input type="hidden" name="productId" value="{id}"><label class="hidden-label" \
+for="qty-{id}">Quantity of {name}</label><input class="qty" id="qty-{id}" name="quantity" \
+type="number" min="1" max="{most}" value="{start}"> <button type="submit">Add\
+<span class="hidden-label"> {name}</span> to cart</button></form>"""
 
 #: The form that puts a product in the cart (POST cart: productId, quantity).
-STORE_ADD_FORM = Template("cart csrf id most start", _ADD_FORM)
+STORE_ADD_FORM = Template("cart csrf id name most start", _ADD_FORM)
 
 #: A product's row in the storefront's catalog, with its form: one template a row, for a page
 #: of many (see Template.partial).
 _CATALOG_ROW = """\
 <tr><td>{image}<a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
 <td class="num">{price}</td><td>{level}</td><td>ADD</td></tr>"""
-STORE_CATALOG_ROW = Template("image href name sku unit terms price level cart csrf id most start",
+STORE_CATALOG_ROW = Template("image href name sku unit terms price level cart csrf id most "
+                             "start",
                              _CATALOG_ROW.replace("ADD", _ADD_FORM))
 #: The same row for a contact whose role places no orders (a bookkeeper): no form.
 STORE_CATALOG_ROW_VIEW = Template("image href name sku unit terms price level",
@@ -2710,9 +2714,13 @@ LEVEL_TAG = Template("style level", '<span class="status level-{style}">{level}<
 #: What a quick order or a reorder put in the cart.
 
 NO_LONGER_SOLD = Template("name", '{name} <span class="status level-out">No longer sold</span>')
-CART_QUANTITY = Template("most quantity name error", """\
-<input class="qty" name="quantity" type="number" min="0" max="{most}" value="{quantity}" \
-aria-label="Quantity of {name}"> <button type="submit" class="secondary">Update</button>{error}""")
+CART_QUANTITY = Template("id most quantity name invalid error", """\
+<label class="hidden-label" for="{id}">Quantity of {name}</label><input class="qty" id="{id}" \
+name="quantity" type="number" min="0" max="{most}" value="{quantity}"{invalid}> \
+<button type="submit" class="secondary">Update<span class="hidden-label"> the quantity of \
+{name}</span></button>{error}""")
+#: A cart line's Remove, named for its product.
+REMOVE_LINE = Template("name", 'Remove<span class="hidden-label"> {name}</span>')
 CHECK_OUT = Template("prefix", '<p><a class="button" href="{prefix}/checkout">Check out</a></p>')
 CART_EMPTY_CARD = Template("message prefix", """\
 <div class="card"><p>{message}</p><p><a href="{prefix}/products">Browse the catalog</a></p>\
@@ -12330,7 +12338,7 @@ def store_product_page(visit, product_id):
         terms=selling_text(product) or "in any quantity",
         description=render(PARAGRAPH, text=product["description"])
         if product["description"] else "",
-        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id,
+        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id, name=product["name"],
                    start=fitted_quantity(product, 1)) if may(visit, "order") else ""))
 
 
@@ -12358,10 +12366,14 @@ def cart_row(visit, line):
     view = visit.for_form(action, product["id"])
     name = link(f"{prefix}/products/{product['id']}", product["name"]) if line["sold"] \
         else render(NO_LONGER_SOLD, name=product["name"])
+    field_id, label = "quantity" + view.id_suffix, "Quantity of " + product["name"]
     quantity = view.form_tag(action, render(
-        CART_QUANTITY, most=MAX_QUANTITY, quantity=view.value("quantity", line["quantity"]),
-        name=product["name"], error=view.error("quantity")), css="inline")
-    remove = visit.button(action + "/remove", "Remove", "secondary")
+        CART_QUANTITY, id=field_id, most=MAX_QUANTITY, name=product["name"],
+        quantity=view.value("quantity", line["quantity"]),
+        invalid=view.invalid("quantity", field_id),
+        error=view.error("quantity", field_id, label)), css="inline")
+    remove = visit.button(action + "/remove", render(REMOVE_LINE, name=product["name"]),
+                          "secondary")
     terms = selling_text(product)
     return (join([name, render(TERMS, text=terms) if terms else "", LINE_BREAK, remove]),
             quantity, join([cents_text(line["unitPrice"]), price_reason(line)]),

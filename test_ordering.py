@@ -10676,12 +10676,21 @@ def test_the_catalog_shows_active_products_at_the_buyers_own_price_and_a_stock_l
         ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3990)
     page = buyer.get(store_of(tenant) + "/products", status=200)
     assert table_rows(page) == [
-        ["Tea 500g each", "11.50", "Out of stock", "Add to cart"],
-        ["Salt 1kg each", "3.20", "Low stock", "Add to cart"],
-        ["Rice 25kg GR-RICE-25 each", "39.90", "In stock", "Add to cart"]]
+        ["Tea 500g each", "11.50", "Out of stock", "Quantity of Tea 500g Add Tea 500g to cart"],
+        ["Salt 1kg each", "3.20", "Low stock", "Quantity of Salt 1kg Add Salt 1kg to cart"],
+        ["Rice 25kg GR-RICE-25 each", "39.90", "In stock",
+         "Quantity of Rice 25kg Add Rice 25kg to cart"]]
+    for row in page.html.select("tbody tr"):  # each row's box and button name its product
+        name = row.find("a").get_text()
+        box = row.find("input", attrs={"name": "quantity"})
+        label = row.find("label", attrs={"for": box["id"]})
+        assert (label["class"], label.get_text()) == (["hidden-label"], f"Quantity of {name}")
+        assert row.find("button").get_text() == f"Add {name} to cart"
+    assert len({box["id"] for box in page.html.select("input[name=quantity]")}) == 3
     assert "7919" not in page.text and "Old Flour" not in page.text
     other_buyer = shopper(app, tenant, "other@cafe.example")[1]
-    assert ["Rice 25kg GR-RICE-25 each", "42.50", "In stock", "Add to cart"] in table_rows(
+    assert ["Rice 25kg GR-RICE-25 each", "42.50", "In stock",
+            "Quantity of Rice 25kg Add Rice 25kg to cart"] in table_rows(
         other_buyer.get(store_of(tenant) + "/products"))
     product = buyer.get(f"{store_of(tenant)}/products/{rice['id']}", status=200)
     facts = dict(zip([dt.get_text() for dt in product.html.select("dl.facts dt")],
@@ -10781,13 +10790,18 @@ def test_the_cart_is_kept_on_the_server_and_follows_the_buyer_to_another_device(
     customer, buyer = shopper(app, tenant)
     added = put_in_cart(buyer, tenant, product["id"], 3)
     assert notice_of(added) == "Added to your cart: its lines are below."
-    assert table_rows(added)[0][1:] == ["Update", "42.50", "127.50"]
+    assert table_rows(added)[0][1:] == [
+        "Quantity of Rice 25kg Update the quantity of Rice 25kg", "42.50", "127.50"]
     form_to(buyer.get(store_of(tenant) + "/account"), "/sign-out").submit(status=303)
     elsewhere = store_sign_in(app, tenant, "buyer@cafe.example")[0]
     cart = elsewhere.get(store_of(tenant) + "/cart")
     assert "Cart (1)" in cart.html.find("header").get_text()
-    assert table_rows(cart) == [["Rice 25kg Remove", "Update", "42.50", "127.50"],
-                                ["Total", "", "", "127.50"]]
+    assert table_rows(cart) == [
+        ["Rice 25kg Remove Rice 25kg", "Quantity of Rice 25kg Update the quantity of Rice 25kg",
+         "42.50", "127.50"], ["Total", "", "", "127.50"]]
+    box = cart.html.find("input", attrs={"name": "quantity"})
+    assert cart.html.find("label", attrs={"for": box["id"]}).get_text() == (
+        "Quantity of Rice 25kg")
     assert cart_rows(app, customer["id"]) == [(product["id"], 3)]
 
 
