@@ -6173,14 +6173,17 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
     whose link verifies the address; for an address that has an account already, only an
     email to its owner. Returns nothing either way, after the same work."""
     company = company_by_slug(conn, store_slug)
-    email = (email or "").strip()
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
+    email, refusals = (email or "").strip(), Refusals()  # the form's every refusal at once
+    with refusals.check():
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
     body = {"email": email, "name": name} if (name or "").strip() else {"email": email}
-    _customer_changes(body)
-    check_password(password)
+    _customer_changes(body, refusals)
+    with refusals.check():
+        check_password(password)
+    refusals.raise_any()
     record_account_request(conn, company["id"], email, now_ms)
     existing = contact_by_email(conn, company["id"], email)
     if existing is not None:

@@ -9636,6 +9636,12 @@ def test_registration_refuses_a_short_password_next_to_its_field_and_writes_noth
     assert field_error(page, "password") == "must be at least 12 characters"
     page = store_register(app, tenant, "not an address", status=400)
     assert field_error(page, "email") == "Invalid email address."
+    page = store_register(app, tenant, "not an address", password="short", status=400)
+    assert (field_error(page, "email"), field_error(page, "password")) == (
+        "Invalid email address.", "must be at least 12 characters")  # both at once
+    assert [item.get_text() for item in page.html.select("[role=alert] li")] == [
+        "Email: Invalid email address.",
+        "Password (at least 12 characters): must be at least 12 characters"]
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 0
 
 
