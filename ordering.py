@@ -3194,6 +3194,13 @@ def optional_text(body, field, max_length, min_length=0, strip=False):
     return value
 
 
+def chosen_from(value, allowed, message):
+    """value, if it is one of allowed; else refused with message."""
+    if value not in allowed:
+        raise ApiError(400, message)
+    return value
+
+
 def optional_bounded_number(body, field, low, high, message):
     value = body.get(field)
     if value is None:
@@ -4203,17 +4210,12 @@ def _customer_changes(body, refusals=None):
                 body, "creditLimit", 0, MAX_CREDIT_LIMIT, CREDIT_LIMIT_MESSAGE)),
             ("taxRateOverride", "tax_rate_override", lambda: optional_bounded_number(
                 body, "taxRateOverride", 0, MAX_TAX_RATE, TAX_RATE_MESSAGE)),
-            ("status", "status", lambda: settable_customer_status(body["status"]))):
+            ("status", "status", lambda: chosen_from(
+                body["status"], SETTABLE_CUSTOMER_STATUSES, INVALID_STATUS))):
         if field in body:
             with refusals.check():
                 changes[column] = read()
     return changes
-
-
-def settable_customer_status(status):
-    if status not in SETTABLE_CUSTOMER_STATUSES:
-        raise ApiError(400, INVALID_STATUS)
-    return status
 
 
 def customer_by_email(conn, company_id, email):
@@ -6365,22 +6367,22 @@ def set_customer_status(conn, company_id, customer_id, status):
 # reset flow's link, which verifies the address. No change leaves a business without an active
 # admin.
 
-def _contact_changes(body):
-    """The validated fields of a contact's body that it sends."""
+def _contact_changes(body, refusals):
+    """The validated fields of a contact's body that it sends, each field's refusal kept in
+    refusals (see Refusals)."""
     changes = {}
-    if "name" in body:
-        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
-    if "role" in body:
-        if body["role"] not in CONTACT_ROLES:
-            raise ApiError(400, CONTACT_ROLE_MESSAGE)
-        changes["role"] = body["role"]
-    if "approvalLimit" in body:
-        changes["approval_limit_cents"] = optional_money(
-            body, "approvalLimit", 0, MAX_CREDIT_LIMIT, APPROVAL_LIMIT_MESSAGE)
-    if "status" in body:
-        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
-            raise ApiError(400, CONTACT_STATUS_MESSAGE)
-        changes["status"] = body["status"]
+    for field, column, read in (
+            ("name", "name", lambda: optional_text(body, "name", MAX_CUSTOMER_NAME,
+                                                   min_length=1, strip=True)),
+            ("role", "role", lambda: chosen_from(body["role"], CONTACT_ROLES,
+                                                 CONTACT_ROLE_MESSAGE)),
+            ("approvalLimit", "approval_limit_cents", lambda: optional_money(
+                body, "approvalLimit", 0, MAX_CREDIT_LIMIT, APPROVAL_LIMIT_MESSAGE)),
+            ("status", "status", lambda: chosen_from(
+                body["status"], SETTABLE_CUSTOMER_STATUSES, CONTACT_STATUS_MESSAGE))):
+        if field in body:
+            with refusals.check():
+                changes[column] = read()
     return changes
 
 
@@ -6395,16 +6397,19 @@ def add_contact(conn, company_id, customer_id, body, now_ms, invited_by=None):
     of an address that has an account there already (nothing is added; returns None)."""
     require_object(body)
     customer = load_customer(conn, company_id, customer_id)
-    email = body.get("email")
+    email, refusals = body.get("email"), Refusals()  # the form's every refusal at once
     email = email.strip() if isinstance(email, str) else ""
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
+    with refusals.check():
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
     changes = _contact_changes({name: body[name] for name in ("name", "role", "approvalLimit")
-                                if name in body})
+                                if name in body}, refusals)
     role = changes.get("role", "buyer")
-    _check_limit(role, changes.get("approval_limit_cents"))
+    with refusals.check():
+        _check_limit(role, changes.get("approval_limit_cents"))
+    refusals.raise_any()
     if invited_by is not None:
         (recent,) = conn.execute(
             "SELECT COUNT(*) FROM contacts WHERE customer_id = ? AND created_at > ?",
@@ -6434,9 +6439,12 @@ def update_contact(conn, company_id, contact_id, body, customer_id=None):
     before = load_contact(conn, company_id, contact_id)
     if customer_id is not None:
         before = customer_contact(conn, company_id, customer_id, contact_id)
-    changes = _contact_changes(body)
+    refusals = Refusals()  # the form's every refusal at once
+    changes = _contact_changes(body, refusals)
     after = dict(before) | changes
-    _check_limit(after["role"], after["approval_limit_cents"])
+    with refusals.check():
+        _check_limit(after["role"], after["approval_limit_cents"])
+    refusals.raise_any()
     if before["role"] == "admin" and before["status"] == "ACTIVE" and (
             after["role"] != "admin" or after["status"] != "ACTIVE"):
         (admins,) = conn.execute(
@@ -9862,6 +9870,8 @@ FIELD_OF_MESSAGE = {
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
     COMPANY_TAX_RATE_MESSAGE: "taxRate",
+    APPROVAL_LIMIT_MESSAGE: "approvalLimit", CONTACT_ROLE_MESSAGE: "role",
+    CONTACT_STATUS_MESSAGE: "status",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]

@@ -10138,9 +10138,9 @@ def test_a_second_customers_contacts_see_and_touch_nothing_of_the_first(app, ten
         page = store_post(stranger, tenant, path, 404, **fields)
         assert "not found" in page.text
     put_in_cart(stranger, tenant, product["id"], 1)
-    form = checkout_form(stranger, tenant)
-    form["addressId"].force_value(address)
-    assert "Address not found." in form.submit(status=404).text
+    assert "Address not found." in store_post(stranger, tenant, "/checkout", 404,
+                                              addressId=address,
+                                              token=secrets.token_urlsafe(24)).text
     for path in ("/orders", "/requests", "/statement", "/contacts"):
         text = stranger.get(store_of(tenant) + path).text
         assert not {order["id"], request, "INV-000001", "bea@cafe.example"} & set(
@@ -10259,7 +10259,14 @@ def test_staff_see_pending_requests_and_add_edit_block_and_invite_contacts(app, 
             ["ken@cafe.example", "Ken", "bookkeeper", "ACTIVE", "", "Yes"]]
     new = page.click("New contact")
     form = form_to(new, f"/customers/{customer['id']}/contacts")
-    form["email"], form["role"], form["approvalLimit"] = "dee@cafe.example", "admin", "10"
+    form["email"], form["name"], form["approvalLimit"] = "dee@", "x" * 201, "-5"
+    refused = form.submit(status=400)  # every refusal at once, each beside its field
+    assert [field_error(refused, name) for name in ("email", "name", "approvalLimit")] == [
+        "Invalid email address.", "must be 1 to 200 characters",
+        ordering.APPROVAL_LIMIT_MESSAGE]
+    form = form_to(refused, f"/customers/{customer['id']}/contacts")
+    form["email"], form["name"], form["role"], form["approvalLimit"] = (
+        "dee@cafe.example", "", "admin", "10")
     refused = form.submit(status=400)
     assert field_error(refused, "approvalLimit") == ordering.APPROVAL_LIMIT_ROLE
     form = form_to(refused, f"/customers/{customer['id']}/contacts")
