@@ -3795,7 +3795,11 @@ def update_company(conn, company_id, changes):
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
         raise invalid(unknown[0], "is not a company setting")
-    checked = {column: COMPANY_SETTINGS[column](value) for column, value in changes.items()}
+    refusals, checked = Refusals(), {}  # Settings' every refusal at once
+    for column, value in changes.items():
+        with refusals.check():
+            checked[column] = COMPANY_SETTINGS[column](value)
+    refusals.raise_any()
     before = load_company(conn, company_id)
     customer = checked.get("stripe_customer_id")
     if customer is not None and conn.execute(

@@ -14287,6 +14287,14 @@ def test_the_settings_page_sets_the_mail_settings(app, tenant, browser):
     refused = form.submit(status=400)
     assert field_error(refused, "replyTo") == ordering.REPLY_TO_MESSAGE
     form = main_form(refused)
+    form["staffAlerts"], form["taxRate"] = "staff@acme.example, nobody", "0.9"
+    refused = form.submit(status=400)  # every refusal at once, each beside its field
+    assert [field_error(refused, name) for name in ("replyTo", "staffAlerts", "taxRate")] == [
+        ordering.REPLY_TO_MESSAGE, ordering.STAFF_ALERTS_MESSAGE,
+        ordering.COMPANY_TAX_RATE_MESSAGE]
+    assert main_form(refused)["staffAlerts"].value == "staff@acme.example, nobody"
+    form = main_form(refused)
+    form["staffAlerts"], form["taxRate"] = "staff@acme.example, owner@acme.example", "0"
     form["replyTo"] = "sales@acme.example"
     form.submit(status=303)
     company = ordering.company_json(ordering.load_company(tenant.db.conn, tenant.id))
