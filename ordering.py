@@ -10808,21 +10808,25 @@ def selling_fields(visit, product):
                         price_breaks_text(product) if product.get("price_breaks") else "")]
 
 
+#: How the product form's fields that may be refused are read: (column, read(form)).
+PRODUCT_FORM_READS = (
+    ("name", lambda form: (form.get("name") or "").strip()),
+    ("unit", lambda form: (form.get("unit") or "").strip()),
+    ("price_cents", lambda form: form_amount(form, "price")),
+    ("stock", lambda form: form_int(form, "stock")),
+    ("low_stock_threshold", lambda form: form_int(form, "lowStockThreshold", required=False)),
+    ("min_quantity", lambda form: form_int(form, "minQuantity", required=False) or 1),
+    ("order_multiple", lambda form: form_int(form, "orderMultiple", required=False) or 1),
+    ("price_breaks", lambda form: parse_price_breaks(form.get("priceBreaks"))))
+
+
 def product_fields(form):
     """A product's form as create_product's fields, refused with every field's refusal at
     once: what cannot be read, and what no product may hold."""
     refusals, fields = Refusals(), {"is_active": int("isActive" in form)}
-    for column, read in (
-            ("name", lambda: (form.get("name") or "").strip()),
-            ("unit", lambda: (form.get("unit") or "").strip()),
-            ("price_cents", lambda: form_amount(form, "price")),
-            ("stock", lambda: form_int(form, "stock")),
-            ("low_stock_threshold", lambda: form_int(form, "lowStockThreshold", required=False)),
-            ("min_quantity", lambda: form_int(form, "minQuantity", required=False) or 1),
-            ("order_multiple", lambda: form_int(form, "orderMultiple", required=False) or 1),
-            ("price_breaks", lambda: parse_price_breaks(form.get("priceBreaks")))):
+    for column, read in PRODUCT_FORM_READS:
         with refusals.check():
-            fields[column] = read()
+            fields[column] = read(form)
     for name, column in (("sku", "sku"), ("category", "category"), ("imageUrl", "image_url"),
                          ("description", "description")):
         fields[column] = form_text(form, name)
@@ -11376,11 +11380,15 @@ def invoice_actions(visit, invoice):
                 paying.field("reference", "Reference", maxlength=MAX_PAYMENT_REFERENCE)]))))]
     actions.append(credit_form(visit, invoice, path))
     if not invoice["paid_cents"] and not invoice["credited_cents"]:
-        voiding = visit.for_form(path + "/void", "void")
-        actions.append(voiding.form_tag(path + "/void", render(
-            VOID_FORM, number=invoice["number"], invalid=voiding.invalid("confirm", "confirm-void"),
-            error=voiding.error("confirm", "confirm-void", "Void"))))
+        actions.append(void_form(visit, invoice, path))
     return actions
+
+
+def void_form(visit, invoice, path):
+    voiding = visit.for_form(path + "/void", "void")
+    return voiding.form_tag(path + "/void", render(
+        VOID_FORM, number=invoice["number"], invalid=voiding.invalid("confirm", "confirm-void"),
+        error=voiding.error("confirm", "confirm-void", "Void")))
 
 
 def credit_form(visit, invoice, path):

@@ -2200,6 +2200,12 @@ def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, s
     return form.submit(status=status)
 
 
+#: Forms whose success is a page of its own, not a redirect: a secret shown once (never kept
+#: to show after a redirect), and a file's check, which changes nothing.
+ANSWERED_WITH_A_PAGE = {"/dashboard/webhooks", "/dashboard/webhooks/<webhook_id>/rotate",
+                        "/dashboard/keys", "/dashboard/spreadsheets/import"}
+
+
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
                    "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
@@ -13764,12 +13770,6 @@ def test_every_form_that_changes_something_needs_the_csrf_token(app, tenant, bro
     assert tenant.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "ACTIVE"
     form_to(browser.get(f"/dashboard/customers/{customer['id']}"), "/status").submit(status=303)
     assert tenant.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "BLOCKED"
-
-
-#: Forms whose success is a page of its own, not a redirect: a secret shown once (never kept
-#: to show after a redirect), and a file's check, which changes nothing.
-ANSWERED_WITH_A_PAGE = {"/dashboard/webhooks", "/dashboard/webhooks/<webhook_id>/rotate",
-                        "/dashboard/keys", "/dashboard/spreadsheets/import"}
 
 
 def test_every_form_that_adds_or_changes_something_answers_its_success_with_a_redirect():
