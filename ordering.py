@@ -5720,28 +5720,18 @@ def new_webhook_secret():
     return "whsec_" + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode("ascii")
 
 
-def _webhook_changes(body, creating):
+def _webhook_changes(body, creating, every=False):
+    """every: gather the url's and the events' refusals (see Refusals) for a form; the API's
+    answer is the first."""
     require_object(body)
-    changes = {}
+    changes, refusals = {}, Refusals(first=not every)
     if creating or "url" in body:
-        url = body.get("url")
-        if creating and (url is None or url == ""):
-            raise ApiError(400, URL_REQUIRED)
-        if not valid_http_url(url):
-            raise ApiError(400, INVALID_URL)
-        changes["url"] = url
+        with refusals.check():
+            changes["url"] = webhook_url(body.get("url"), creating)
     if creating or "events" in body:
-        events = body.get("events")
-        if events is not None and not isinstance(events, list):
-            raise invalid("events", "must be an array of event names")
-        if not events:
-            raise ApiError(400, EVENTS_REQUIRED)
-        for name in events:
-            if not isinstance(name, str):
-                raise invalid("events", "must be an array of event names")
-            if name not in EVENT_CATALOG:
-                raise ApiError(400, UNKNOWN_EVENT.format(name=name))
-        changes["events"] = json_text(list(dict.fromkeys(events)))
+        with refusals.check():
+            changes["events"] = webhook_events(body.get("events"))
+    refusals.raise_any()
     if "isActive" in body:
         if not isinstance(body["isActive"], bool):
             raise invalid("isActive", "must be true or false")
@@ -5749,9 +5739,32 @@ def _webhook_changes(body, creating):
     return changes
 
 
-def create_webhook(conn, company_id, body):
-    """A new webhook, answered with its secret (the only answer that carries it)."""
-    changes = _webhook_changes(body, creating=True)
+def webhook_url(url, creating):
+    if creating and (url is None or url == ""):
+        raise ApiError(400, URL_REQUIRED)
+    if not valid_http_url(url):
+        raise ApiError(400, INVALID_URL)
+    return url
+
+
+def webhook_events(events):
+    """A webhook's events as the column keeps them (JSON, each once)."""
+    if events is not None and not isinstance(events, list):
+        raise invalid("events", "must be an array of event names")
+    if not events:
+        raise ApiError(400, EVENTS_REQUIRED)
+    for name in events:
+        if not isinstance(name, str):
+            raise invalid("events", "must be an array of event names")
+        if name not in EVENT_CATALOG:
+            raise ApiError(400, UNKNOWN_EVENT.format(name=name))
+    return json_text(list(dict.fromkeys(events)))
+
+
+def create_webhook(conn, company_id, body, every=False):
+    """A new webhook, answered with its secret (the only answer that carries it); every: see
+    _webhook_changes."""
+    changes = _webhook_changes(body, creating=True, every=every)
     count = conn.execute("SELECT COUNT(*) FROM webhooks WHERE company_id = ?",
                          (company_id,)).fetchone()[0]
     if count >= MAX_WEBHOOKS:
@@ -11554,7 +11567,7 @@ def create_webhook_action(visit):
     body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
             "isActive": "isActive" in visit.form}
     with visit.write() as conn:
-        hook = create_webhook(conn, visit.company_id, body)
+        hook = create_webhook(conn, visit.company_id, body, every=True)
     visit.notice = render(WEBHOOK_CREATED, secret=hook["secret"])
     return webhooks_page(visit)
 

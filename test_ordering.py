@@ -8883,8 +8883,12 @@ def test_webhooks_create_toggle_rotate_and_recent_deliveries(app, tenant, browse
 def test_webhook_form_shows_the_apis_messages(app, tenant, browser):
     create = form_to(browser.get("/dashboard/webhooks"), "/dashboard/webhooks")
     create["url"] = "ftp://example.com/x"
-    refused = create.submit(status=400)
-    assert field_error(refused, "url") == "Invalid URL."
+    refused = create.submit(status=400)  # both refusals at once, each beside its field
+    assert (field_error(refused, "url"), field_error(refused, "events")) == (
+        "Invalid URL.", "At least one event is required.")
+    answer = webtest.TestApp(app).post_json("/api/v1/webhooks", {"url": "ftp://example.com/x"},
+                                            headers=tenant.headers, status=400)
+    assert answer.json == {"error": "Invalid URL."}  # the API answers the first
     create = form_to(refused, "/dashboard/webhooks")
     create["url"] = "https://example.com/x"
     assert "At least one event is required." in create.submit(status=400).text
