@@ -10016,8 +10016,9 @@ class Visit:
     def error(self, name, field_id=None, label=None):
         """The message of a refused field, under it (field_id: its control's ID, which the
         control names with invalid(); label: how the page's summary names it)."""
+        target = field_id or name + self.id_suffix + "-error"  # no control: the message
         field_id = field_id or name + self.id_suffix
-        self.shown[name] = field_id, label
+        self.shown[name] = target, label
         message = self.errors.get(name)
         return render(FIELD_ERROR, id=field_id, message=message) if message else ""
 

@@ -3215,7 +3215,9 @@ def notice_of(page):
 
 
 def errors_of(page):
-    """Every message the page shows beside a field."""
+    """Every message the page shows beside a field (each linked from the alert above it)."""
+    links = [a["href"][1:] for a in page.html.select("[role=alert] li a")]
+    assert all(page.html.find(id=target) for target in links), links
     return [message.get_text() for message in page.html.select("p.error")]
 
 
