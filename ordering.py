@@ -2037,12 +2037,21 @@ NAV_LINK = Template("href current text", '<li><a href="{href}"{current}>{text}</
 CURRENT = Markup(' aria-current="page"')
 #: What a page says once a form is saved (or a link emailed), above its body.
 NOTICE = Template("message", '<div class="notice" role="status">{message}</div>')
-#: Why a form was not saved, above its body, when no field it shows has the message.
+#: Why a form was not saved, above its body, when no field it shows has the message; or
+#: what a change could not do.
 FORM_ALERT = Template("message", '<div class="alert" role="alert">{message}</div>')
 #: A page's refusal, alone on it (not found, refused, too many requests).
 ALERT = Template("message", '<p class="alert" role="alert">{message}</p>')
-#: A refused field's message, under the field.
-FIELD_ERROR = Template("message", '<p class="error" role="alert">{message}</p>')
+#: A refused field's message, under the field, which names it (FIELD_INVALID) as what
+#: describes it; the page's ERROR_SUMMARY is the alert that lists every one.
+FIELD_ERROR = Template("id message", '<p class="error" id="{id}-error">{message}</p>')
+FIELD_INVALID = Template("id", ' aria-invalid="true" aria-describedby="{id}-error"')
+#: Every refused field of a form, above it, each linked to its field (label: message).
+ERROR_SUMMARY = Template("items", """\
+<div class="alert" role="alert"><p>Please correct these, then send the form again:</p>\
+<ul>{items}</ul></div>""")
+ERROR_SUMMARY_ITEM = Template("id label message",
+                              '<li><a href="#{id}">{label}</a>: {message}</li>')
 
 #: A labelled form field: control is INPUT, TEXTAREA or SELECT.
 FIELD = Template("id label control error",
@@ -2051,14 +2060,21 @@ INPUT = Template("id name kind value extra",
                  '<input id="{id}" name="{name}" type="{kind}" value="{value}"{extra}>')
 TEXTAREA = Template("id name extra value",
                     '<textarea id="{id}" name="{name}"{extra}>{value}</textarea>')
-SELECT = Template("id name options", '<select id="{id}" name="{name}">{options}</select>')
+SELECT = Template("id name extra options",
+                  '<select id="{id}" name="{name}"{extra}>{options}</select>')
 OPTION = Template("value selected text", '<option value="{value}"{selected}>{text}</option>')
 #: One more attribute of a field (min, maxlength, autocomplete ...).
 ATTRIBUTE = Template("name value", ' {name}="{value}"')
 SELECTED, CHECKED = Markup(" selected"), Markup(" checked")
-INVALID = Markup(' aria-invalid="true"')
+#: Fields that one message may refuse together (a return's lines), under their legend.
+GROUP = Template("id legend invalid fields error",
+                 '<fieldset id="{id}"{invalid}><legend>{legend}</legend>{fields}{error}</fieldset>')
+#: One of a choice of radio buttons (see Visit.radios).
+RADIO = Template("id name value checked text", '<label class="check" for="{id}"><input '
+                 'type="radio" id="{id}" name="{name}" value="{value}"{checked}> {text}</label>')
 #: Checkboxes of one name, one for each of its values.
-CHECKS = Template("name boxes error", '<fieldset><legend>{name}</legend>{boxes}{error}</fieldset>')
+CHECKS = Template("name invalid boxes error",
+                  '<fieldset id="{name}"{invalid}><legend>{name}</legend>{boxes}{error}</fieldset>')
 CHECK = Template("name value checked", '<label class="check"><input type="checkbox" '
                  'name="{name}" value="{value}"{checked}> {value}</label>')
 #: The one checkbox of a form that sends isActive=on.
@@ -2137,6 +2153,8 @@ body { margin: 0; font: 15px/1.5 system-ui, -apple-system, "Segoe UI", Roboto, s
 a { color: var(--accent); }
 :focus-visible { outline: 3px solid #f5b400; outline-offset: 2px; }
 .skip { position: absolute; left: -999px; }
+.hidden-label { position: absolute; width: 1px; height: 1px; overflow: hidden;
+  clip-path: inset(50%); white-space: nowrap; }
 .skip:focus { left: 8px; top: 8px; background: var(--paper); padding: 6px; z-index: 1; }
 header { display: flex; flex-wrap: wrap; align-items: center; justify-content: space-between;
   gap: 8px; padding: 8px 16px; background: var(--ink); color: #fff; }
@@ -2210,6 +2228,8 @@ img.photo { width: 240px; height: 240px; max-width: 100%; object-fit: contain;
 ol.timeline { margin: 0 0 16px; padding-left: 2.5em; }
 ol.timeline li { margin: 2px 0; }
 fieldset.address { border: 1px solid var(--line); border-radius: 6px; margin: 12px 0 0; }
+.ship-to:has(input[value=""]:not(:checked)) + fieldset.address { display: none; }
+.ship-to label.check { display: block; }
 .invoice-head { display: flex; flex-wrap: wrap; justify-content: space-between; gap: 8px 24px; }
 .invoice-head h2 { margin-top: 0; }
 .invoice-head > * { min-width: 0; }
@@ -2475,17 +2495,18 @@ price where one is set (on the customer's page), else the catalog price.</p>\
 SHIP_FORM = Template("carrier number url", """\
 <h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
 <div class="grid">{carrier}{number}{url}</div><button type="submit">Mark SHIPPED</button>""")
-CANCEL_FORM = Template("reason error", """\
+CANCEL_FORM = Template("reason invalid error", """\
 <h3>Cancel</h3><input type="hidden" name="status" value="CANCELLED">{reason}<label class="check">\
 <input type="checkbox" name="restock" value="on"> Put its units back in stock</label> \
-<label class="check"><input type="checkbox" name="confirm" value="yes" required> Yes, cancel \
+<label class="check"><input type="checkbox" id="confirm" name="confirm" value="yes" \
+required{invalid}> Yes, cancel \
 this order (its buyer is emailed, with the reason)</label>{error}\
 <div><button type="submit" class="danger">Cancel the order</button></div>""")
 FINAL_STATUS = Template("status", '<p class="muted">{status} is final: no further status.</p>')
 RESTOCKED = Template("", '<p class="muted">Its units are back in stock.</p>')
 
-OPEN_RETURN_FORM = Template("reason units error", """\
-<h3>Open a return</h3>{reason}<div class="grid">{units}</div>{error}\
+OPEN_RETURN_FORM = Template("reason units", """\
+<h3>Open a return</h3>{reason}{units}\
 <button type="submit" class="secondary">Open return</button>""")
 #: A return's line as a cell of the returns' tables shows it, one a line.
 RETURN_LINE = Template("name sku units", "{name} ({sku}): {units}<br>")
@@ -2509,8 +2530,9 @@ CUSTOMER_STATUS_CARD = Template("tag verified approve button invite", """\
 <div class="card"><p>Status: {tag}</p><p>Email address: {verified}</p>\
 {approve}{button}{invite}</div>""")
 #: Where Approve would be, for a customer whose address is not confirmed yet.
-VOID_FORM = Template("number error", """\
-<h2>Void</h2><label class="check"><input type="checkbox" name="confirm" value="yes" required> \
+VOID_FORM = Template("number invalid error", """\
+<h2>Void</h2><label class="check"><input type="checkbox" id="confirm-void" name="confirm" value="yes" \
+required{invalid}> \
 Void {number}: its number stays used, nothing more can be paid or credited to it, and its \
 order can be invoiced again</label>{error}<div><button type="submit" class="danger">Void \
 this invoice</button></div>""")
@@ -2609,19 +2631,21 @@ when it is approved; until then prices and ordering stay closed.</p></div>""")
 
 _ADD_FORM = """\
 <form class="inline add" method="post" action="{cart}"><input type="hidden" name="csrf" \
-value="{csrf}"><input type="hidden" name="productId" value="{id}"><input class="qty" \
-name="quantity" type="number" min="1" max="{most}" value="{start}" aria-label="Quantity"> \
-<button type="submit">Add to cart</button></form>"""
+value="{csrf}"><input type="hidden" name="productId" value="{id}"><label class="hidden-label" \
+for="qty-{id}">Quantity of {name}</label><input class="qty" id="qty-{id}" name="quantity" \
+type="number" min="1" max="{most}" value="{start}"> <button type="submit">Add\
+<span class="hidden-label"> {name}</span> to cart</button></form>"""
 
 #: The form that puts a product in the cart (POST cart: productId, quantity).
-STORE_ADD_FORM = Template("cart csrf id most start", _ADD_FORM)
+STORE_ADD_FORM = Template("cart csrf id name most start", _ADD_FORM)
 
 #: A product's row in the storefront's catalog, with its form: one template a row, for a page
 #: of many (see Template.partial).
 _CATALOG_ROW = """\
 <tr><td>{image}<a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
 <td class="num">{price}</td><td>{level}</td><td>ADD</td></tr>"""
-STORE_CATALOG_ROW = Template("image href name sku unit terms price level cart csrf id most start",
+STORE_CATALOG_ROW = Template("image href name sku unit terms price level cart csrf id most "
+                             "start",
                              _CATALOG_ROW.replace("ADD", _ADD_FORM))
 #: The same row for a contact whose role places no orders (a bookkeeper): no form.
 STORE_CATALOG_ROW_VIEW = Template("image href name sku unit terms price level",
@@ -2688,13 +2712,15 @@ NO_ADDRESSES = Template("", """\
 
 LEVEL_TAG = Template("style level", '<span class="status level-{style}">{level}</span>')
 #: What a quick order or a reorder put in the cart.
-ADDED = Template("items", "<p>Added to your cart:</p><ul>{items}</ul>")
-NOTHING_ADDED = Template("", "<p>Nothing was added to your cart.</p>")
 
 NO_LONGER_SOLD = Template("name", '{name} <span class="status level-out">No longer sold</span>')
-CART_QUANTITY = Template("most quantity name error", """\
-<input class="qty" name="quantity" type="number" min="0" max="{most}" value="{quantity}" \
-aria-label="Quantity of {name}"> <button type="submit" class="secondary">Update</button>{error}""")
+CART_QUANTITY = Template("id most quantity name invalid error", """\
+<label class="hidden-label" for="{id}">Quantity of {name}</label><input class="qty" id="{id}" \
+name="quantity" type="number" min="0" max="{most}" value="{quantity}"{invalid}> \
+<button type="submit" class="secondary">Update<span class="hidden-label"> the quantity of \
+{name}</span></button>{error}""")
+#: A cart line's Remove, named for its product.
+REMOVE_LINE = Template("name", 'Remove<span class="hidden-label"> {name}</span>')
 CHECK_OUT = Template("prefix", '<p><a class="button" href="{prefix}/checkout">Check out</a></p>')
 CART_EMPTY_CARD = Template("message prefix", """\
 <div class="card"><p>{message}</p><p><a href="{prefix}/products">Browse the catalog</a></p>\
@@ -2707,8 +2733,11 @@ QUICK_ORDER_FORM = Template("lines file", """\
 CHECKOUT_FORM = Template("token address po notes button", """\
 <input type="hidden" name="token" value="{token}">{address}{po}{notes}\
 <button type="submit">{button}</button>""")
+#: A new address's fields, which the stylesheet hides while a saved address is chosen above
+#: them (SHIP_TO_CHOICE), without a script.
 NEW_ADDRESS = Template("fields", """\
 <fieldset class="address"><legend>New address (saved for next time)</legend>{fields}</fieldset>""")
+SHIP_TO_CHOICE = Template("choice", '<div class="ship-to">{choice}</div>')
 
 STORE_ORDER_PAGE = Template("facts tracking ship_to lines again timeline returns", """\
 {facts}{tracking}{ship_to}<h2>Lines</h2>{lines}<p>{again}</p>{timeline}{returns}""")
@@ -2718,9 +2747,8 @@ SHIP_TO = Template("address", '<h2>Ship to</h2><p class="card">{address}</p>')
 TIMELINE = Template("steps", '<h2>Status</h2><ol class="card timeline">{steps}</ol>')
 TIMELINE_STEP = Template("tag at", '<li>{tag} <span class="muted">{at}</span></li>')
 REFUNDED = Template("amount", " &middot; refunded {amount}")
-RETURN_FORM = Template("units error reason", """\
-<h3>Return goods</h3><p class="muted">How many units of each line go back (0: none of that \
-line).</p>{units}{error}{reason}<button type="submit">Request a return</button>""")
+RETURN_FORM = Template("units reason", """\
+<h3>Return goods</h3>{units}{reason}<button type="submit">Request a return</button>""")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2738,6 +2766,7 @@ class ApiError(Exception):
         self.details = details
         self.extra = extra or {}
         self.headers = headers or {}
+        self.others = []  # the refusals of a form's other fields (see Refusals)
 
     def body(self):
         body = {"error": self.message}
@@ -2883,6 +2912,76 @@ ADDRESS_FIELDS = (("name", "Recipient", 200, True), ("line1", "Address", 200, Tr
                   ("line2", "Address line 2", 200, False), ("city", "City", 100, True),
                   ("region", "Region or state", 100, False),
                   ("postalCode", "Postal code", 20, True), ("country", "Country", 100, True))
+#: The countries an address is shipped to (ISO 3166-1 alpha-2 code: English name), in the
+#: order of their names: checkout's list, whose codes a new address keeps as its country
+#: (an address saved before keeps the text it was given, and shows it).
+COUNTRIES = {"AF": "Afghanistan", "AX": "Åland Islands", "AL": "Albania", "DZ": "Algeria",
+             "AS": "American Samoa", "AD": "Andorra", "AO": "Angola", "AI": "Anguilla",
+             "AQ": "Antarctica", "AG": "Antigua and Barbuda", "AR": "Argentina", "AM": "Armenia",
+             "AW": "Aruba", "AU": "Australia", "AT": "Austria", "AZ": "Azerbaijan",
+             "BS": "Bahamas", "BH": "Bahrain", "BD": "Bangladesh", "BB": "Barbados",
+             "BY": "Belarus", "BE": "Belgium", "BZ": "Belize", "BJ": "Benin", "BM": "Bermuda",
+             "BT": "Bhutan", "BO": "Bolivia", "BQ": "Bonaire, Sint Eustatius and Saba",
+             "BA": "Bosnia and Herzegovina", "BW": "Botswana", "BV": "Bouvet Island",
+             "BR": "Brazil", "IO": "British Indian Ocean Territory", "BN": "Brunei Darussalam",
+             "BG": "Bulgaria", "BF": "Burkina Faso", "BI": "Burundi", "CV": "Cabo Verde",
+             "KH": "Cambodia", "CM": "Cameroon", "CA": "Canada", "KY": "Cayman Islands",
+             "CF": "Central African Republic", "TD": "Chad", "CL": "Chile", "CN": "China",
+             "CX": "Christmas Island", "CC": "Cocos (Keeling) Islands", "CO": "Colombia",
+             "KM": "Comoros", "CG": "Congo", "CD": "Congo, The Democratic Republic of the",
+             "CK": "Cook Islands", "CR": "Costa Rica", "CI": "Côte d'Ivoire", "HR": "Croatia",
+             "CU": "Cuba", "CW": "Curaçao", "CY": "Cyprus", "CZ": "Czechia", "DK": "Denmark",
+             "DJ": "Djibouti", "DM": "Dominica", "DO": "Dominican Republic", "EC": "Ecuador",
+             "EG": "Egypt", "SV": "El Salvador", "GQ": "Equatorial Guinea", "ER": "Eritrea",
+             "EE": "Estonia", "SZ": "Eswatini", "ET": "Ethiopia",
+             "FK": "Falkland Islands (Malvinas)", "FO": "Faroe Islands", "FJ": "Fiji",
+             "FI": "Finland", "FR": "France", "GF": "French Guiana", "PF": "French Polynesia",
+             "TF": "French Southern Territories", "GA": "Gabon", "GM": "Gambia", "GE": "Georgia",
+             "DE": "Germany", "GH": "Ghana", "GI": "Gibraltar", "GR": "Greece", "GL": "Greenland",
+             "GD": "Grenada", "GP": "Guadeloupe", "GU": "Guam", "GT": "Guatemala",
+             "GG": "Guernsey", "GN": "Guinea", "GW": "Guinea-Bissau", "GY": "Guyana",
+             "HT": "Haiti", "HM": "Heard Island and McDonald Islands",
+             "VA": "Holy See (Vatican City State)", "HN": "Honduras", "HK": "Hong Kong",
+             "HU": "Hungary", "IS": "Iceland", "IN": "India", "ID": "Indonesia", "IR": "Iran",
+             "IQ": "Iraq", "IE": "Ireland", "IM": "Isle of Man", "IL": "Israel", "IT": "Italy",
+             "JM": "Jamaica", "JP": "Japan", "JE": "Jersey", "JO": "Jordan", "KZ": "Kazakhstan",
+             "KE": "Kenya", "KI": "Kiribati", "KW": "Kuwait", "KG": "Kyrgyzstan", "LA": "Laos",
+             "LV": "Latvia", "LB": "Lebanon", "LS": "Lesotho", "LR": "Liberia", "LY": "Libya",
+             "LI": "Liechtenstein", "LT": "Lithuania", "LU": "Luxembourg", "MO": "Macao",
+             "MG": "Madagascar", "MW": "Malawi", "MY": "Malaysia", "MV": "Maldives", "ML": "Mali",
+             "MT": "Malta", "MH": "Marshall Islands", "MQ": "Martinique", "MR": "Mauritania",
+             "MU": "Mauritius", "YT": "Mayotte", "MX": "Mexico",
+             "FM": "Micronesia, Federated States of", "MD": "Moldova", "MC": "Monaco",
+             "MN": "Mongolia", "ME": "Montenegro", "MS": "Montserrat", "MA": "Morocco",
+             "MZ": "Mozambique", "MM": "Myanmar", "NA": "Namibia", "NR": "Nauru", "NP": "Nepal",
+             "NL": "Netherlands", "NC": "New Caledonia", "NZ": "New Zealand", "NI": "Nicaragua",
+             "NE": "Niger", "NG": "Nigeria", "NU": "Niue", "NF": "Norfolk Island",
+             "KP": "North Korea", "MK": "North Macedonia", "MP": "Northern Mariana Islands",
+             "NO": "Norway", "OM": "Oman", "PK": "Pakistan", "PW": "Palau",
+             "PS": "Palestine, State of", "PA": "Panama", "PG": "Papua New Guinea",
+             "PY": "Paraguay", "PE": "Peru", "PH": "Philippines", "PN": "Pitcairn", "PL": "Poland",
+             "PT": "Portugal", "PR": "Puerto Rico", "QA": "Qatar", "RE": "Réunion",
+             "RO": "Romania", "RU": "Russian Federation", "RW": "Rwanda", "BL": "Saint Barthélemy",
+             "SH": "Saint Helena, Ascension and Tristan da Cunha", "KN": "Saint Kitts and Nevis",
+             "LC": "Saint Lucia", "MF": "Saint Martin (French part)",
+             "PM": "Saint Pierre and Miquelon", "VC": "Saint Vincent and the Grenadines",
+             "WS": "Samoa", "SM": "San Marino", "ST": "Sao Tome and Principe",
+             "SA": "Saudi Arabia", "SN": "Senegal", "RS": "Serbia", "SC": "Seychelles",
+             "SL": "Sierra Leone", "SG": "Singapore", "SX": "Sint Maarten (Dutch part)",
+             "SK": "Slovakia", "SI": "Slovenia", "SB": "Solomon Islands", "SO": "Somalia",
+             "ZA": "South Africa", "GS": "South Georgia and the South Sandwich Islands",
+             "KR": "South Korea", "SS": "South Sudan", "ES": "Spain", "LK": "Sri Lanka",
+             "SD": "Sudan", "SR": "Suriname", "SJ": "Svalbard and Jan Mayen", "SE": "Sweden",
+             "CH": "Switzerland", "SY": "Syria", "TW": "Taiwan", "TJ": "Tajikistan",
+             "TZ": "Tanzania", "TH": "Thailand", "TL": "Timor-Leste", "TG": "Togo",
+             "TK": "Tokelau", "TO": "Tonga", "TT": "Trinidad and Tobago", "TN": "Tunisia",
+             "TR": "Türkiye", "TM": "Turkmenistan", "TC": "Turks and Caicos Islands",
+             "TV": "Tuvalu", "UG": "Uganda", "UA": "Ukraine", "AE": "United Arab Emirates",
+             "GB": "United Kingdom", "US": "United States",
+             "UM": "United States Minor Outlying Islands", "UY": "Uruguay", "UZ": "Uzbekistan",
+             "VU": "Vanuatu", "VE": "Venezuela", "VN": "Vietnam", "VG": "Virgin Islands, British",
+             "VI": "Virgin Islands, U.S.", "WF": "Wallis and Futuna", "EH": "Western Sahara",
+             "YE": "Yemen", "ZM": "Zambia", "ZW": "Zimbabwe"}
 RETURN_NOT_SHIPPED = "Only a shipped or delivered order can be returned."
 #: The statuses of an order its buyer may return goods of.
 RETURNABLE_ORDER_STATUSES = ("SHIPPED", "DELIVERED")
@@ -3035,6 +3134,31 @@ class Undone(Exception):
         self.result, self.code = result, code
 
 
+class Refusals:
+    """The checks of one form, each run whatever the one before it refused, so that a page
+    can show every refusal at once: what a check() raises is kept, and raise_any() raises the
+    first with the rest as its others. first=True raises each at once, as the API answers
+    (the spec's first refusal, whatever else is wrong)."""
+
+    def __init__(self, first=False):
+        self.first = first
+        self.refused = []
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except ApiError as error:
+            if self.first:
+                raise
+            self.refused.extend([error, *error.others])
+
+    def raise_any(self):
+        if self.refused:
+            first, *self.refused[0].others = self.refused
+            raise first
+
+
 class StockShortage(ApiError):
     """INSUFFICIENT_STOCK, with the product's name for the pages that show no counts."""
 
@@ -3068,6 +3192,13 @@ def optional_text(body, field, max_length, min_length=0, strip=False):
         value = value.strip()
     if not min_length <= len(value) <= max_length:
         raise invalid(field, f"must be {min_length} to {max_length} characters")
+    return value
+
+
+def chosen_from(value, allowed, message):
+    """value, if it is one of allowed; else refused with message."""
+    if value not in allowed:
+        raise ApiError(400, message)
     return value
 
 
@@ -3665,7 +3796,11 @@ def update_company(conn, company_id, changes):
     unknown = sorted(set(changes) - set(COMPANY_SETTINGS))
     if unknown:
         raise invalid(unknown[0], "is not a company setting")
-    checked = {column: COMPANY_SETTINGS[column](value) for column, value in changes.items()}
+    refusals, checked = Refusals(), {}  # Settings' every refusal at once
+    for column, value in changes.items():
+        with refusals.check():
+            checked[column] = COMPANY_SETTINGS[column](value)
+    refusals.raise_any()
     before = load_company(conn, company_id)
     customer = checked.get("stripe_customer_id")
     if customer is not None and conn.execute(
@@ -3787,29 +3922,35 @@ def fitted_quantity(product, quantity):
 
 
 def _check_product_fields(fields):
-    if "name" in fields and not (fields["name"] or "").strip():
-        raise invalid("name", "is required")
-    if "unit" in fields and not (fields["unit"] or "").strip():
-        raise invalid("unit", "must not be empty")
-    price = fields.get("price_cents")
-    if "price_cents" in fields and not (
-            isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS):
-        raise invalid("price", f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}")
-    if "stock" in fields and not (
-            isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY):
-        raise invalid("stock", f"must be a whole number from 0 to {MAX_QUANTITY}")
-    threshold = fields.get("low_stock_threshold")
-    if threshold is not None and not (isinstance(threshold, int) and threshold >= 0):
-        raise invalid("lowStockThreshold", "must be a whole number >= 0")
-    if fields.get("image_url") is not None and not valid_http_url(fields["image_url"]):
-        raise invalid("imageUrl", "must be an http or https URL")
-    for column, field in (("min_quantity", "minQuantity"), ("order_multiple", "orderMultiple")):
-        if column in fields and not (isinstance(fields[column], int)
-                                     and 1 <= fields[column] <= MAX_QUANTITY):
-            raise invalid(field, f"must be a whole number from 1 to {MAX_QUANTITY}")
-    if fields.get("price_breaks") is not None:
-        breaks = check_price_breaks(fields["price_breaks"])
-        fields["price_breaks"] = breaks and json_text(breaks)
+    """Refuses what no product may hold, every field's refusal at once (see Refusals)."""
+    refusals, price = Refusals(), fields.get("price_cents")
+    for field, refused, rule in (
+            ("name", "name" in fields and not (fields["name"] or "").strip(), "is required"),
+            ("unit", "unit" in fields and not (fields["unit"] or "").strip(), "must not be empty"),
+            ("price", "price_cents" in fields and not (
+                isinstance(price, int) and 0 <= price <= MAX_AMOUNT_CENTS),
+             f"must be an amount from 0 to {money(MAX_AMOUNT_CENTS)}"),
+            ("stock", "stock" in fields and not (
+                isinstance(fields["stock"], int) and 0 <= fields["stock"] <= MAX_QUANTITY),
+             f"must be a whole number from 0 to {MAX_QUANTITY}"),
+            ("lowStockThreshold", fields.get("low_stock_threshold") is not None and not (
+                isinstance(fields["low_stock_threshold"], int)
+                and fields["low_stock_threshold"] >= 0), "must be a whole number >= 0"),
+            ("imageUrl", fields.get("image_url") is not None
+             and not valid_http_url(fields["image_url"]), "must be an http or https URL"),
+            *((field, column in fields and not (isinstance(fields[column], int)
+                                                and 1 <= fields[column] <= MAX_QUANTITY),
+               f"must be a whole number from 1 to {MAX_QUANTITY}")
+              for column, field in (("min_quantity", "minQuantity"),
+                                    ("order_multiple", "orderMultiple")))):
+        with refusals.check():
+            if refused:
+                raise invalid(field, rule)
+    with refusals.check():
+        if fields.get("price_breaks") is not None:
+            breaks = check_price_breaks(fields["price_breaks"])
+            fields["price_breaks"] = breaks and json_text(breaks)
+    refusals.raise_any()
     unknown = set(fields) - set(_PRODUCT_FIELDS)
     if unknown:
         raise invalid(sorted(unknown)[0], "is not a product field")
@@ -4061,23 +4202,24 @@ def insert_contact(conn, customer, email, role, name=None, password=None, email_
     return load_contact(conn, customer["company_id"], contact_id)
 
 
-def _customer_changes(body):
-    """The validated fields of a create or update body that it actually sends."""
-    changes = {}
-    if "name" in body:
-        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
-    if "notes" in body:
-        changes["notes"] = optional_text(body, "notes", MAX_CUSTOMER_NOTES)
-    if "creditLimit" in body:
-        changes["credit_limit_cents"] = optional_money(body, "creditLimit", 0, MAX_CREDIT_LIMIT,
-                                                       CREDIT_LIMIT_MESSAGE)
-    if "taxRateOverride" in body:
-        changes["tax_rate_override"] = optional_bounded_number(body, "taxRateOverride", 0, MAX_TAX_RATE,
-                                                               TAX_RATE_MESSAGE)
-    if "status" in body:
-        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
-            raise ApiError(400, INVALID_STATUS)
-        changes["status"] = body["status"]
+def _customer_changes(body, refusals=None):
+    """The validated fields of a create or update body that it actually sends; refusals: a
+    form's (see Refusals), which gathers each field's refusal (by default the first is
+    raised, as the API answers)."""
+    refusals, changes = refusals or Refusals(first=True), {}
+    for field, column, read in (
+            ("name", "name", lambda: optional_text(body, "name", MAX_CUSTOMER_NAME,
+                                                   min_length=1, strip=True)),
+            ("notes", "notes", lambda: optional_text(body, "notes", MAX_CUSTOMER_NOTES)),
+            ("creditLimit", "credit_limit_cents", lambda: optional_money(
+                body, "creditLimit", 0, MAX_CREDIT_LIMIT, CREDIT_LIMIT_MESSAGE)),
+            ("taxRateOverride", "tax_rate_override", lambda: optional_bounded_number(
+                body, "taxRateOverride", 0, MAX_TAX_RATE, TAX_RATE_MESSAGE)),
+            ("status", "status", lambda: chosen_from(
+                body["status"], SETTABLE_CUSTOMER_STATUSES, INVALID_STATUS))):
+        if field in body:
+            with refusals.check():
+                changes[column] = read()
     return changes
 
 
@@ -4088,17 +4230,21 @@ def customer_by_email(conn, company_id, email):
 
 
 def create_customer(conn, company_id, body, source="api", store_slug=None, password=None,
-                    status="ACTIVE", email_verified=False):
+                    status="ACTIVE", email_verified=False, every=False):
+    """every: gather every field's refusal (see Refusals) for a form; the API's answer is
+    the first."""
     require_object(body)
-    email = body.get("email")
-    if email is not None and not isinstance(email, str):
-        raise invalid("email", "must be a string")
-    email = (email or "").strip()
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
-    fields = _customer_changes(body)
+    refusals, email = Refusals(first=not every), body.get("email")
+    with refusals.check():
+        if email is not None and not isinstance(email, str):
+            raise invalid("email", "must be a string")
+        email = (email or "").strip()
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
+    fields = _customer_changes(body, refusals)
+    refusals.raise_any()
     email_key = email.casefold()
     if contact_by_email(conn, company_id, email_key):  # any customer's, or any contact's
         raise ApiError(409, CUSTOMER_EXISTS)
@@ -5168,6 +5314,20 @@ def load_return(conn, company_id, return_id):
     return load_row(conn, "returns", "Return", company_id, return_id)
 
 
+def check_return_lines(returnable, lines):
+    """Refuses lines ({order item ID: units}) that are not some of returnable's units
+    (returnable_units())."""
+    if not lines:
+        raise invalid("lines", "choose at least one line and how many of its units go back")
+    for item_id, units in lines.items():
+        if item_id not in returnable:
+            raise invalid("lines", f"{item_id} is not a line of this order")
+        name, left = returnable[item_id]
+        if not isinstance(units, int) or not 1 <= units <= left:
+            raise invalid("lines", f"at most {left} units of {name} can go back" if left
+                          else f"every unit of {name} is already in a return")
+
+
 def open_return(conn, company_id, order_id, reason, item_count=None, actor=None, lines=None,
                 customer_id=None):
     """A return opened by a customer (actor None) or from the dashboard (actor 'staff').
@@ -5183,28 +5343,23 @@ def open_return(conn, company_id, order_id, reason, item_count=None, actor=None,
         order = buyer_order(conn, company_id, customer_id, order_id)
         if order["status"] not in RETURNABLE_ORDER_STATUSES:
             raise ApiError(422, RETURN_NOT_SHIPPED)
-    reason = (reason or "").strip()
-    shortest, longest = RETURN_REASON_LENGTH
-    if not shortest <= len(reason) <= longest:
-        raise invalid("reason", f"must be {shortest} to {longest} characters")
     if actor not in (None, "staff"):
         raise invalid("actor", "must be staff or absent")
+    reason, refusals = (reason or "").strip(), Refusals()
+    shortest, longest = RETURN_REASON_LENGTH
+    with refusals.check():
+        if not shortest <= len(reason) <= longest:
+            raise invalid("reason", f"must be {shortest} to {longest} characters")
     returnable = returnable_units(conn, order_id)
-    if lines is not None:
-        if not lines:
-            raise invalid("lines", "choose at least one line and how many of its units go back")
-        for item_id, units in lines.items():
-            if item_id not in returnable:
-                raise invalid("lines", f"{item_id} is not a line of this order")
-            name, left = returnable[item_id]
-            if not isinstance(units, int) or not 1 <= units <= left:
-                raise invalid("lines", f"at most {left} units of {name} can go back" if left
-                              else f"every unit of {name} is already in a return")
-        item_count = len(lines)
-    elif item_count is None:
-        item_count = len(returnable)
-    if not 1 <= item_count <= len(returnable):
-        raise invalid("itemCount", f"must be 1 to {len(returnable)}, the order's line items")
+    with refusals.check():
+        if lines is not None:
+            check_return_lines(returnable, lines)
+            item_count = len(lines)
+        elif item_count is None:
+            item_count = len(returnable)
+        if not 1 <= item_count <= len(returnable):
+            raise invalid("itemCount", f"must be 1 to {len(returnable)}, the order's line items")
+    refusals.raise_any()
     return_id, at = new_id_at("ret")
     conn.execute(
         "INSERT INTO returns (id, company_id, order_id, customer_id, status, reason, item_count, "
@@ -5591,28 +5746,18 @@ def new_webhook_secret():
     return "whsec_" + base64.urlsafe_b64encode(secrets.token_bytes(24)).decode("ascii")
 
 
-def _webhook_changes(body, creating):
+def _webhook_changes(body, creating, every=False):
+    """every: gather the url's and the events' refusals (see Refusals) for a form; the API's
+    answer is the first."""
     require_object(body)
-    changes = {}
+    changes, refusals = {}, Refusals(first=not every)
     if creating or "url" in body:
-        url = body.get("url")
-        if creating and (url is None or url == ""):
-            raise ApiError(400, URL_REQUIRED)
-        if not valid_http_url(url):
-            raise ApiError(400, INVALID_URL)
-        changes["url"] = url
+        with refusals.check():
+            changes["url"] = webhook_url(body.get("url"), creating)
     if creating or "events" in body:
-        events = body.get("events")
-        if events is not None and not isinstance(events, list):
-            raise invalid("events", "must be an array of event names")
-        if not events:
-            raise ApiError(400, EVENTS_REQUIRED)
-        for name in events:
-            if not isinstance(name, str):
-                raise invalid("events", "must be an array of event names")
-            if name not in EVENT_CATALOG:
-                raise ApiError(400, UNKNOWN_EVENT.format(name=name))
-        changes["events"] = json_text(list(dict.fromkeys(events)))
+        with refusals.check():
+            changes["events"] = webhook_events(body.get("events"))
+    refusals.raise_any()
     if "isActive" in body:
         if not isinstance(body["isActive"], bool):
             raise invalid("isActive", "must be true or false")
@@ -5620,9 +5765,32 @@ def _webhook_changes(body, creating):
     return changes
 
 
-def create_webhook(conn, company_id, body):
-    """A new webhook, answered with its secret (the only answer that carries it)."""
-    changes = _webhook_changes(body, creating=True)
+def webhook_url(url, creating):
+    if creating and (url is None or url == ""):
+        raise ApiError(400, URL_REQUIRED)
+    if not valid_http_url(url):
+        raise ApiError(400, INVALID_URL)
+    return url
+
+
+def webhook_events(events):
+    """A webhook's events as the column keeps them (JSON, each once)."""
+    if events is not None and not isinstance(events, list):
+        raise invalid("events", "must be an array of event names")
+    if not events:
+        raise ApiError(400, EVENTS_REQUIRED)
+    for name in events:
+        if not isinstance(name, str):
+            raise invalid("events", "must be an array of event names")
+        if name not in EVENT_CATALOG:
+            raise ApiError(400, UNKNOWN_EVENT.format(name=name))
+    return json_text(list(dict.fromkeys(events)))
+
+
+def create_webhook(conn, company_id, body, every=False):
+    """A new webhook, answered with its secret (the only answer that carries it); every: see
+    _webhook_changes."""
+    changes = _webhook_changes(body, creating=True, every=every)
     count = conn.execute("SELECT COUNT(*) FROM webhooks WHERE company_id = ?",
                          (company_id,)).fetchone()[0]
     if count >= MAX_WEBHOOKS:
@@ -6050,14 +6218,17 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
     whose link verifies the address; for an address that has an account already, only an
     email to its owner. Returns nothing either way, after the same work."""
     company = company_by_slug(conn, store_slug)
-    email = (email or "").strip()
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
+    email, refusals = (email or "").strip(), Refusals()  # the form's every refusal at once
+    with refusals.check():
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
     body = {"email": email, "name": name} if (name or "").strip() else {"email": email}
-    _customer_changes(body)
-    check_password(password)
+    _customer_changes(body, refusals)
+    with refusals.check():
+        check_password(password)
+    refusals.raise_any()
     record_account_request(conn, company["id"], email, now_ms)
     existing = contact_by_email(conn, company["id"], email)
     if existing is not None:
@@ -6197,11 +6368,15 @@ def end_contact_access(conn, contact_ids):
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
 # emailed links, and approving one emails it.
 
-def update_customer(conn, company_id, customer_id, body):
+def update_customer(conn, company_id, customer_id, body, every=False):
+    """every: gather every field's refusal (see Refusals) for a form; the API's answer is
+    the first."""
     require_object(body)
     if "email" in body:
         raise invalid("email", "cannot be changed")
-    changes = _customer_changes(body)
+    refusals = Refusals(first=not every)
+    changes = _customer_changes(body, refusals)
+    refusals.raise_any()
     before = load_customer(conn, company_id, customer_id)
     changed = update_changed(conn, "customers", before, changes)
     if not changed:
@@ -6235,22 +6410,22 @@ def set_customer_status(conn, company_id, customer_id, status):
 # reset flow's link, which verifies the address. No change leaves a business without an active
 # admin.
 
-def _contact_changes(body):
-    """The validated fields of a contact's body that it sends."""
+def _contact_changes(body, refusals):
+    """The validated fields of a contact's body that it sends, each field's refusal kept in
+    refusals (see Refusals)."""
     changes = {}
-    if "name" in body:
-        changes["name"] = optional_text(body, "name", MAX_CUSTOMER_NAME, min_length=1, strip=True)
-    if "role" in body:
-        if body["role"] not in CONTACT_ROLES:
-            raise ApiError(400, CONTACT_ROLE_MESSAGE)
-        changes["role"] = body["role"]
-    if "approvalLimit" in body:
-        changes["approval_limit_cents"] = optional_money(
-            body, "approvalLimit", 0, MAX_CREDIT_LIMIT, APPROVAL_LIMIT_MESSAGE)
-    if "status" in body:
-        if body["status"] not in SETTABLE_CUSTOMER_STATUSES:
-            raise ApiError(400, CONTACT_STATUS_MESSAGE)
-        changes["status"] = body["status"]
+    for field, column, read in (
+            ("name", "name", lambda: optional_text(body, "name", MAX_CUSTOMER_NAME,
+                                                   min_length=1, strip=True)),
+            ("role", "role", lambda: chosen_from(body["role"], CONTACT_ROLES,
+                                                 CONTACT_ROLE_MESSAGE)),
+            ("approvalLimit", "approval_limit_cents", lambda: optional_money(
+                body, "approvalLimit", 0, MAX_CREDIT_LIMIT, APPROVAL_LIMIT_MESSAGE)),
+            ("status", "status", lambda: chosen_from(
+                body["status"], SETTABLE_CUSTOMER_STATUSES, CONTACT_STATUS_MESSAGE))):
+        if field in body:
+            with refusals.check():
+                changes[column] = read()
     return changes
 
 
@@ -6265,16 +6440,19 @@ def add_contact(conn, company_id, customer_id, body, now_ms, invited_by=None):
     of an address that has an account there already (nothing is added; returns None)."""
     require_object(body)
     customer = load_customer(conn, company_id, customer_id)
-    email = body.get("email")
+    email, refusals = body.get("email"), Refusals()  # the form's every refusal at once
     email = email.strip() if isinstance(email, str) else ""
-    if not email:
-        raise ApiError(400, EMAIL_REQUIRED)
-    if not valid_email(email):
-        raise ApiError(400, INVALID_EMAIL)
+    with refusals.check():
+        if not email:
+            raise ApiError(400, EMAIL_REQUIRED)
+        if not valid_email(email):
+            raise ApiError(400, INVALID_EMAIL)
     changes = _contact_changes({name: body[name] for name in ("name", "role", "approvalLimit")
-                                if name in body})
+                                if name in body}, refusals)
     role = changes.get("role", "buyer")
-    _check_limit(role, changes.get("approval_limit_cents"))
+    with refusals.check():
+        _check_limit(role, changes.get("approval_limit_cents"))
+    refusals.raise_any()
     if invited_by is not None:
         (recent,) = conn.execute(
             "SELECT COUNT(*) FROM contacts WHERE customer_id = ? AND created_at > ?",
@@ -6304,9 +6482,12 @@ def update_contact(conn, company_id, contact_id, body, customer_id=None):
     before = load_contact(conn, company_id, contact_id)
     if customer_id is not None:
         before = customer_contact(conn, company_id, customer_id, contact_id)
-    changes = _contact_changes(body)
+    refusals = Refusals()  # the form's every refusal at once
+    changes = _contact_changes(body, refusals)
     after = dict(before) | changes
-    _check_limit(after["role"], after["approval_limit_cents"])
+    with refusals.check():
+        _check_limit(after["role"], after["approval_limit_cents"])
+    refusals.raise_any()
     if before["role"] == "admin" and before["status"] == "ACTIVE" and (
             after["role"] != "admin" or after["status"] != "ACTIVE"):
         (admins,) = conn.execute(
@@ -9734,15 +9915,26 @@ FIELD_OF_MESSAGE = {
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
     COMPANY_TAX_RATE_MESSAGE: "taxRate",
+    APPROVAL_LIMIT_MESSAGE: "approvalLimit", CONTACT_ROLE_MESSAGE: "role",
+    CONTACT_STATUS_MESSAGE: "status",
 }
 _FILLED_MESSAGES = [(re.compile(".*".join(map(re.escape, re.split(r"\{\w+\}", message)))), field)
                     for message, field in FIELD_OF_MESSAGE.items() if "{" in message]
 
 
 def form_errors(error):
-    """{form field: message} for an operation's refusal, the API's own words."""
+    """{form field: message} for an operation's refusal, the API's own words, and for the
+    other fields it refused at once (see Refusals): the first message of each field."""
+    errors = {}
+    for refusal in reversed([error, *error.others]):
+        errors.update(field_errors(refusal))
+    return errors
+
+
+def field_errors(error):
     if error.details:
-        return {detail["field"].split("[")[0]: detail["rule"] for detail in error.details}
+        return {detail["field"].split("[")[0]: detail["rule"]
+                for detail in reversed(error.details)}
     field = FIELD_OF_MESSAGE.get(error.message)
     if field is None:
         field = next((field for pattern, field in _FILLED_MESSAGES
@@ -9765,7 +9957,7 @@ class Visit:
         self.query = {name: query.get(name) for name in query}
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
-        self.shown = set()  # the fields whose messages the page shows beside them
+        self.shown = {}  # {field: (its ID, label)} of the messages shown beside fields
         self.notice = None
         self.id_suffix = ""
 
@@ -9804,36 +9996,63 @@ class Visit:
         return "" if default is None else default
 
     def field(self, name, label, default="", kind="text", **attributes):
-        extra = join(render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
-                     for key, value in attributes.items())
         field_id = name + self.id_suffix
+        extra = join([render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
+                      for key, value in attributes.items()] + [self.invalid(name, field_id)])
         if kind == "textarea":
             control = render(TEXTAREA, id=field_id, name=name, extra=extra,
                              value=self.value(name, default))
         else:  # a refused form shows again what was sent, never a password
             control = render(INPUT, id=field_id, name=name, kind=kind, extra=extra,
                              value="" if kind == "password" else self.value(name, default))
-        return render(FIELD, id=field_id, label=label, control=control, error=self.error(name))
+        return render(FIELD, id=field_id, label=label, control=control,
+                      error=self.error(name, field_id, label))
 
-    def select(self, name, label, options, default=""):
-        chosen = str(self.value(name, default))
+    def select(self, name, label, options, default="", **attributes):
+        chosen, field_id = str(self.value(name, default)), name + self.id_suffix
         options = join(render(OPTION, value=value, text=text,
                               selected=SELECTED if str(value) == chosen else "")
                        for value, text in options)
-        return render(FIELD, id=name + self.id_suffix, label=label, error=self.error(name),
-                      control=render(SELECT, id=name + self.id_suffix, name=name,
-                                     options=options))
+        extra = join([render(ATTRIBUTE, name=key.replace("_", "-"), value=value)
+                      for key, value in attributes.items()] + [self.invalid(name, field_id)])
+        return render(FIELD, id=field_id, label=label, error=self.error(name, field_id, label),
+                      control=render(SELECT, id=field_id, name=name, options=options,
+                                     extra=extra))
+
+    def radios(self, name, legend, options, default=""):
+        """One choice of options [(value, text)], a radio button each, under legend."""
+        chosen = str(self.value(name, default))
+        return self.group(name, legend, join(
+            render(RADIO, name=name, value=value, text=text, id=f"{name}-{index}",
+                   checked=CHECKED if str(value) == chosen else "")
+            for index, (value, text) in enumerate(options)))
 
     def checks(self, name, values, chosen):
         chosen = set(self.form.getall(name)) if self.errors and self.form else set(chosen)
-        return render(CHECKS, name=name, error=self.error(name), boxes=join(
+        return render(CHECKS, name=name, invalid=self.invalid(name, name),
+                      error=self.error(name, name, name), boxes=join(
             render(CHECK, name=name, value=value, checked=CHECKED if value in chosen else "")
             for value in values))
 
-    def error(self, name):
-        self.shown.add(name)
+    def group(self, name, legend, fields):
+        """fields under legend, refused together as name."""
+        group_id = name + self.id_suffix
+        return render(GROUP, id=group_id, legend=legend, fields=fields,
+                      invalid=self.invalid(name, group_id),
+                      error=self.error(name, group_id, legend))
+
+    def error(self, name, field_id=None, label=None):
+        """The message of a refused field, under it (field_id: its control's ID, which the
+        control names with invalid(); label: how the page's summary names it)."""
+        target = field_id or name + self.id_suffix + "-error"  # no control: the message
+        field_id = field_id or name + self.id_suffix
+        self.shown[name] = target, label
         message = self.errors.get(name)
-        return render(FIELD_ERROR, message=message) if message else ""
+        return render(FIELD_ERROR, id=field_id, message=message) if message else ""
+
+    def invalid(self, name, field_id):
+        """The attributes that mark a refused field's control and tie its message to it."""
+        return render(FIELD_INVALID, id=field_id) if name in self.errors else ""
 
     def form_tag(self, action, body, css="card", files=False):
         """A form that changes something (files: it may carry a file, as multipart)."""
@@ -9855,14 +10074,23 @@ class Visit:
                         csrf=render(HIDDEN, name="csrf", value=self.csrf))
         message = self.notice or DONE.get(self.query.get("done"))
         notice = render(NOTICE, message=message) if message else ""
-        if self.errors:  # a message that belongs to no field the page shows is shown here
-            elsewhere = [message for field, message in self.errors.items()
-                         if field not in self.shown and field != "form"]
-            message = self.errors.get("form") or " ".join(elsewhere) or "see the messages below."
-            notice = join([notice, render(FORM_ALERT, message="Not saved: " + message)])
+        if self.errors:
+            notice = join([notice, self.error_summary()])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
                       site=self.surface.site(), header=header, notice=notice, body=body)
+
+    def error_summary(self):
+        """Above a refused form: a message that belongs to no field the page shows, and a
+        list of every field's message, each linked to its field."""
+        elsewhere = [message for field, message in self.errors.items()
+                     if field not in self.shown and field != "form"]
+        message = self.errors.get("form") or " ".join(elsewhere)
+        items = join(render(ERROR_SUMMARY_ITEM, id=field_id, label=label or name,
+                            message=self.errors[name])
+                     for name, (field_id, label) in self.shown.items() if name in self.errors)
+        return join([render(FORM_ALERT, message="Not saved: " + message) if message else "",
+                     render(ERROR_SUMMARY, items=items) if items else ""])
 
     def refusal(self, error):
         self.errors = {}  # the page says why alone, whatever a form sent before
@@ -9915,6 +10143,10 @@ DONE = {
     "contact": "Saved: the contact's changes are in force.",
     "contact-added": "Saved: the contact is added and emailed an invitation to set a password.",
     "invite": "Saved: a link to set a password is on its way.",
+    "added": "Added to your cart: its lines are below.",
+    "nothing-added": "Nothing was added to your cart.",
+    "link-sent": VERIFICATION_SENT,
+    "link-not-sent": VERIFICATION_NOT_SENT,
 }
 
 
@@ -10117,8 +10349,14 @@ def statement_table(account, invoice_path):
 
 def address_lines(address):
     """A shipping address's fields that are filled, a line each."""
-    return Markup(LINE_BREAK.join(escape(address[name]) for name, *_ in ADDRESS_FIELDS
-                                  if address[name]))
+    return Markup(LINE_BREAK.join(escape(country_text(address, name))
+                                  for name, *_ in ADDRESS_FIELDS if address[name]))
+
+
+def country_text(address, name):
+    """A field of an address as a reader reads it: a country's code by its name."""
+    value = address[name]
+    return COUNTRIES.get(value, value) if name == "country" else value
 
 
 def form_units(form, prefix):
@@ -10518,7 +10756,8 @@ def status_form(visit, action, status):
         return visit.form_tag(action, render(
             CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
                                             maxlength=MAX_CANCEL_REASON),
-            error=visit.error("confirm")), css="")
+            invalid=visit.invalid("confirm", "confirm"),
+            error=visit.error("confirm", "confirm", "Yes, cancel this order")), css="")
     return visit.button(action, f"Mark {status}", "", status=status)
 
 
@@ -10543,10 +10782,9 @@ def open_return_form(visit, order_id):
         OPEN_RETURN_FORM, reason=visit.field(
             "reason", "Reason ({} to {} characters)".format(*RETURN_REASON_LENGTH),
             kind="textarea"),
-        units=join(visit.field(f"units.{item_id}", f"{name}: units going back (at most {left})",
-                               left, kind="number", min="0", max=left)
-                   for item_id, (name, left) in returnable.items()),
-        error=visit.error("lines")))
+        units=visit.group("lines", "Units going back", render(GRID, cells=join(
+            visit.field(f"units.{item_id}", f"{name} (at most {left})", left, kind="number",
+                        min="0", max=left) for item_id, (name, left) in returnable.items())))))
 
 
 def return_lines_text(lines, item_count):
@@ -10639,17 +10877,31 @@ def selling_fields(visit, product):
                         price_breaks_text(product) if product.get("price_breaks") else "")]
 
 
+#: How the product form's fields that may be refused are read: (column, read(form)).
+PRODUCT_FORM_READS = (
+    ("name", lambda form: (form.get("name") or "").strip()),
+    ("unit", lambda form: (form.get("unit") or "").strip()),
+    ("price_cents", lambda form: form_amount(form, "price")),
+    ("stock", lambda form: form_int(form, "stock")),
+    ("low_stock_threshold", lambda form: form_int(form, "lowStockThreshold", required=False)),
+    ("min_quantity", lambda form: form_int(form, "minQuantity", required=False) or 1),
+    ("order_multiple", lambda form: form_int(form, "orderMultiple", required=False) or 1),
+    ("price_breaks", lambda form: parse_price_breaks(form.get("priceBreaks"))))
+
+
 def product_fields(form):
-    fields = {"name": (form.get("name") or "").strip(), "unit": (form.get("unit") or "").strip(),
-              "price_cents": form_amount(form, "price"), "stock": form_int(form, "stock"),
-              "low_stock_threshold": form_int(form, "lowStockThreshold", required=False),
-              "is_active": int("isActive" in form),
-              "min_quantity": form_int(form, "minQuantity", required=False) or 1,
-              "order_multiple": form_int(form, "orderMultiple", required=False) or 1,
-              "price_breaks": parse_price_breaks(form.get("priceBreaks"))}
+    """A product's form as create_product's fields, refused with every field's refusal at
+    once: what cannot be read, and what no product may hold."""
+    refusals, fields = Refusals(), {"is_active": int("isActive" in form)}
+    for column, read in PRODUCT_FORM_READS:
+        with refusals.check():
+            fields[column] = read(form)
     for name, column in (("sku", "sku"), ("category", "category"), ("imageUrl", "image_url"),
                          ("description", "description")):
         fields[column] = form_text(form, name)
+    with refusals.check():
+        _check_product_fields(dict(fields))
+    refusals.raise_any()
     return fields
 
 
@@ -10812,7 +11064,7 @@ def new_customer_page(visit):
 def create_customer_action(visit):
     body = dict(customer_body(visit.form), email=visit.form.get("email", ""))
     with visit.write() as conn:
-        customer = create_customer(conn, visit.company_id, body, source="dashboard")
+        customer = create_customer(conn, visit.company_id, body, source="dashboard", every=True)
         save_customer_terms(visit, conn, customer["id"])
     return redirect(f"/dashboard/customers/{customer['id']}", "created")
 
@@ -10897,9 +11149,14 @@ def clear_customer_price_action(visit, customer_id, product_id):
 
 @page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
 def update_customer_action(visit, customer_id):
+    refusals = Refusals()
     with visit.write() as conn:
-        update_customer(conn, visit.company_id, customer_id, customer_body(visit.form))
-        save_customer_terms(visit, conn, customer_id)
+        with refusals.check():
+            update_customer(conn, visit.company_id, customer_id, customer_body(visit.form),
+                            every=True)
+        with refusals.check():
+            save_customer_terms(visit, conn, customer_id)
+        refusals.raise_any()
     return redirect(f"/dashboard/customers/{customer_id}", "saved")
 
 
@@ -10921,10 +11178,8 @@ def customer_status_action(visit, customer_id):
 @page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page)
 def invite_customer_action(visit, customer_id):
     with visit.write() as conn:
-        customer = invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
-    visit.notice = render("A link to set a password at the store is on its way to {e}.",
-                          e=customer["email"])
-    return customer_page(visit, customer_id)
+        invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
+    return redirect(f"/dashboard/customers/{customer_id}", "invite")
 
 
 def customer_contacts_section(visit, customer_id):
@@ -11194,10 +11449,15 @@ def invoice_actions(visit, invoice):
                 paying.field("reference", "Reference", maxlength=MAX_PAYMENT_REFERENCE)]))))]
     actions.append(credit_form(visit, invoice, path))
     if not invoice["paid_cents"] and not invoice["credited_cents"]:
-        voiding = visit.for_form(path + "/void", "void")
-        actions.append(voiding.form_tag(path + "/void", render(
-            VOID_FORM, number=invoice["number"], error=voiding.error("confirm"))))
+        actions.append(void_form(visit, invoice, path))
     return actions
+
+
+def void_form(visit, invoice, path):
+    voiding = visit.for_form(path + "/void", "void")
+    return voiding.form_tag(path + "/void", render(
+        VOID_FORM, number=invoice["number"], invalid=voiding.invalid("confirm", "confirm-void"),
+        error=voiding.error("confirm", "confirm-void", "Void")))
 
 
 def credit_form(visit, invoice, path):
@@ -11367,7 +11627,7 @@ def create_webhook_action(visit):
     body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
             "isActive": "isActive" in visit.form}
     with visit.write() as conn:
-        hook = create_webhook(conn, visit.company_id, body)
+        hook = create_webhook(conn, visit.company_id, body, every=True)
     visit.notice = render(WEBHOOK_CREATED, secret=hook["secret"])
     return webhooks_page(visit)
 
@@ -11796,12 +12056,16 @@ class StoreSurface(Surface):
         errors = errors or {}
         controls = join(render(
             STORE_FORM_FIELD, name=name, label=label, kind=kind, auto=auto, value=value,
-            invalid=INVALID if name in errors else "",
-            error=render(FIELD_ERROR, message=errors[name]) if name in errors else "")
+            invalid=render(FIELD_INVALID, id=name) if name in errors else "",
+            error=render(FIELD_ERROR, id=name, message=errors[name]) if name in errors else "")
             for name, label, kind, auto, value in fields)
         notice = render(NOTICE, message=notice) if notice else ""
         if "form" in errors:
             notice = render(FORM_ALERT, message=errors["form"])
+        elif errors:
+            notice = render(ERROR_SUMMARY, items=join(
+                render(ERROR_SUMMARY_ITEM, id=name, label=label, message=errors[name])
+                for name, label, *_ in fields if name in errors))
         form = render(FORM, css="card narrow", action=action, enctype="", csrf=self.form_token(),
                       body=join([controls, render(SUBMIT, text=button)]))
         return self.public_page(title, join([form, after]), status, notice)
@@ -11965,8 +12229,7 @@ def resend_verification_action(visit):
     with visit.write() as conn:
         sent = resend_verification(conn, visit.company_id, visit.session["account_id"],
                                    visit.surface.now_ms())
-    visit.notice = VERIFICATION_SENT if sent else VERIFICATION_NOT_SENT
-    return awaiting_confirmation(visit)
+    return redirect(visit.surface.prefix + "/products", "link-sent" if sent else "link-not-sent")
 
 
 @page("POST", "/store/<slug>/account/password", refused=account_page)
@@ -12013,6 +12276,7 @@ def buyer_page(method, path, refused=None, right=None):
     role has right (of ROLE_RIGHTS; None: any role): one awaiting approval sees that it does
     (and a form it sends changes nothing), any other is refused."""
     def register(handler):
+        @functools.wraps(handler)
         def for_buyers(visit, **url_args):
             try:
                 require_contact(visit.conn, visit.company_id, visit.session["account_id"],
@@ -12079,20 +12343,37 @@ def with_add_form(visit, template):
                             most=MAX_QUANTITY)
 
 
-def added_notice(result, missing_title, missing):
-    """What a quick order or a reorder put in the cart (its result), what its products' rules
-    made of it, and what it could not add."""
-    items = join(render(LIST_ITEM, text=f"{quantity} x {product['name']}")
-                 for product, quantity in result["added"])
-    notice = join([render(ADDED, items=items) if result["added"] else render(NOTHING_ADDED)] +
-                  [render(PARAGRAPH, text=note) for note in result["fitted"]])
-    if missing:
-        notice = join([notice, render(PARAGRAPH, text=f"{missing_title} {', '.join(missing)}")])
-    return notice
+#: What the cart warns of after a quick order (unknown SKUs) or a reorder (products no
+#: longer sold): the redirect's query parameter, and the words before its values.
+NOT_ADDED = {"unknown": "Not found or no longer sold (SKU):",
+             "skipped": "No longer sold, so not added:"}
+#: Values of a NOT_ADDED parameter the redirect names (the rest it counts), so that its
+#: address stays short.
+MAX_NOT_ADDED_NAMED = 20
+
+
+def added_redirect(visit, result, kind, missing):
+    """To the cart, once a quick order or a reorder (its result) put in it what it could:
+    the cart says so, and warns of what it could not add (missing, of NOT_ADDED's kind)."""
+    done = "fitted" if result["fitted"] else "added" if result["added"] else "nothing-added"
+    named = missing[:MAX_NOT_ADDED_NAMED]
+    if len(missing) > len(named):
+        named.append(f"and {len(missing) - len(named)} more")
+    query = "?" + urllib.parse.urlencode({kind: named}, doseq=True) if named else ""
+    return redirect(f"{visit.surface.prefix}/cart{query}", done)
+
+
+def not_added_warnings():
+    """The cart's warnings of what a quick order or a reorder could not add (see
+    added_redirect), each in an element of its own, apart from the notice of what it did."""
+    query = bottle.request.query.decode()
+    return join(render(FORM_ALERT, message=f"{words} {', '.join(query.getall(kind))}")
+                for kind, words in NOT_ADDED.items() if query.getall(kind))
 
 
 def address_text(address):
-    return ", ".join(address[name] for name, *_ in ADDRESS_FIELDS if address.get(name))
+    return ", ".join(country_text(address, name) for name, *_ in ADDRESS_FIELDS
+                     if address.get(name))
 
 
 def lines_table(lines, total, rate, tax):
@@ -12155,7 +12436,7 @@ def store_product_page(visit, product_id):
         terms=selling_text(product) or "in any quantity",
         description=render(PARAGRAPH, text=product["description"])
         if product["description"] else "",
-        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id,
+        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id, name=product["name"],
                    start=fitted_quantity(product, 1)) if may(visit, "order") else ""))
 
 
@@ -12172,7 +12453,8 @@ def cart_page(visit):
         lines=visit.field("lines", "SKUs and quantities", kind="textarea", rows="5"),
         file=visit.field("file", "Or a CSV file", kind="file",
                          accept=".csv,text/csv,text/plain")), files=True)
-    return visit.page("Your cart", join([visit.error("cart"), listed, quick]))
+    return visit.page("Your cart", join([not_added_warnings(), visit.error("cart"), listed,
+                                         quick]))
 
 
 def cart_row(visit, line):
@@ -12182,10 +12464,14 @@ def cart_row(visit, line):
     view = visit.for_form(action, product["id"])
     name = link(f"{prefix}/products/{product['id']}", product["name"]) if line["sold"] \
         else render(NO_LONGER_SOLD, name=product["name"])
+    field_id, label = "quantity" + view.id_suffix, "Quantity of " + product["name"]
     quantity = view.form_tag(action, render(
-        CART_QUANTITY, most=MAX_QUANTITY, quantity=view.value("quantity", line["quantity"]),
-        name=product["name"], error=view.error("quantity")), css="inline")
-    remove = visit.button(action + "/remove", "Remove", "secondary")
+        CART_QUANTITY, id=field_id, most=MAX_QUANTITY, name=product["name"],
+        quantity=view.value("quantity", line["quantity"]),
+        invalid=view.invalid("quantity", field_id),
+        error=view.error("quantity", field_id, label)), css="inline")
+    remove = visit.button(action + "/remove", render(REMOVE_LINE, name=product["name"]),
+                          "secondary")
     terms = selling_text(product)
     return (join([name, render(TERMS, text=terms) if terms else "", LINE_BREAK, remove]),
             quantity, join([cents_text(line["unitPrice"]), price_reason(line)]),
@@ -12204,10 +12490,9 @@ def price_reason(line):
 def add_to_cart_action(visit):
     quantity = form_number(visit.form, "quantity")
     with visit.write() as conn:
-        product, _, note = add_to_cart(conn, visit.company_id, visit.session["account_id"],
-                                       visit.form.get("productId", ""), quantity)
-    visit.notice = note or f"Added {quantity} x {product['name']} to your cart."
-    return cart_page(visit)
+        _, _, note = add_to_cart(conn, visit.company_id, visit.session["account_id"],
+                                 visit.form.get("productId", ""), quantity)
+    return redirect(visit.surface.prefix + "/cart", "fitted" if note else "added")
 
 
 @buyer_page("POST", "/store/<slug>/cart/lines/<product_id>", refused=cart_page, right="order")
@@ -12232,9 +12517,7 @@ def quick_order_action(visit):
     with visit.write() as conn:
         result = quick_order(conn, visit.company_id, visit.session["account_id"],
                              visit.form.get("lines", "") if text is None else text)
-    visit.notice = added_notice(result, "Not found or no longer sold (SKU):",
-                                result["unknown"])
-    return cart_page(visit)
+    return added_redirect(visit, result, "unknown", result["unknown"])
 
 
 @buyer_page("POST", "/store/<slug>/cart/reorder", refused=cart_page, right="order")
@@ -12242,8 +12525,7 @@ def reorder_action(visit):
     with visit.write() as conn:
         result = reorder(conn, visit.company_id, visit.session["account_id"],
                          visit.form.get("orderId", ""))
-    visit.notice = added_notice(result, "No longer sold, so not added:", result["skipped"])
-    return cart_page(visit)
+    return added_redirect(visit, result, "skipped", result["skipped"])
 
 
 @buyer_page("GET", "/store/<slug>/checkout", right="order")
@@ -12274,14 +12556,28 @@ def cart_summary(cart):
                         for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
 
 
+#: The autocomplete token of each of a shipping address's fields (HTML's autofill names).
+ADDRESS_AUTOCOMPLETE = {
+    "name": "shipping name", "line1": "shipping address-line1",
+    "line2": "shipping address-line2", "city": "shipping address-level2",
+    "region": "shipping address-level1", "postalCode": "shipping postal-code",
+    "country": "shipping country"}
+
+
 def address_fields(visit, saved):
-    """Where an order ships: one of the buyer's saved addresses, or a new one."""
-    ship_to = visit.select("addressId", "Ship to", [
+    """Where an order ships: one of the buyer's saved addresses, or a new one, whose fields
+    show only while it is the one chosen."""
+    fields = render(NEW_ADDRESS, fields=join(
+        visit.select(name, label, [("", "Choose a country")] + list(COUNTRIES.items()),
+                     autocomplete=ADDRESS_AUTOCOMPLETE[name]) if name == "country" else
+        visit.field(name, label if required else label + " (optional)", maxlength=longest,
+                    autocomplete=ADDRESS_AUTOCOMPLETE[name])
+        for name, label, longest, required in ADDRESS_FIELDS))
+    if not saved:
+        return fields
+    return join([render(SHIP_TO_CHOICE, choice=visit.radios("addressId", "Ship to", [
         (row["id"], address_text(address_of(row))) for row in saved] + [
-        ("", "A new address (below)")], saved[0]["id"] if saved else "")
-    return join([ship_to, render(NEW_ADDRESS, fields=join(
-        visit.field(name, label if required else label + " (optional)", maxlength=longest)
-        for name, label, longest, required in ADDRESS_FIELDS))])
+        ("", "A new address")], saved[0]["id"])), fields])
 
 
 @buyer_page("POST", "/store/<slug>/checkout", refused=checkout_page, right="order")
@@ -12428,10 +12724,11 @@ def return_request_form(visit, order):
     if not returnable:
         return ""
     return visit.form_tag(f"{visit.surface.prefix}/orders/{order['id']}/returns", render(
-        RETURN_FORM, units=join(
-            visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
-                        min="0", max=str(left)) for item_id, (name, left) in returnable.items()),
-        error=visit.error("lines"),
+        RETURN_FORM, units=visit.group(
+            "lines", "How many units of each line go back (0: none of that line)", join(
+                visit.field("units-" + item_id, f"{name} (up to {left})", "0", kind="number",
+                            min="0", max=str(left))
+                for item_id, (name, left) in returnable.items())),
         reason=visit.field("reason", "Reason", kind="textarea",
                            maxlength=RETURN_REASON_LENGTH[1])))
 
