@@ -175,7 +175,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -704,6 +704,12 @@ MIGRATIONS = {
          add_column("products", "order_multiple INTEGER NOT NULL DEFAULT 1 CHECK "
                                 "(order_multiple >= 1)"),
          add_column("products", "price_breaks TEXT")),
+    # Order numbers: each company's orders numbered from 1001 in the order they were placed
+    # (their IDs' order); the next order takes the number after its company's highest.
+    12: (add_column("orders", "number INTEGER"),
+         "UPDATE orders SET number = numbered.number FROM (SELECT id, 1000 + ROW_NUMBER() "
+         "OVER (PARTITION BY company_id ORDER BY id) AS number FROM orders) AS numbered "
+         "WHERE orders.id = numbered.id AND orders.number IS NULL"),
 }
 
 
@@ -2931,6 +2937,8 @@ PAYMENT_TERMS_MESSAGE = (f"Payment terms must be a whole number of days from 0 t
                          f"{MAX_PAYMENT_TERMS}.")
 #: How invoices and credit notes are numbered, each in its own sequence per company.
 INVOICE_NUMBER = "INV-{:06d}"
+#: A company's first order's number (people say "order 1001", not "order 1").
+FIRST_ORDER_NUMBER = 1001
 CREDIT_NOTE_NUMBER = "CN-{:06d}"
 INVOICE_STATUSES = ("OPEN", "PAID", "VOID")
 #: A payment's method and reference, as staff type them.
@@ -4429,6 +4437,13 @@ def order_prices(conn, source, customer_id, products, wanted):
             for product_id, units in wanted.items()}
 
 
+def next_in_sequence(conn, table, company_id, column="sequence", first=1):
+    """The company's next number in table's sequence (first, for its first): the write lock
+    of the caller's transaction keeps two writers from taking the same one."""
+    return conn.execute(f"SELECT COALESCE(MAX({column}), ?) + 1 FROM {table} "
+                        "WHERE company_id = ?", (first - 1, company_id)).fetchone()[0]
+
+
 def place_order(conn, company_id, body, source="api", shipping_address=None,
                 checkout_token=None, actor=None, placed_by=None, approved_by=None):
     """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
@@ -4463,13 +4478,15 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
         raise invalid("items", "order total is too large")
     rate = tax_rate_of(conn, company_id, customer)  # frozen on the order, whatever comes later
     order_id, at = new_id_at("ord")
+    number = next_in_sequence(conn, "orders", company_id, "number", FIRST_ORDER_NUMBER)
     conn.execute(
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
         "source, shipping_address, checkout_token, tax_rate, tax_cents, placed_by, approved_by, "
-        "created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "number, created_at, updated_at) "
+        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source,
          shipping_address and json_text(shipping_address), checkout_token, rate,
-         tax_cents(total, rate), placed_by, approved_by, at, at))
+         tax_cents(total, rate), placed_by, approved_by, number, at, at))
     items = [{"id": new_id("oi"), "quantity": quantity, "unit_price_cents": prices[product_id],
               "product_id": product_id, "product_name": products[product_id]["name"],
               "product_sku": products[product_id]["sku"]} for product_id, quantity in lines]
@@ -4634,12 +4651,6 @@ def buyer_invoice(conn, company_id, customer_id, invoice_id):
 
 def load_credit_note(conn, company_id, credit_note_id):
     return load_row(conn, "credit_notes", "Credit note", company_id, credit_note_id)
-
-
-def next_in_sequence(conn, table, company_id):
-    """The company's next number in table's sequence (1 for its first)."""
-    return conn.execute(f"SELECT COALESCE(MAX(sequence), 0) + 1 FROM {table} "
-                        "WHERE company_id = ?", (company_id,)).fetchone()[0]
 
 
 def first_reminder_at(due_at):

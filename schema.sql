@@ -204,8 +204,12 @@ CREATE TABLE IF NOT EXISTS orders (
     tax_rate         REAL NOT NULL DEFAULT 0,    -- the rate in force when it was placed
     tax_cents        INTEGER NOT NULL DEFAULT 0, -- the tax on total_cents at that rate (rounded once)
     placed_by        TEXT,              -- the contact (store) or staff account (dashboard)
-    approved_by      TEXT               -- the admin contact who approved its request, if one did
+    approved_by      TEXT,              -- the admin contact who approved its request, if one did
+    number           INTEGER            -- what people call it: 1001, 1002, ... per company
 );
+-- Each company numbers its orders 1001, 1002, ... (the next is taken in the write transaction
+-- that places it, as invoices' are, so numbers have no gaps); the dashboard's search finds one.
+CREATE UNIQUE INDEX IF NOT EXISTS orders_by_company_number ON orders (company_id, number);
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS orders_by_company_status_newest

@@ -3847,7 +3847,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3871,7 +3871,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 11
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 12
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3888,7 +3888,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 11
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 12
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM contact_tokens").fetchone()[0] == 0
@@ -3909,7 +3909,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3929,7 +3929,7 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
@@ -3943,7 +3943,7 @@ def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_ow
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_8)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
             == (0,)
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
@@ -3961,7 +3961,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -4001,7 +4001,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -4011,6 +4011,31 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
         with pytest.raises(sqlite3.IntegrityError):
             with db.write() as conn:
                 conn.execute("UPDATE orders SET status = 'LOST' WHERE id = ?", (order["id"],))
+    finally:
+        db.close()
+
+
+def test_schema_12_numbers_each_companys_orders_in_the_order_they_were_placed(
+        app, database, tenant, other):
+    placed = [buyer_order(company, company.customer(), company.product(stock=5), source="api")
+              for company in (tenant, other, tenant, tenant, other)]
+
+    def back_to_schema_11(conn):
+        conn.execute("DROP INDEX orders_by_company_number")
+        conn.execute("UPDATE orders SET number = NULL")
+        conn.engine.set_schema_version(conn, 11)
+
+    db = reopened_from(app, database, back_to_schema_11)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        numbers = dict(db.conn.execute("SELECT id, number FROM orders"))
+        assert [numbers[order["id"]] for order in placed] == [1001, 1001, 1002, 1003, 1002]
+        with db.write() as conn:
+            later = ordering.place_order(conn, tenant.id, {
+                "customerId": placed[0]["customerId"],
+                "items": [{"productId": placed[0]["items"][0]["productId"], "quantity": 1}]})
+        assert db.conn.execute("SELECT number FROM orders WHERE id = ?",
+                               (later["id"],)).fetchone()[0] == 1004
     finally:
         db.close()
 
@@ -7308,6 +7333,35 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     assert tenant.stock(kept_product) == 50
 
 
+def test_each_company_numbers_its_orders_from_1001_without_gaps_under_concurrent_processes(
+        app, tenant, other, database):
+    """Orders placed by four processes at once, on both engines: 1001 to 1024, each once."""
+    product = tenant.product(stock=1000)
+    customer = tenant.customer()
+    script = ("import sys, ordering\n"
+              "db = ordering.Database(sys.argv[1])\n"
+              "for _ in range(6):\n"
+              "    with db.write() as conn:\n"
+              "        order = ordering.place_order(conn, sys.argv[2], {'customerId': "
+              "sys.argv[3], 'items': [{'productId': sys.argv[4], 'quantity': 1}]})\n"
+              "    print(db.conn.execute('SELECT number FROM orders WHERE id = ?', "
+              "(order['id'],)).fetchone()[0])\n")
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(database), tenant.id,
+                                 customer["id"], product["id"]], cwd=HERE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    printed = [int(number) for worker in workers
+               for number in worker.communicate(timeout=60)[0].split()]
+    assert all(worker.returncode == 0 for worker in workers)
+    assert sorted(printed) == list(range(1001, 1025))
+    numbers = [row[0] for row in tenant.db.conn.execute(
+        "SELECT number FROM orders WHERE company_id = ? ORDER BY number", (tenant.id,))]
+    assert numbers == list(range(1001, 1025))
+    # another company's sequence starts at 1001
+    theirs = buyer_order(other, other.customer(), other.product(stock=5), source="api")
+    assert tenant.db.conn.execute("SELECT number FROM orders WHERE id = ?",
+                                  (theirs["id"],)).fetchone()[0] == 1001
+
+
 # 9.2 Invoices, payments and credit -----------------------------------------------------------
 
 def test_an_order_is_invoiced_once_as_it_first_ships_at_its_frozen_lines_tax_and_terms(
@@ -9976,7 +10030,7 @@ def test_a_version_10_database_gives_its_products_rules_that_allow_any_quantity(
         conn.engine.set_schema_version(conn, 10)
     db = reopened_from(app, database, back)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         row = ordering.load_product(db.conn, tenant.id, rice["id"])
         assert (row["min_quantity"], row["order_multiple"], row["price_breaks"]) == (1, 1, None)
     finally:
@@ -10000,7 +10054,7 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
     db = reopened_from(app, database, back)
     try:
         conn = db.conn
-        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 12
         contacts = {row["email"]: row for row in conn.execute("SELECT * FROM contacts")}
         mine, theirs = contacts["buyer@cafe.example"], contacts["api@cafe.example"]
         assert (mine["customer_id"], mine["role"], mine["status"], mine["name"],
