@@ -2276,18 +2276,18 @@ EMAIL_LAYOUT = """<!doctype html>
 
 EMAIL_TEMPLATES = {
     "order_shipped": EmailTemplate(
-        subject="Your order {orderId} has shipped",
-        text="Hello {customerName},\n\nYour order {orderId} has shipped.\n\n{facts}\n",
-        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderId}</strong> has "
+        subject="Your order {orderNumber} has shipped",
+        text="Hello {customerName},\n\nYour order {orderNumber} has shipped.\n\n{facts}\n",
+        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderNumber}</strong> has "
              "shipped.</p>\n{facts}"),
     "order_confirmation": EmailTemplate(
-        subject="We received your order {orderId}",
-        text="Hello {customerName},\n\nThank you for your order {orderId}.\n\n{facts}\n\n"
+        subject="We received your order {orderNumber}",
+        text="Hello {customerName},\n\nThank you for your order {orderNumber}.\n\n{facts}\n\n"
              "{lines}\n",
-        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderId}"
+        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderNumber}"
              "</strong>.</p>\n{facts}\n{lines}"),
     "order_alert": EmailTemplate(
-        subject="New storefront order {orderId} from {customerName}",
+        subject="New storefront order {orderNumber} from {customerName}",
         text="A new order came in from the storefront.\n\n{facts}\n\n{lines}\n\n"
              "Open it in the dashboard: {link}\n",
         html="<p>A new order came in from the storefront.</p>\n{facts}\n{lines}\n"
@@ -2362,13 +2362,13 @@ EMAIL_TEMPLATES = {
              "just changed, and every other signed-in browser signed out. If it was not you, "
              '<a href="{link}">set a new one at once</a>.</p>'),
     "order_cancelled": EmailTemplate(
-        subject="Your order {orderId} is cancelled",
-        text="Hello {customerName},\n\n{store} cancelled your order {orderId}.\n\n{facts}\n\n"
+        subject="Your order {orderNumber} is cancelled",
+        text="Hello {customerName},\n\n{store} cancelled your order {orderNumber}.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
-        html="<p>Hello {customerName},</p>\n<p>{store} cancelled your order <strong>{orderId}"
+        html="<p>Hello {customerName},</p>\n<p>{store} cancelled your order <strong>{orderNumber}"
              '</strong>.</p>\n{facts}\n<p><a href="{link}">See it in the store</a></p>'),
     "return_approved": EmailTemplate(
-        subject="Your return for order {orderId} is approved",
+        subject="Your return for order {orderNumber} is approved",
         text="Hello {customerName},\n\n{store} approved your return. Send the goods back as "
              "agreed; we will write again when they are refunded.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
@@ -2376,7 +2376,7 @@ EMAIL_TEMPLATES = {
              "back as agreed; we will write again when they are refunded.</p>\n{facts}\n"
              '<p><a href="{link}">See it in the store</a></p>'),
     "return_refunded": EmailTemplate(
-        subject="Your return for order {orderId} is refunded",
+        subject="Your return for order {orderNumber} is refunded",
         text="Hello {customerName},\n\n{store} refunded your return.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
         html="<p>Hello {customerName},</p>\n<p>{store} refunded your return.</p>\n{facts}\n"
@@ -4437,6 +4437,11 @@ def order_prices(conn, source, customer_id, products, wanted):
             for product_id, units in wanted.items()}
 
 
+def order_number(conn, order_id):
+    """The number people call an order by (1001, 1002, ... in its company)."""
+    return conn.execute("SELECT number FROM orders WHERE id = ?", (order_id,)).fetchone()[0]
+
+
 def next_in_sequence(conn, table, company_id, column="sequence", first=1):
     """The company's next number in table's sequence (first, for its first): the write lock
     of the caller's transaction keeps two writers from taking the same one."""
@@ -4579,18 +4584,18 @@ def queue_order_emails(conn, company, customer, order, contact=None):
     customer's own address, for the operator's command), and an alert to each of the company's
     staff addresses (orders from the API or the dashboard send neither)."""
     lines = email_lines(order["items"])
-    rate, tax = conn.execute("SELECT tax_rate, tax_cents FROM orders WHERE id = ?",
-                             (order["id"],)).fetchone()
+    rate, tax, number = conn.execute("SELECT tax_rate, tax_cents, number FROM orders "
+                                     "WHERE id = ?", (order["id"],)).fetchone()
     # the customer's own contact is the customer, by its (business) name
     other = contact is not None and contact["email_key"] != customer["email_key"]
     to = contact if other else customer
-    common = {"orderId": order["id"], "customerName": to["name"] or to["email"],
+    common = {"orderId": order["id"], "orderNumber": number, "customerName": to["name"] or to["email"],
               "lines": lines, "total": order["total"], "taxRate": rate, "tax": money(tax)}
     po_number = ["PO number", order["poNumber"] or "none"]
     queue_email(conn, company["id"], "order_confirmation", to["email"], dict(
-        common, facts=[["Order", order["id"]], po_number]), to_name=to["name"])
+        common, facts=[["Order", number], po_number]), to_name=to["name"])
     alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
-        ["Order", order["id"]], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
+        ["Order", number], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
         po_number] + ([["Placed by", f"{contact['name'] or ''} <{contact['email']}>"]]
                       if other else []))
     for address in json.loads(company["staff_alerts"] or "[]"):
@@ -4612,16 +4617,18 @@ def order_people(conn, order):
 
 
 def queue_buyer_notice(conn, company_id, customer_id, order_id, kind, facts):
-    """An email of one of BUYER_NOTICES' kinds about an order to its customer, with a link to
-    the order in the store, unless the company turned that kind off (or there is no one to
-    tell)."""
+    """An email of one of BUYER_NOTICES' kinds about an order to its customer (facts after the
+    order's number), with a link to the order in the store, unless the company turned that
+    kind off (or there is no one to tell)."""
     company = load_company(conn, company_id)
     if not customer_id or kind in json.loads(company["buyer_emails_off"] or "[]"):
         return None
     customer = load_customer(conn, company_id, customer_id)
+    number = order_number(conn, order_id)
     return queue_email(conn, company_id, kind, customer["email"], {
-        "orderId": order_id, "customerName": customer["name"] or customer["email"],
-        "store": company["name"], "facts": facts,
+        "orderId": order_id, "orderNumber": number,
+        "customerName": customer["name"] or customer["email"], "store": company["name"],
+        "facts": [["Order", number]] + facts,
         "path": f"/store/{company['slug']}/orders/{order_id}"}, to_name=customer["name"])
 
 
@@ -4725,7 +4732,7 @@ def queue_invoice_email(conn, company_id, customer, invoice, kind):
         "store": company["name"], "path": f"/store/{company['slug']}/invoices/{invoice['id']}",
         "lines": lines, "total": money(invoice["subtotal_cents"]),
         "taxRate": invoice["tax_rate"], "tax": money(invoice["tax_cents"]),
-        "facts": [["Order", invoice["order_id"]], ["Issued", invoice["issued_at"][:10]],
+        "facts": [["Order", order_number(conn, invoice["order_id"])], ["Issued", invoice["issued_at"][:10]],
                   *invoice_facts(conn, invoice, total=False)]}, to_name=customer["name"])
 
 
@@ -5015,7 +5022,8 @@ def queue_shipping_email(conn, company_id, order):
     one a shipment issues: no email of its own goes with it) and, when the order has
     tracking, the carrier, the tracking number and the tracking URL."""
     customer = load_customer(conn, company_id, order["customerId"])
-    facts = [["Order", order["id"]], ["PO number", order["poNumber"] or "none"]]
+    number = order_number(conn, order["id"])
+    facts = [["Order", number], ["PO number", order["poNumber"] or "none"]]
     if order["tracking"]:
         facts += [["Carrier", order["tracking"]["carrier"]],
                   ["Tracking number", order["tracking"]["number"]],
@@ -5024,7 +5032,7 @@ def queue_shipping_email(conn, company_id, order):
     if invoice is not None:
         facts += invoice_facts(conn, invoice)
     queue_email(conn, company_id, "order_shipped", customer["email"], {
-        "orderId": order["id"], "customerName": customer["name"] or customer["email"],
+        "orderId": order["id"], "orderNumber": number, "customerName": customer["name"] or customer["email"],
         "facts": facts}, to_name=customer["name"])
 
 
@@ -5102,8 +5110,7 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
         queue_buyer_notice(conn, company_id, order["customerId"], order_id, "order_cancelled", [
-            ["Order", order_id], ["PO number", order["poNumber"] or "none"],
-            ["Reason", reason or "none given"]])
+            ["PO number", order["poNumber"] or "none"], ["Reason", reason or "none given"]])
     return order
 
 
@@ -5274,8 +5281,7 @@ def approve_return(conn, company_id, return_id):
         "id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
         "status": "APPROVED"})
     queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"],
-                       "return_approved", [["Order", row["order_id"]],
-                                           ["Reason given", row["reason"]]])
+                       "return_approved", [["Reason given", row["reason"]]])
     return returns_json(conn, [row])[0]
 
 
@@ -5329,7 +5335,7 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     note = issue_credit_note(conn, company_id, row["customer_id"], refund_id, amount_cents,
                              at) if method == "CREDIT" else None
     queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"], "return_refunded",
-                       [["Order", row["order_id"]], ["Refund", amount_text(money(amount_cents))],
+                       [["Refund", amount_text(money(amount_cents))],
                         ["How", f"credit note {note['number']}, for your invoices" if note else
                          "as a credit toward your invoices" if method == "CREDIT" else
                          "paid back outside the store, as agreed with you"]])
@@ -6531,10 +6537,15 @@ def customer_emails(conn, company_id, ids):
 
 
 def order_search(conn, company_id, text):
-    """The orders list's search as a filter and its parameters: the order with that ID, else
-    the orders whose PO number begins with the text, ignoring ASCII case (both served by an
-    index, so a search costs the same at any number of orders)."""
+    """The orders list's search as a filter and its parameters: the order of that number
+    (1042 or #1042), else the order with that ID, else the orders whose PO number begins with
+    the text, ignoring ASCII case (each served by an index, so a search costs the same at any
+    number of orders)."""
     text = text.strip()
+    if re.fullmatch(r"#?[0-9]{1,18}", text) and conn.execute(
+            "SELECT 1 FROM orders WHERE company_id = ? AND number = ?",
+            (company_id, int(text.lstrip("#")))).fetchone():
+        return "number = ?", [int(text.lstrip("#"))]
     if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
                     (text, company_id)).fetchone():
         return "id = ?", [text]
@@ -10354,14 +10365,15 @@ def orders_page(visit):
     result = find_orders(visit.conn, visit.company_id, query, query.get("search"))
     customers = customer_emails(visit.conn, visit.company_id,
                                 [row["customer_id"] for row in result["data"]])
-    rows = [(link(f"/dashboard/orders/{row['id']}", row["id"]), row["created_at"][:16]
+    rows = [(link(f"/dashboard/orders/{row['id']}", row["number"]), row["created_at"][:16]
              .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
              status_tag(row["status"]), cents_text(row["total_cents"] + row["tax_cents"]))
             for row in result["data"]]
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
     choices = [("", "Any customer")] + customer_choices(visit.conn, visit.company_id)
     return listing(visit, "Orders", "order", [
-        visit.field("search", "Order ID or start of PO number", query.get("search", "")),
+        visit.field("search", "Order number, order ID or start of PO number",
+                    query.get("search", "")),
         visit.select("status", "Status", statuses, query.get("status", "")),
         visit.select("customerId", "Customer", choices, query.get("customerId", "")),
         visit.field("since", "Created from", query.get("since", ""), kind="date"),
@@ -10411,7 +10423,7 @@ def order_page(visit, order_id):
     row = load_order(visit.conn, visit.company_id, order_id)
     order = orders_with_items(visit.conn, [row])[0]
     address = shipping_address_of(row)
-    return visit.page(f"Order {order_id}", render(
+    return visit.page(f"Order {row['number']}", render(
         ORDER_PAGE, facts=order_facts(visit, order, row),
         ships_to=render(SHIPS_TO, address=address_lines(address)) if address else "",
         actions=join(order_actions(visit, order)), lines=order_lines(order, row),
@@ -12259,7 +12271,7 @@ def checkout_action(visit):
 def store_orders_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result = buyer_orders(visit.conn, visit.company_id, visit.session["customer_id"], query)
-    rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
+    rows = [(link(f"{prefix}/orders/{row['id']}", row["number"]), when_text(row["created_at"]),
              status_tag(row["status"]), row["po_number"] or "",
              cents_text(row["total_cents"] + row["tax_cents"])) for row in result["data"]]
     filters = render(FILTERS, path=prefix + "/orders", button="Filter", fields=visit.select(
@@ -12278,7 +12290,7 @@ def store_order_page(visit, order_id):
     row = buyer_order(conn, visit.company_id, me, order_id)
     order = orders_with_items(conn, [row])[0]
     address = shipping_address_of(row)
-    return visit.page(f"Order {order_id}", render(
+    return visit.page(f"Order {row['number']}", render(
         STORE_ORDER_PAGE, facts=render(
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
             placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",

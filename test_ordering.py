@@ -5086,11 +5086,12 @@ def test_the_shipping_email_carries_order_po_number_carrier_number_and_url(maile
     url = "https://tracking.carrier-b.example/parcels/TN-42"
     text, html = parts(message)
     for part in (text, html):
-        for value in (order["id"], "PO-7781", "CARRIER_B", "TN-42", url):
+        for value in ("Order: 1001" if part is text else "order <strong>1001</strong>",
+                      "PO-7781", "CARRIER_B", "TN-42", url):
             assert value in part, (value, part)
     assert f'<a href="{url}">' in html
     headers = message["parsed"]
-    assert headers["Subject"] == f"Your order {order['id']} has shipped"
+    assert headers["Subject"] == "Your order 1001 has shipped"
     assert headers["To"] == "Corner Cafe <buyer@corner-cafe.example>"
     assert headers["From"] == f"Acme Wholesale <{MAIL_FROM}>"
     [row] = wait_for_email(mailed.service.db, lambda rows: rows[0]["state"] == "sent")
@@ -5169,13 +5170,13 @@ def test_a_storefront_order_confirms_to_the_customer_and_alerts_each_staff_addre
         "buyer@harbour.example", "owner@acme.example", "staff@acme.example"]
     for message in messages:
         text, html = parts(message)
-        for value in (order["id"], "PO-55", "Jasmine Rice 25kg", "GR-RICE-25", "2 x",
+        for value in ("Order: 1001", "PO-55", "Jasmine Rice 25kg", "GR-RICE-25", "2 x",
                       "42.50", "85.00", "Black Tea 500g", "3 x", "11.50", "34.50", "119.50"):
             assert value in text, (value, text)
         for value in ("Jasmine Rice 25kg", "42.50", "85.00", "34.50", "119.50", "PO-55"):
             assert value in html
     confirmation = next(m for m in messages if m["to"] == ["buyer@harbour.example"])
-    assert confirmation["parsed"]["Subject"] == f"We received your order {order['id']}"
+    assert confirmation["parsed"]["Subject"] == "We received your order 1001"
     alert = next(m for m in messages if m["to"] == ["staff@acme.example"])
     link = f"{BASE_URL}/dashboard/orders/{order['id']}"
     assert link in parts(alert)[0] and f'<a href="{link}">' in parts(alert)[1]
@@ -7138,17 +7139,19 @@ def test_orders_list_filters_search_and_pages(app, tenant, browser):
     def listed(query=""):
         page = browser.get("/dashboard/orders" + query)
         return [a.get_text() for a in page.html.select("tbody a")], page
+    numbers = [str(1001 + n) for n in range(60)]  # each link names its order's number
     ids, page = listed()
-    assert ids == [o["id"] for o in reversed(orders)][:50]
+    assert ids == numbers[::-1][:50]
     next_page = page.html.find("a", string="Next page")["href"]
-    assert listed(next_page.replace("/dashboard/orders", ""))[0] == [
-        o["id"] for o in reversed(orders)][50:]
-    assert listed("?status=CONFIRMED")[0] == [orders[7]["id"]]
-    assert listed(f"?customerId={first['id']}")[0][:2] == [orders[59]["id"], orders[57]["id"]]
-    assert listed("?search=po-012")[0] == [orders[12]["id"]]
-    assert listed("?search=PO-05")[0] == [o["id"] for o in reversed(orders[50:60])]
+    assert listed(next_page.replace("/dashboard/orders", ""))[0] == numbers[::-1][50:]
+    assert listed("?status=CONFIRMED")[0] == [numbers[7]]
+    assert listed(f"?customerId={first['id']}")[0][:2] == [numbers[59], numbers[57]]
+    assert listed("?search=po-012")[0] == [numbers[12]]
+    assert listed("?search=PO-05")[0] == numbers[50:60][::-1]
     assert listed("?search=012")[0] == []
-    assert listed(f"?search={orders[3]['id']}")[0] == [orders[3]["id"]]
+    assert listed(f"?search={orders[3]['id']}")[0] == [numbers[3]]
+    assert listed("?search=1042")[0] == listed("?search=%231042")[0] == ["1042"]
+    assert listed("?search=1061")[0] == []
     assert listed("?since=2999-01-01")[0] == []
     assert len(listed("?until=2999-01-01")[0]) == 50
 
@@ -7307,11 +7310,13 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     form["confirm"], form["restock"] = True, True
     form["reason"] = "Duplicate of\r\nanother order"
     page = form.submit(status=303).follow()
+    assert page.html.title.get_text().startswith("Order 1002")
+    assert page.html.find("h1").get_text() == "Order 1002"
     history = [[cell.get_text() for cell in row.find_all("td")] for row in page.html.find(
         "h2", string="History").find_next("tbody").find_all("tr")]
     assert history[-1][2:] == ["CANCELLED", "dashboard", "", "Duplicate of another order"]
     (mail,) = [row for row in email_rows(tenant.db) if row["kind"] == "order_cancelled"]
-    assert mail["subject"] == f"Your order {back['id']} is cancelled"
+    assert mail["subject"] == "Your order 1002 is cancelled"
     assert ["Reason", "Duplicate of another order"] in json.loads(mail["data"])["facts"]
     assert "Its units are back in stock." in page.text
     assert not [f for f in page.forms.values() if f.action.endswith("/restock")]
@@ -11094,12 +11099,13 @@ def test_a_buyers_orders_of_every_source_newest_first_with_a_status_filter_and_p
     orders = store_of(tenant) + "/orders"
     page = buyer.get(orders)
     assert [(row[0], row[2], row[4]) for row in table_rows(page)] == [
-        (made[2]["id"], "SUBMITTED", "30.00"), (made[1]["id"], "SUBMITTED", "20.00"),
-        (made[0]["id"], "CONFIRMED", "10.00")]
-    assert [row[0] for row in table_rows(buyer.get(orders + "?status=CONFIRMED"))] == [
-        made[0]["id"]]
+        ("1003", "SUBMITTED", "30.00"), ("1002", "SUBMITTED", "20.00"),
+        ("1001", "CONFIRMED", "10.00")]  # each by its number, linked to it
+    assert [a["href"] for a in page.html.select("tbody a")] == [
+        f"{orders}/{order['id']}" for order in reversed(made)]
+    assert [row[0] for row in table_rows(buyer.get(orders + "?status=CONFIRMED"))] == ["1001"]
     first = buyer.get(orders + "?limit=2")
-    assert [row[0] for row in table_rows(first.click("Next page"))] == [made[0]["id"]]
+    assert [row[0] for row in table_rows(first.click("Next page"))] == ["1001"]
     refused = buyer.get(orders + "?status=LOST", status=400)
     assert refused.html.find(class_="alert").get_text() == ordering.INVALID_ORDER_STATUS
 
@@ -11137,7 +11143,8 @@ def test_a_cursor_of_another_customers_order_answers_as_an_unknown_one(app, tena
     unknown = buyer.get(orders + "ord_unknown")
     assert table_rows(unknown) == [["Nothing here yet."]]
     assert without_secrets(buyer.get(orders + theirs["id"])) == without_secrets(unknown)
-    assert [row[0] for row in table_rows(buyer.get(orders + newest["id"]))] == [mine["id"]]
+    assert [a["href"] for a in buyer.get(orders + newest["id"]).html.select("tbody a")] == [
+        f"{store_of(tenant)}/orders/{mine['id']}"]
 
 
 def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_card(
@@ -11148,6 +11155,8 @@ def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_c
                         notes="Back door")
     path = f"{store_of(tenant)}/orders/{order['id']}"
     page = buyer.get(path)
+    assert page.html.find("h1").get_text() == "Order 1001"
+    assert page.html.title.get_text().startswith("Order 1001")
     facts = [dd.get_text() for dd in page.html.select("dl.facts dd")]
     assert facts[:1] + facts[2:] == ["SUBMITTED", "not recorded", "PO-7781", "Back door",
                                      "85.00", "not yet: an order is invoiced as it ships"]
@@ -14240,10 +14249,10 @@ def test_buyers_are_emailed_as_returns_are_approved_and_refunded_unless_settings
         ordering.refund_return(conn, tenant.id, first["id"], "CREDIT", 1, 0, 1250)
     sent = [row for row in email_rows(tenant.db) if row["kind"].startswith("return_")]
     assert [(row["kind"], row["subject"]) for row in sent] == [
-        ("return_approved", f"Your return for order {order['id']} is approved"),
-        ("return_refunded", f"Your return for order {order['id']} is refunded")]
+        ("return_approved", "Your return for order 1001 is approved"),
+        ("return_refunded", "Your return for order 1001 is refunded")]
     refunded = json.loads(sent[1]["data"])
-    assert refunded["facts"][1:] == [["Refund", "12.50"],
+    assert refunded["facts"] == [["Order", 1001], ["Refund", "12.50"],
                                      ["How", "credit note CN-000001, for your invoices"]]
     text, _ = ordering.email_bodies("return_refunded", refunded, "http://shop.example", "Acme")
     assert f"See it in the store: http://shop.example/store/acme-wholesale/orders/{order['id']}" \
