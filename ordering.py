@@ -7106,7 +7106,7 @@ def api_orders(conn, company_id, query):
 
 #: What export writes, and the columns of each (the products' are what an import reads).
 EXPORT_COLUMNS = {
-    "orders": ("order_id", "placed_at", "status", "customer_email", "customer_name",
+    "orders": ("order_number", "order_id", "placed_at", "status", "customer_email", "customer_name",
                "po_number", "sku", "product", "quantity", "unit_price", "line_total",
                "order_subtotal", "order_tax", "order_total"),
     "products": ("sku", "name", "category", "unit", "price", "stock", "low_stock_threshold",
@@ -7115,8 +7115,8 @@ EXPORT_COLUMNS = {
     "customers": ("email", "name", "status", "credit_limit", "tax_rate_override",
                   "payment_terms_days", "notes", "id"),
     "prices": ("customer_email", "group", "sku", "product", "price"),
-    "invoices": ("number", "issued", "due", "status", "customer_email", "order_id", "subtotal",
-                 "tax", "total", "paid", "credited", "balance"),
+    "invoices": ("number", "issued", "due", "status", "customer_email", "order_number",
+                 "order_id", "subtotal", "tax", "total", "paid", "credited", "balance"),
 }
 EXPORT_BATCH = 500
 _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
@@ -7175,9 +7175,9 @@ def _order_rows(conn, company_id, since, until):
         for order in orders:
             total = order["total_cents"]
             for item in items[order["id"]]:
-                yield (order["id"], order["created_at"], order["status"], order["email"],
-                       order["customer_name"], order["po_number"], item["product_sku"],
-                       item["product_name"], item["quantity"],
+                yield (order["number"], order["id"], order["created_at"], order["status"],
+                       order["email"], order["customer_name"], order["po_number"],
+                       item["product_sku"], item["product_name"], item["quantity"],
                        decimal_text(item["unit_price_cents"]),
                        decimal_text(item["unit_price_cents"] * item["quantity"]),
                        decimal_text(total), decimal_text(order["tax_cents"]),
@@ -7218,14 +7218,16 @@ def _price_rows(conn, company_id, since, until):
 
 
 def _invoice_rows(conn, company_id, since, until):
-    for invoices in in_batches(conn, "SELECT t.*, c.email FROM customer_invoices t LEFT JOIN "
-                                     "customers c ON c.id = t.customer_id "
+    for invoices in in_batches(conn, "SELECT t.*, c.email, o.number AS order_number FROM "
+                                     "customer_invoices t LEFT JOIN customers c ON "
+                                     "c.id = t.customer_id JOIN orders o ON o.id = t.order_id "
                                      "WHERE t.company_id = ?", [company_id], since, until):
         for i in invoices:
             yield (i["number"], i["issued_at"][:10], i["due_at"][:10], i["status"], i["email"],
-                   i["order_id"], decimal_text(i["subtotal_cents"]), decimal_text(i["tax_cents"]),
-                   decimal_text(i["total_cents"]), decimal_text(i["paid_cents"]),
-                   decimal_text(i["credited_cents"]), decimal_text(balance_cents(i)))
+                   i["order_number"], i["order_id"], decimal_text(i["subtotal_cents"]),
+                   decimal_text(i["tax_cents"]), decimal_text(i["total_cents"]),
+                   decimal_text(i["paid_cents"]), decimal_text(i["credited_cents"]),
+                   decimal_text(balance_cents(i)))
 
 
 _EXPORT_ROWS = {"orders": _order_rows, "products": _product_rows,

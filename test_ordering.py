@@ -11584,14 +11584,14 @@ def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutra
     assert answer.body.startswith(b"\xef\xbb\xbf")
     rows = list(csv.reader(io.StringIO(answer.body.decode("utf-8-sig"))))
     assert rows[0] == list(ordering.EXPORT_COLUMNS["orders"])
-    assert sorted(row[0] for row in rows[1:]) == sorted(
-        [placed[0]["id"]] * 2 + [placed[1]["id"]] * 2)
-    first = [row for row in rows if row[0] == placed[0]["id"]]
+    assert sorted(row[:2] for row in rows[1:]) == sorted(
+        [["1001", placed[0]["id"]]] * 2 + [["1002", placed[1]["id"]]] * 2)
+    first = [row for row in rows if row[1] == placed[0]["id"]]
     assert first == [
-        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+        ["1001", placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
          "'+Café Ünïcode", "'=PO 1", "GR-RICE-25", "Rice 25kg", "1", "42.50", "42.50", "43.50",
          "4.35", "47.85"],
-        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+        ["1001", placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
          "'+Café Ünïcode", "'=PO 1", "'-EVIL", "'=HYPERLINK(\"http://evil.example\")", "1",
          "1.00", "1.00", "43.50", "4.35", "47.85"]]
     everything = browser.get("/dashboard/spreadsheets/orders").body.decode("utf-8-sig")
@@ -11605,7 +11605,7 @@ def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutra
     assert prices.splitlines()[1] == "buyer@cafe.example,,GR-RICE-25,Rice 25kg,39.90"
     invoices = browser.get("/dashboard/spreadsheets/invoices").body.decode("utf-8-sig")
     assert invoices.splitlines()[1] == (f"INV-000001,2026-11-01,2026-12-01,OPEN,"
-                                        f"buyer@cafe.example,{placed[0]['id']},43.50,4.35,"
+                                        f"buyer@cafe.example,1001,{placed[0]['id']},43.50,4.35,"
                                         f"47.85,0.00,0.00,47.85")
     customers = browser.get("/dashboard/spreadsheets/customers").body.decode("utf-8-sig")
     assert customers.splitlines()[1].startswith("buyer@cafe.example,'+Café Ünïcode,ACTIVE,,")
