@@ -4732,7 +4732,8 @@ def queue_invoice_email(conn, company_id, customer, invoice, kind):
         "store": company["name"], "path": f"/store/{company['slug']}/invoices/{invoice['id']}",
         "lines": lines, "total": money(invoice["subtotal_cents"]),
         "taxRate": invoice["tax_rate"], "tax": money(invoice["tax_cents"]),
-        "facts": [["Order", order_number(conn, invoice["order_id"])], ["Issued", invoice["issued_at"][:10]],
+        "facts": [["Order", order_number(conn, invoice["order_id"])],
+                  ["Issued", invoice["issued_at"][:10]],
                   *invoice_facts(conn, invoice, total=False)]}, to_name=customer["name"])
 
 
@@ -6533,6 +6534,16 @@ def customer_emails(conn, company_id, ids):
         return {}
     return dict(tuple(row) for row in conn.execute(
         f"SELECT id, email FROM customers WHERE company_id = ? AND id IN "
+        f"({','.join('?' * len(ids))})", [company_id, *ids]))
+
+
+def order_numbers(conn, company_id, ids):
+    """{order ID: number} for these IDs of the company's orders."""
+    ids = list(set(ids))
+    if not ids:  # PostgreSQL has no empty IN ()
+        return {}
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT id, number FROM orders WHERE company_id = ? AND id IN "
         f"({','.join('?' * len(ids))})", [company_id, *ids]))
 
 
@@ -10050,7 +10061,7 @@ def invoice_document(visit, invoice, order_href):
         ship_to=address_lines(shipping_address_of(order)) if order["shipping_address"] else
         "none given",
         issued=invoice["issued_at"][:10], due=invoice["due_at"][:10],
-        terms=terms_text(invoice["terms_days"]), order=link(order_href, order["id"]),
+        terms=terms_text(invoice["terms_days"]), order=link(order_href, order["number"]),
         po=order["po_number"] or "none", lines=invoice_lines_table(conn, invoice),
         paid=cents_text(invoice["paid_cents"]),
         credited=cents_text(invoice["credited_cents"]), balance=cents_text(
@@ -11047,7 +11058,9 @@ def returns_page(visit):
     result = find_returns(visit.conn, visit.company_id, visit.filters())
     lines = return_lines_of(visit.conn, [row["id"] for row in result["data"]])
     records = {record["id"]: record for record in returns_json(visit.conn, result["data"])}
-    rows = [(row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
+    numbers = order_numbers(visit.conn, visit.company_id,
+                            [row["order_id"] for row in result["data"]])
+    rows = [(row["id"], link(f"/dashboard/orders/{row['order_id']}", numbers[row["order_id"]]),
              row["reason"], return_lines_text(lines.get(row["id"]), row["item_count"]),
              status_tag(row["status"]),
              return_next_step(visit, row, records[row["id"]], lines.get(row["id"], ())))
@@ -12465,7 +12478,8 @@ def request_facts(visit, request, quote):
     decision = ""
     if request["order_id"]:
         decision = render(DECISION, term="Order", value=link(
-            f"{visit.surface.prefix}/orders/{request['order_id']}", request["order_id"]))
+            f"{visit.surface.prefix}/orders/{request['order_id']}",
+            order_number(visit.conn, request["order_id"])))
     elif request["reason"]:
         decision = render(DECISION, term="Reason declined", value=request["reason"])
     blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""

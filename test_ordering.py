@@ -8041,6 +8041,7 @@ def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver)
     form_to(returns, f"/{created['id']}/approve").submit(status=303)
     assert one(receiver, "return.approved")["json"]["data"]["status"] == "APPROVED"
     returns = browser.get("/dashboard/returns")
+    assert table_rows(returns)[0][:2] == [created["id"], "1001"]  # the order, by its number
     assert not [f for f in returns.forms.values() if f.action.endswith("/approve")]
     form_to(returns, f"/{created['id']}/receive").submit(status=303)
     refund = form_to(browser.get("/dashboard/returns"), f"/{created['id']}/refund")
@@ -14108,6 +14109,8 @@ def test_a_void_invoice_keeps_its_number_and_a_cancelled_order_offers_no_invoice
     with tenant.db.write() as conn:
         invoice = ordering.invoice_order(conn, tenant.id, order["id"])
     page = browser.get(f"/dashboard/invoices/{invoice['id']}")
+    ordered = page.html.find("dt", string="Order").find_next("dd").find("a")
+    assert (ordered.get_text(), ordered["href"]) == ("1001", f"/dashboard/orders/{order['id']}")
     page = form_to(page, "/void").submit(status=400)  # the box says it is meant
     assert field_error(page, "confirm") == "tick the box to void the invoice"
     form = form_to(page, "/void")
