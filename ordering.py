@@ -2930,6 +2930,14 @@ REPLY_TO_MESSAGE = "Reply-to must be an email address."
 STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email addresses, "
                         "separated by commas.")
 
+#: A company's carriers (Settings, Carriers): each of the spec's codes but OTHER has a name
+#: and a tracking-link template, whose {number} the tracking number replaces.
+NAMED_CARRIERS = CARRIERS[:-1]
+MAX_CARRIER_NAME = 60
+CARRIER_NAME_RULE = f"must be 1 to {MAX_CARRIER_NAME} characters on one line"
+CARRIER_TEMPLATE_RULE = ("must be an https:// or http:// address with {number} where the "
+                         "tracking number goes")
+
 #: Money owed (docs/money.md). Payment terms: an invoice falls due this many days after it is
 #: issued (0: on receipt), the company's default or a customer's own.
 MAX_PAYMENT_TERMS = 365
@@ -3684,6 +3692,44 @@ def update_company(conn, company_id, changes):
         conn.execute(f"UPDATE companies SET {', '.join(f'{c} = ?' for c in changed)} "
                      "WHERE id = ?", [*changed.values(), company_id])
     return company_json(load_company(conn, company_id))
+
+
+def company_carriers(conn, company_id, templates=DEFAULT_TRACKING_URL_TEMPLATES):
+    """{code: {"name", "template"}} of each of the spec's carrier codes: the company's own
+    name and template where Settings set them, else "Carrier A" (and so on) and templates'
+    (the server's: ORDERING_TRACKING_URL_TEMPLATES). OTHER has no template: its URL is given
+    with each shipment."""
+    carriers = {code: {"name": code.replace("_", " ").title(), "template": templates.get(code)}
+                for code in CARRIERS}
+    carriers["OTHER"]["name"] = "Other carrier"
+    for row in conn.execute("SELECT code, name, url_template FROM carriers WHERE "
+                            "company_id = ?", (company_id,)):
+        carriers[row["code"]] = {"name": row["name"], "template": row["url_template"]}
+    return carriers
+
+
+def set_company_carriers(conn, company_id, carriers):
+    """Names and tracking-link templates of some of the company's carriers ({code: {"name",
+    "template"}}, codes of NAMED_CARRIERS); every refusal at once, each at its field
+    (CODE.name, CODE.template)."""
+    details, rows = [], []
+    for code, carrier in carriers.items():
+        if code not in NAMED_CARRIERS:
+            raise invalid("code", f"must be one of {', '.join(NAMED_CARRIERS)}")
+        name = one_line(carrier.get("name"))
+        template = (carrier.get("template") or "").strip()
+        if not 1 <= len(name) <= MAX_CARRIER_NAME:
+            details.append({"field": f"{code}.name", "rule": CARRIER_NAME_RULE})
+        if not valid_http_url(template) or "{number}" not in template:
+            details.append({"field": f"{code}.template", "rule": CARRIER_TEMPLATE_RULE})
+        rows.append((company_id, code, name, template))
+    if details:
+        raise ApiError(400, VALIDATION_FAILED, details=details)
+    conn.executemany("DELETE FROM carriers WHERE company_id = ? AND code = ?",
+                     [row[:2] for row in rows])
+    conn.executemany("INSERT INTO carriers (company_id, code, name, url_template) "
+                     "VALUES (?, ?, ?, ?)", rows)
+    return company_carriers(conn, company_id)
 
 
 def company_with_slug(conn, slug):
@@ -5026,19 +5072,22 @@ def queue_shipping_email(conn, company_id, order):
     number = order_number(conn, order["id"])
     facts = [["Order", number], ["PO number", order["poNumber"] or "none"]]
     if order["tracking"]:
-        facts += [["Carrier", order["tracking"]["carrier"]],
+        carrier = company_carriers(conn, company_id)[order["tracking"]["carrier"]]["name"]
+        facts += [["Carrier", carrier],
                   ["Tracking number", order["tracking"]["number"]],
                   ["Track it", order["tracking"]["url"], order["tracking"]["url"]]]
     invoice = order_invoice(conn, order["id"])
     if invoice is not None:
         facts += invoice_facts(conn, invoice)
     queue_email(conn, company_id, "order_shipped", customer["email"], {
-        "orderId": order["id"], "orderNumber": number, "customerName": customer["name"] or customer["email"],
-        "facts": facts}, to_name=customer["name"])
+        "orderId": order["id"], "orderNumber": number,
+        "customerName": customer["name"] or customer["email"], "facts": facts},
+        to_name=customer["name"])
 
 
-def parse_status_update(body, templates):
-    """The body of PATCH /api/v1/orders/{id}: (status, tracking or None)."""
+def parse_status_update(body, carriers):
+    """The body of PATCH /api/v1/orders/{id}: (status, tracking or None). A named carrier's
+    URL, unless given, comes from its template in carriers (company_carriers')."""
     require_object(body)
     status = body.get("status")
     if status not in ORDER_STATUSES:
@@ -5061,7 +5110,8 @@ def parse_status_update(body, templates):
     if url is None or url == "":
         if carrier == "OTHER":
             raise ApiError(400, TRACKING_URL_REQUIRED)
-        url = templates[carrier].format(number=urllib.parse.quote(number, safe=""))
+        url = carriers[carrier]["template"].replace(
+            "{number}", urllib.parse.quote(number, safe=""))
     elif not valid_http_url(url):
         raise invalid("tracking.url", f"must be an http or https URL of at most {MAX_URL} characters")
     return status, {"carrier": carrier, "number": number, "url": url}
@@ -8583,7 +8633,8 @@ class Api:
     @route("PATCH", "/api/v1/orders/<order_id>", "orders:write")
     def update_order(call, order_id):
         """Update an order's status and tracking"""
-        status, tracking = parse_status_update(call.body, call.settings.tracking_url_templates)
+        status, tracking = parse_status_update(call.body, company_carriers(
+            call.conn, call.company_id, call.settings.tracking_url_templates))
         return {"data": update_order_status(call.conn, call.company_id, order_id, status, tracking)}
 
 
@@ -10396,7 +10447,6 @@ def orders_page(visit):
             numeric=("Total",))]), result)
 
 
-CARRIER_CHOICES = [(carrier, carrier) for carrier in CARRIERS]
 LINES_ON_NEW_ORDER = 5
 
 
@@ -10454,7 +10504,9 @@ def order_facts(visit, order, row):
         people=placed_by_text(visit.conn, row),
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
         updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
-        tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
+        tracking=render(ORDER_TRACKING, **dict(order["tracking"], carrier=company_carriers(
+            visit.conn, visit.company_id)[order["tracking"]["carrier"]]["name"]))
+        if order["tracking"] else "none")
 
 
 def order_invoice_cell(visit, order):
@@ -10491,10 +10543,12 @@ def status_form(visit, action, status):
     whether to put the units back."""
     if status == "SHIPPED":
         return visit.form_tag(action, render(
-            SHIP_FORM, carrier=visit.select("tracking.carrier", "Carrier", CARRIER_CHOICES),
+            SHIP_FORM, carrier=visit.select("tracking.carrier", "Carrier", [
+                (code, carrier["name"]) for code, carrier in company_carriers(
+                    visit.conn, visit.company_id).items()]),
             number=visit.field("tracking.number", "Tracking number", required="required"),
-            url=visit.field("tracking.url", "Tracking URL (OTHER carrier, or to override)",
-                            kind="url")))
+            url=visit.field("tracking.url", "Tracking URL (for another carrier, or to "
+                                            "override the carrier's link)", kind="url")))
     if status == "CANCELLED":
         return visit.form_tag(action, render(
             CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
@@ -10556,7 +10610,8 @@ def order_status_action(visit, order_id):
         body["tracking"] = {"carrier": visit.form.get("tracking.carrier"),
                             "number": visit.form.get("tracking.number", ""),
                             "url": form_text(visit.form, "tracking.url")}
-    status, tracking = parse_status_update(body, visit.settings.tracking_url_templates)
+    status, tracking = parse_status_update(body, company_carriers(
+        visit.conn, visit.company_id, visit.settings.tracking_url_templates))
     with visit.write() as conn:
         dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking,
                                       visit.form.get("reason"),
@@ -12312,7 +12367,7 @@ def store_order_page(visit, order_id):
             notes=order["notes"] or "none", invoice=buyer_invoice_link(visit, order_id),
             people=placed_by_text(conn, row),
             total=cents_text(row["total_cents"] + row["tax_cents"])),
-        tracking=tracking_card(order["tracking"]),
+        tracking=tracking_card(order["tracking"], company_carriers(conn, visit.company_id)),
         ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
         lines=buyer_order_lines(order, row),
         timeline=order_timeline(visit, order_id),
@@ -12352,11 +12407,13 @@ def store_statement_page(visit):
             numeric=("Total", "Balance"))]))
 
 
-def tracking_card(tracking):
-    """A shipped order's carrier and tracking number, with a link to track it (none: "")."""
+def tracking_card(tracking, carriers):
+    """A shipped order's carrier (by its name in carriers, company_carriers') and tracking
+    number, with a link to track it (none: "")."""
     if not tracking:
         return ""
-    return render(STORE_TRACKING, carrier=tracking["carrier"], number=tracking["number"],
+    return render(STORE_TRACKING, carrier=carriers[tracking["carrier"]]["name"],
+                  number=tracking["number"],
                   track=render(TRACK_PARCEL, url=tracking["url"]) if tracking["url"] else "")
 
 

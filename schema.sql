@@ -182,6 +182,16 @@ CREATE TABLE IF NOT EXISTS addresses (
 );
 CREATE INDEX IF NOT EXISTS addresses_of_customer ON addresses (customer_id, created_at);
 
+-- A company's names and tracking links of the spec's carrier codes, as Settings sets them; a
+-- code without a row is called "Carrier A" (and so on) and tracked by the server's template.
+CREATE TABLE IF NOT EXISTS carriers (
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    code         TEXT NOT NULL,     -- CARRIER_A to CARRIER_E (OTHER gives its URL each time)
+    name         TEXT NOT NULL,
+    url_template TEXT NOT NULL,     -- an http(s) URL with {number} where the number goes
+    PRIMARY KEY (company_id, code)
+);
+
 CREATE TABLE IF NOT EXISTS orders (
     id               TEXT PRIMARY KEY,
     status           TEXT NOT NULL CHECK (status = 'SUBMITTED' OR status = 'CONFIRMED' OR
