@@ -2578,11 +2578,21 @@ SETTINGS_FORM = Template(
     "server mail_name reply_to alerts reports buyer_emails approval tax_rate terms stripe", """\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{reports}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
+<h2>Carriers</h2><p><a href="/dashboard/settings/carriers">Carriers' names and tracking links\
+</a></p>\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
 become invoice.paid and are listed under Billing. The operator of the service maps it \
 (company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
 customer receives that customer's invoices.</p><div><button type="submit">Save</button></div>""")
+
+#: The Carriers page (Settings): a name and a tracking link for each carrier, in one form.
+CARRIERS_FORM = Template("carriers", """\
+<p class="muted">Buyers read a carrier's name on their order and in the shipping email, and \
+follow its tracking link, where {{number}} stands for the tracking number (as in \
+https://tracking.example/track?n={{number}}). For another carrier, staff give the link as they \
+ship.</p>{carriers}<div><button type="submit">Save</button></div>""")
+CARRIER_FIELDS = Template("code fields", "<fieldset><legend>{code}</legend>{fields}</fieldset>")
 
 
 # 4.4 Storefront pages ------------------------------------------------------------------------
@@ -3708,10 +3718,12 @@ def company_carriers(conn, company_id, templates=DEFAULT_TRACKING_URL_TEMPLATES)
     return carriers
 
 
-def set_company_carriers(conn, company_id, carriers):
+def set_company_carriers(conn, company_id, carriers, templates=DEFAULT_TRACKING_URL_TEMPLATES):
     """Names and tracking-link templates of some of the company's carriers ({code: {"name",
     "template"}}, codes of NAMED_CARRIERS); every refusal at once, each at its field
-    (CODE.name, CODE.template)."""
+    (CODE.name, CODE.template). A carrier set to its defaults (company_carriers', of
+    templates) keeps no row, so that it follows the server's template if that changes."""
+    defaults = company_carriers(conn, None, templates)
     details, rows = [], []
     for code, carrier in carriers.items():
         if code not in NAMED_CARRIERS:
@@ -3728,8 +3740,9 @@ def set_company_carriers(conn, company_id, carriers):
     conn.executemany("DELETE FROM carriers WHERE company_id = ? AND code = ?",
                      [row[:2] for row in rows])
     conn.executemany("INSERT INTO carriers (company_id, code, name, url_template) "
-                     "VALUES (?, ?, ?, ?)", rows)
-    return company_carriers(conn, company_id)
+                     "VALUES (?, ?, ?, ?)", [row for row in rows if defaults[row[1]] != {
+                         "name": row[2], "template": row[3]}])
+    return company_carriers(conn, company_id, templates)
 
 
 def company_with_slug(conn, slug):
@@ -10436,8 +10449,7 @@ def orders_page(visit):
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
     choices = [("", "Any customer")] + customer_choices(visit.conn, visit.company_id)
     return listing(visit, "Orders", "order", [
-        visit.field("search", "Order number, order ID or start of PO number",
-                    query.get("search", "")),
+        visit.field("search", "Order number, ID or start of PO number", query.get("search", "")),
         visit.select("status", "Status", statuses, query.get("status", "")),
         visit.select("customerId", "Customer", choices, query.get("customerId", "")),
         visit.field("since", "Created from", query.get("since", ""), kind="date"),
@@ -10504,9 +10516,15 @@ def order_facts(visit, order, row):
         people=placed_by_text(visit.conn, row),
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
         updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
-        tracking=render(ORDER_TRACKING, **dict(order["tracking"], carrier=company_carriers(
-            visit.conn, visit.company_id)[order["tracking"]["carrier"]]["name"]))
-        if order["tracking"] else "none")
+        tracking=order_tracking_cell(visit, order["tracking"]))
+
+
+def order_tracking_cell(visit, tracking):
+    """A shipment's carrier by its name, its number and its link (none: "none")."""
+    if not tracking:
+        return "none"
+    names = company_carriers(visit.conn, visit.company_id)
+    return render(ORDER_TRACKING, **dict(tracking, carrier=names[tracking["carrier"]]["name"]))
 
 
 def order_invoice_cell(visit, order):
@@ -11682,6 +11700,27 @@ def update_settings_action(visit):
     return redirect("/dashboard/settings", "saved")
 
 
+@page("GET", "/dashboard/settings/carriers")
+def carriers_page(visit):
+    carriers = company_carriers(visit.conn, visit.company_id,
+                                visit.settings.tracking_url_templates)
+    return visit.page("Carriers", visit.form_tag("/dashboard/settings/carriers", render(
+        CARRIERS_FORM, carriers=join(render(CARRIER_FIELDS, code=code, fields=join([
+            visit.field(f"{code}.name", "Name", carriers[code]["name"]),
+            visit.field(f"{code}.template", "Tracking link", carriers[code]["template"],
+                        kind="url")])) for code in NAMED_CARRIERS))))
+
+
+@page("POST", "/dashboard/settings/carriers", refused=carriers_page)
+def update_carriers_action(visit):
+    with visit.write() as conn:
+        set_company_carriers(conn, visit.company_id, {code: {
+            "name": visit.form.get(f"{code}.name"),
+            "template": visit.form.get(f"{code}.template")} for code in NAMED_CARRIERS},
+            visit.settings.tracking_url_templates)
+    return redirect("/dashboard/settings/carriers", "saved")
+
+
 def refuse_greedy_forms():
     """before_request: a page's POST whose body is over MAX_FORM_BYTES, or has more than
     MAX_FORM_FIELDS fields, is answered 413 before anything parses it."""
@@ -12532,11 +12571,10 @@ def request_facts(visit, request, quote):
     """An order request's lines at today's prices (quote: request_quote's), its total when
     asked and its state, as both its buyer and its admins see it."""
     asker = load_contact(visit.conn, request["company_id"], request["contact_id"])
-    decision = ""
-    if request["order_id"]:
+    decision, order_id = "", request["order_id"]
+    if order_id:
         decision = render(DECISION, term="Order", value=link(
-            f"{visit.surface.prefix}/orders/{request['order_id']}",
-            order_number(visit.conn, request["order_id"])))
+            f"{visit.surface.prefix}/orders/{order_id}", order_number(visit.conn, order_id)))
     elif request["reason"]:
         decision = render(DECISION, term="Reason declined", value=request["reason"])
     blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""

@@ -14180,6 +14180,49 @@ def test_the_settings_page_shows_the_stripe_customer_and_only_the_operator_maps_
     assert stripe_customer_of(tenant) == "cus_Acme1"
 
 
+def test_carriers_names_and_tracking_links_are_each_companys_own(app, api, tenant, other,
+                                                                 browser):
+    page = browser.get("/dashboard/settings").click("Carriers' names and tracking links")
+    form = main_form(page)
+    assert (form["CARRIER_A.name"].value, form["CARRIER_A.template"].value) == (
+        "Carrier A", "https://tracking.carrier-a.example/track?number={number}")
+    assert "OTHER.name" not in form.fields
+    form["CARRIER_A.name"], form["CARRIER_A.template"] = " ", "ftp://parcels.example/{number}"
+    form["CARRIER_B.template"] = "https://parcels.example/track"
+    refused = form.submit(status=400)  # every error at once, each at its field
+    assert [field_error(refused, f"{code}.{part}") for code, part in (
+        ("CARRIER_A", "name"), ("CARRIER_A", "template"), ("CARRIER_B", "template"),
+        ("CARRIER_C", "template"))] == [
+        ordering.CARRIER_NAME_RULE, ordering.CARRIER_TEMPLATE_RULE,
+        ordering.CARRIER_TEMPLATE_RULE, None]
+    form = main_form(refused)
+    assert form["CARRIER_B.template"].value == "https://parcels.example/track"
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM carriers").fetchone()[0] == 0
+    form["CARRIER_A.name"] = "Parcel Force"
+    form["CARRIER_A.template"] = "https://parcels.example/t?n={number}&lang=en"
+    form["CARRIER_B.template"] = "https://tracking.carrier-b.example/parcels/{number}"
+    saved = form.submit(status=303).follow()
+    assert notice_of(saved) == "Saved: the changes are in force."
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT company_id, code, name, url_template FROM carriers")] == [
+        (tenant.id, "CARRIER_A", "Parcel Force", "https://parcels.example/t?n={number}&lang=en")]
+    customer = tenant.customer(email="buyer@cafe.example")
+    order = shipped_order(api, tenant, customer, {"carrier": "CARRIER_A", "number": "TN 7/1"})
+    read = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"]
+    assert read["tracking"] == {"carrier": "CARRIER_A", "number": "TN 7/1",
+                                "url": "https://parcels.example/t?n=TN%207%2F1&lang=en"}
+    mail = next(row for row in email_rows(tenant.db) if row["kind"] == "order_shipped")
+    assert ["Carrier", "Parcel Force"] in json.loads(mail["data"])["facts"]
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    assert page.html.find("dt", string="Tracking").find_next("dd").get_text(
+        " ", strip=True).startswith("Parcel Force TN 7/1 https://parcels.example/")
+    # another company's Carrier A is still the server's
+    theirs = shipped_order(api, other, other.customer(), {"carrier": "CARRIER_A",
+                                                          "number": "X-100"})
+    assert api.get(f"/api/v1/orders/{theirs['id']}", headers=other.headers).json["data"][
+        "tracking"]["url"] == "https://tracking.carrier-a.example/track?number=X-100"
+
+
 def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant, other,
                                                                     browser):
     evil = "<script>alert(1)</script>"
