@@ -13162,11 +13162,13 @@ def prepare_demo(conn):
 
 
 def demo(settings):
-    """Prepare the demo (see prepare_demo) and say how to try it."""
+    """Prepare the demo (see prepare_demo) and say how to try it, at the base URL when one
+    is set (the server's own address, else)."""
     db = Database(settings.db_path, settings)
     with db.write() as conn:
         made = prepare_demo(conn)
-    base = f"http://{settings.host}:{settings.port}/api/v1"
+    site = settings.base_url.rstrip("/") or f"http://{settings.host}:{settings.port}"
+    base = f"{site}/api/v1"
     start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
                                     else f" --db {shlex.quote(settings.db_path)}")
     header = f'-H "Authorization: Bearer {made["key"]}"'
@@ -13181,10 +13183,10 @@ def demo(settings):
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
-        f"Storefront: http://{settings.host}:{settings.port}/store/{DEMO_SLUG}, sign in as "
+        f"Storefront: {site}/store/{DEMO_SLUG}, sign in as "
         f"{DEMO_BUYER_EMAIL} with the password (new on every run) {made['buyerPassword']}, "
         "or register a buyer and approve it under the dashboard's Customers.",
-        f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
+        f"Dashboard: {site}/dashboard, sign in as "
         f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
         made["password"],
     ])

@@ -15169,6 +15169,16 @@ def test_demo_is_made_once_and_its_key_places_an_order(db_path):
         app.service.close(grace=0)
 
 
+def test_demo_prints_its_links_at_the_base_url_when_one_is_set(db_path):
+    result = run_cli(db_path, "demo", env={"ORDERING_BASE_URL": "https://shop.example/"})
+    assert result.returncode == 0, result.stderr
+    links = re.findall(r"https?://[^\s,']+", result.stdout)
+    assert links == ["https://shop.example/api/v1/products",
+                     "https://shop.example/api/v1/orders", "https://shop.example/api/v1/orders",
+                     "https://shop.example/store/demo-wholesale",
+                     "https://shop.example/dashboard"]
+
+
 def test_demo_prints_a_staff_sign_in_that_works(db_path):
     for _ in range(2):  # a new password on every run, the account made once
         result = run_cli(db_path, "demo")
