@@ -2948,6 +2948,11 @@ CARRIER_NAME_RULE = f"must be 1 to {MAX_CARRIER_NAME} characters on one line"
 CARRIER_TEMPLATE_RULE = ("must be an https:// or http:// address with {number} where the "
                          "tracking number goes")
 
+#: The dashboard's webhook form, when the server delivers to no private address (the
+#: allow-private-webhooks setting off): nothing is saved.
+WEBHOOK_ADDRESS_REFUSED = ("this server never delivers there: {reason} Give an address "
+                           "reachable from the internet")
+
 #: Money owed (docs/money.md). Payment terms: an invoice falls due this many days after it is
 #: issued (0: on receipt), the company's default or a customer's own.
 MAX_PAYMENT_TERMS = 365
@@ -7909,6 +7914,28 @@ def address_allowed(address):
     return ip.is_global and not ip.is_multicast
 
 
+def refused_address(host, infos):
+    """Why a delivery to host, which resolved to infos (getaddrinfo's), is refused, or None:
+    one of its addresses is loopback, private, link-local or reserved."""
+    for info in infos:
+        if not address_allowed(info[4][0]):
+            return (f"{host} resolves to {info[4][0]}, a loopback, private, link-local or "
+                    f"reserved address.")
+    return None
+
+
+def webhook_url_refused(url, timeout):
+    """Why this server will refuse every delivery to url, or None: its host resolves to an
+    address it does not deliver to (a host that does not resolve yet may later)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        infos = resolve(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                        timeout)
+    except (OSError, ValueError):
+        return None
+    return refused_address(parts.hostname, infos)
+
+
 def resolve(host, port, timeout):
     """getaddrinfo under the delivery deadline (it has no timeout of its own)."""
     answer = {}
@@ -7935,12 +7962,9 @@ def post_webhook(url, body, headers, timeout, allow_private=False):
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     infos = resolve(parts.hostname, port, timeout)
-    if not allow_private:
-        for info in infos:
-            if not address_allowed(info[4][0]):
-                raise DeliveryRefused(
-                    f"Refused: {parts.hostname} resolves to {info[4][0]}, a loopback, private, "
-                    f"link-local or reserved address.")
+    refused = None if allow_private else refused_address(parts.hostname, infos)
+    if refused:
+        raise DeliveryRefused(f"Refused: {refused}")
     sock, error = None, None
     for family, kind, proto, _, address in infos:
         remaining = deadline - time.monotonic()
@@ -11418,6 +11442,10 @@ def webhook_card(visit, hook):
 def create_webhook_action(visit):
     body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
             "isActive": "isActive" in visit.form}
+    refused = valid_http_url(body["url"]) and not visit.settings.allow_private_webhooks and \
+        webhook_url_refused(body["url"], visit.settings.webhook_timeout)
+    if refused:  # saved, it would only ever fail: say so now, and save nothing
+        raise invalid("url", WEBHOOK_ADDRESS_REFUSED.format(reason=refused))
     with visit.write() as conn:
         hook = create_webhook(conn, visit.company_id, body)
     visit.notice = render(WEBHOOK_CREATED, secret=hook["secret"])

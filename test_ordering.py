@@ -8906,6 +8906,34 @@ def test_webhook_form_shows_the_apis_messages(app, tenant, browser):
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM webhooks").fetchone()[0] == 0
 
 
+def test_the_webhook_form_refuses_an_address_the_server_never_delivers_to(database, monkeypatch):
+    addresses = {"hooks.internal.example": "10.0.0.5", "hooks.example": "93.184.216.34"}
+    monkeypatch.setattr(ordering, "resolve", lambda host, port, timeout: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (addresses[host], port))])
+    app = build_app(database, allow_private_webhooks=False)
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        make_staff(tenant)
+        browser = signed_in(app)
+        create = form_to(browser.get("/dashboard/webhooks"), "/dashboard/webhooks")
+        create["url"] = "https://hooks.internal.example/h"
+        create.get("events", index=0).checked = True
+        refused = create.submit(status=400)
+        assert field_error(refused, "url") == (
+            "this server never delivers there: hooks.internal.example resolves to 10.0.0.5, a "
+            "loopback, private, link-local or reserved address. Give an address reachable "
+            "from the internet")
+        assert tenant.db.conn.execute("SELECT COUNT(*) FROM webhooks").fetchone()[0] == 0
+        create = form_to(refused, "/dashboard/webhooks")
+        assert create["url"].value == "https://hooks.internal.example/h"
+        create["url"] = "https://hooks.example/h"
+        create.submit(status=200)
+        assert [row[0] for row in tenant.db.conn.execute("SELECT url FROM webhooks")] == [
+            "https://hooks.example/h"]
+    finally:
+        app.service.close(grace=0)
+
+
 # 10.2 Emails ---------------------------------------------------------------------------------
 
 def test_the_emails_page_shows_each_step_and_sends_a_failed_email_again(mailed, mail):
