@@ -2473,10 +2473,14 @@ ORDER_TRACKING = Template("carrier number url",
                           '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>')
 SHIPS_TO = Template("address", '<h2>Ships to</h2><address class="card">{address}</address>')
 
-NEW_ORDER = Template("customer lines error po notes", """\
-<p class="muted">Orders created here emit no order.created. Each line takes the customer's own \
-price where one is set (on the customer's page), else the catalog price.</p>\
-{customer}{lines}{error}{po}{notes}<button type="submit">Create order</button>""")
+NEW_ORDER = Template("customer lines count error address po notes", """\
+<p class="muted">Each line takes the customer's own price where one is set (on the customer's \
+page), else the catalog price; lines left at "(none)" are skipped.</p>\
+{customer}<input type="hidden" name="lineCount" value="{count}">{lines}{error}\
+<div><button type="submit" name="addLine" value="yes" class="secondary" formnovalidate>\
+Add a line</button></div>\
+<fieldset class="address"><legend>Ship to</legend>{address}</fieldset>{po}{notes}\
+<button type="submit">Create order</button>""")
 
 SHIP_FORM = Template("carrier number url", """\
 <h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
@@ -7092,6 +7096,26 @@ def decline_request(conn, company_id, request_id, admin_id, reason):
                         total=amount_text(money(request["total_cents"])))
 
 
+def staff_order(conn, company_id, customer_id, items, address, po_number=None, notes=None,
+                actor=None, placed_by=None):
+    """The dashboard's new order: for a customer staff chose, of items (the API's), shipped to
+    address (ADDRESS_FIELDS'), every refusal of the three at once, each at its field; placed as
+    place_order places it (no order.created)."""
+    details = [] if customer_id else [{"field": "customerId", "rule": "choose a customer"}]
+    if not items:
+        details.append({"field": "items", "rule": "choose at least one product"})
+    try:
+        address = parse_address(address)
+    except ApiError as error:
+        details += error.details
+    if details:
+        raise ApiError(400, VALIDATION_FAILED, details)
+    return place_order(conn, company_id, {"customerId": customer_id, "items": items,
+                                          "poNumber": po_number, "notes": notes},
+                       source="dashboard", shipping_address=address, actor=actor,
+                       placed_by=placed_by)
+
+
 # 11.3 Records as the database writes them ----------------------------------------------------
 # The API's reads of products and orders have the database write each record's JSON text (in
 # C, on either engine: see the engines' json_object), rather than reading every column into
@@ -9860,6 +9884,7 @@ class Visit:
         self.query = {name: query.get(name) for name in query}
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
+        self.kept = False  # a form shown again as it was sent, without errors
         self.shown = set()  # the fields whose messages the page shows beside them
         self.notice = None
         self.id_suffix = ""
@@ -9894,7 +9919,7 @@ class Visit:
         return {name: value for name, value in self.query.items() if value}
 
     def value(self, name, default=""):
-        if self.errors and name in self.form:
+        if (self.errors or self.kept) and name in self.form:
             return self.form.get(name)
         return "" if default is None else default
 
@@ -10483,37 +10508,51 @@ def orders_page(visit):
             numeric=("Total",))]), result)
 
 
-LINES_ON_NEW_ORDER = 5
+#: The lines a new order's form starts with; its "Add a line" button adds one at a time.
+LINES_ON_NEW_ORDER = 3
+
+
+def new_order_lines(visit):
+    """How many lines the new order's form has: as many as it was sent with (one more after
+    "Add a line"), within the API's limit."""
+    sent = visit.form.get("lineCount", "") if visit.form else ""
+    count = int(sent) if sent.isdigit() else LINES_ON_NEW_ORDER
+    return max(1, min(count + (visit.form.get("addLine") == "yes"), MAX_ORDER_LINES))
 
 
 @page("GET", "/dashboard/orders/new")
 def new_order_page(visit):
-    customers = customer_choices(visit.conn, visit.company_id)
+    customers = [("", "Choose a customer")] + customer_choices(visit.conn, visit.company_id)
     products = [("", "(none)")] + [
         (product_id, f"{name} ({sku or '-'}, stock {stock})")
         for product_id, name, sku, stock in product_choices(visit.conn, visit.company_id)]
+    count = new_order_lines(visit)
     lines = join(render(GRID, cells=join([
         visit.select(f"productId{n}", f"Product {n + 1}", products),
         visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "", kind="number", min="1")]))
-        for n in range(LINES_ON_NEW_ORDER))
+        for n in range(count))
     return visit.page("New order", visit.form_tag("/dashboard/orders", render(
         NEW_ORDER, customer=visit.select("customerId", "Customer", customers), lines=lines,
-        error=visit.error("items"), po=visit.field("poNumber", "PO number"),
+        count=count, error=visit.error("items"), address=join(
+            visit.field(name, label if required else label + " (optional)", maxlength=longest)
+            for name, label, longest, required in ADDRESS_FIELDS),
+        po=visit.field("poNumber", "PO number"),
         notes=visit.field("notes", "Notes", kind="textarea"))))
 
 
 @page("POST", "/dashboard/orders", refused=new_order_page)
 def create_order_action(visit):
-    items = []
-    for n in range(LINES_ON_NEW_ORDER):
-        if visit.form.get(f"productId{n}"):
-            quantity = form_number(visit.form, f"quantity{n}")
-            items.append({"productId": visit.form[f"productId{n}"], "quantity": quantity})
-    body = {"customerId": visit.form.get("customerId"), "items": items,
-            "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
+    if visit.form.get("addLine") == "yes":  # the same form, one line longer, as it was typed
+        visit.kept = True
+        return new_order_page(visit)
+    items = [{"productId": visit.form[f"productId{n}"],
+              "quantity": form_number(visit.form, f"quantity{n}")}
+             for n in range(new_order_lines(visit)) if visit.form.get(f"productId{n}")]
     with visit.write() as conn:
-        order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor,
-                            placed_by=visit.session["account_id"])
+        order = staff_order(conn, visit.company_id, visit.form.get("customerId"), items,
+                            visit.form, form_text(visit.form, "poNumber"),
+                            form_text(visit.form, "notes"), visit.actor,
+                            visit.session["account_id"])
     return redirect(f"/dashboard/orders/{order['id']}", "order")
 
 

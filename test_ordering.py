@@ -3065,6 +3065,13 @@ BUYER_ADDRESS = {"name": "Corner Cafe", "line1": "1 Harbour Road", "city": "Port
            "postalCode": "PO1 2AB", "country": "United Kingdom"}
 
 
+def shipped_to_buyer(form):
+    """The dashboard's new order form, its Ship to filled with BUYER_ADDRESS."""
+    for name, value in BUYER_ADDRESS.items():
+        form[name] = value
+    return form
+
+
 def shopper(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
     """(the customer, a browser signed in to the store as that customer)."""
     customer = store_buyer(app, tenant, email, status, **fields)
@@ -6503,10 +6510,10 @@ def test_dashboard_and_storefront_orders_take_the_customers_price_and_api_orders
 
     page = browser.get("/dashboard/orders/new")
     assert ("Each line takes the customer's own price where one is set (on the customer's "
-            "page), else the catalog price.") in page.html.get_text()
+            "page), else the catalog price;") in page.html.get_text()
     totals = {}
     for buyer in (customer, plain):
-        form = main_form(browser.get("/dashboard/orders/new"))
+        form = shipped_to_buyer(main_form(browser.get("/dashboard/orders/new")))
         form["customerId"], form["productId0"], form["quantity0"] = (
             buyer["id"], product["id"], "2")
         order_id = form.submit(status=303).location.rsplit("/", 1)[1].split("?")[0]
@@ -7100,6 +7107,7 @@ def test_order_created_in_the_dashboard_emits_no_order_created(app, tenant, brow
     product = tenant.product(stock=5)
     customer = tenant.customer()
     page = browser.get("/dashboard/orders/new")
+    shipped_to_buyer(main_form(page))
     main_form(page)["customerId"] = customer["id"]
     main_form(page)["productId0"] = product["id"]
     main_form(page)["quantity0"] = "2"
@@ -7117,6 +7125,7 @@ def test_order_form_shows_the_apis_stock_message(app, tenant, browser):
     product = tenant.product(name="Tea", stock=1)
     customer = tenant.customer()
     page = browser.get("/dashboard/orders/new")
+    shipped_to_buyer(main_form(page))
     main_form(page)["customerId"] = customer["id"]
     main_form(page)["productId0"] = product["id"]
     main_form(page)["quantity0"] = "2"
@@ -7125,6 +7134,46 @@ def test_order_form_shows_the_apis_stock_message(app, tenant, browser):
     assert ('Insufficient stock for product "Tea". Available: 1, requested: 2.'
             in refused.html.get_text())
     assert snapshot(app.service.db) == before
+
+
+def test_a_new_order_takes_any_number_of_lines_a_shipping_address_and_a_chosen_customer(
+        app, tenant, browser):
+    rice, tea, oil, salt = (tenant.product(name=name, stock=50, price_cents=100)
+                            for name in ("Rice", "Tea", "Oil", "Salt"))
+    customer = tenant.customer()
+    form = main_form(browser.get("/dashboard/orders/new"))
+    assert form["customerId"].value == "" and form["customerId"].options[0] == (
+        "", True, "Choose a customer")
+    assert [name for name in form.fields if (name or "").startswith("productId")] == [
+        "productId0", "productId1", "productId2"]
+    form["productId0"], form["quantity0"] = rice["id"], "2"
+    form["city"] = "Portsmouth"
+    refused = form.submit(status=400)  # no customer, no address: every message at once
+    assert [field_error(refused, name) for name in ("customerId", "name", "line1",
+                                                    "postalCode", "country")] == [
+        "choose a customer", "is required", "is required", "is required", "is required"]
+    assert len(errors_of(refused)) == 5  # none at the city, which was given
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+    form = form_to(refused, "/dashboard/orders")
+    assert (form["productId0"].value, form["quantity0"].value, form["city"].value) == (
+        rice["id"], "2", "Portsmouth")
+    for n, product in enumerate((tea, oil)):
+        form[f"productId{n + 1}"], form[f"quantity{n + 1}"] = product["id"], str(n + 3)
+    longer = form.submit("addLine", status=200)  # a line more, with what was typed kept
+    form = form_to(longer, "/dashboard/orders")
+    assert [form[f"productId{n}"].value for n in range(4)] == [
+        rice["id"], tea["id"], oil["id"], ""]
+    assert form["city"].value == "Portsmouth" and not errors_of(longer)
+    shipped_to_buyer(form)
+    form["customerId"], form["productId3"], form["quantity3"] = customer["id"], salt["id"], "1"
+    placed = form.submit(status=303).follow()
+    assert placed.html.find("h1").get_text() == "Order 1001"
+    assert placed.html.find("h2", string="Ships to").find_next("address").get_text("|") == \
+        "Corner Cafe|1 Harbour Road|Portsmouth|PO1 2AB|United Kingdom"
+    order = ordering.order_with_items(tenant.db.conn, tenant.id, placed.request.path.rsplit(
+        "/", 1)[1])
+    assert [(item["productName"], item["quantity"]) for item in order["items"]] == [
+        ("Rice", 2), ("Tea", 3), ("Oil", 4), ("Salt", 1)]
 
 
 def test_orders_list_filters_search_and_pages(app, tenant, browser):
@@ -11408,7 +11457,7 @@ def test_quantity_rules_and_price_breaks_hold_at_every_storefront_and_dashboard_
     order = ordering.order_with_items(tenant.db.conn, tenant.id, placed.split("?")[0])
     assert (order["items"][0]["quantity"], order["items"][0]["unitPrice"]) == (50, 38)
 
-    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form = shipped_to_buyer(form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders"))
     form["customerId"], form["productId0"], form["quantity0"] = customer["id"], rice["id"], "7"
     refused = form.submit(status=400)
     assert html_text(ordering.QUANTITY_RULE.format(
@@ -11463,7 +11512,7 @@ def test_a_price_group_gives_its_customers_the_lowest_price_and_the_cart_says_wh
     placed = place(api, tenant, [{"productId": tea["id"], "quantity": 1}],
                    customer_id=customer["id"]).json["data"]
     assert placed["items"][0]["unitPrice"] == 10  # the API's orders: the catalog price
-    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form = shipped_to_buyer(form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders"))
     form["customerId"], form["productId0"], form["quantity0"] = customer["id"], tea["id"], "2"
     made = form.submit(status=303).location.split("/orders/")[1].split("?")[0]
     assert ordering.order_with_items(tenant.db.conn, tenant.id, made)["items"][0][
@@ -13888,7 +13937,8 @@ def test_every_change_on_the_dashboard_says_what_it_did_in_a_status_element(app,
     page, said = done(page, "/status")
     assert said == "Saved: the customer is active and may order at the store."
     page, said = done(browser.get("/dashboard/orders/new"), "/dashboard/orders",
-                      customerId=customer["id"], productId0=product_id, quantity0="2")
+                      customerId=customer["id"], productId0=product_id, quantity0="2",
+                      **BUYER_ADDRESS)
     assert said == "Saved: the order is placed."
     order_path = page.request.path
     page, said = done(page, "/status", {"status": "CONFIRMED"})
