@@ -14697,7 +14697,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
 
         browser.open(f"{store}/orders/{order_id}")
         card = driver.find_element("css selector", ".tracking")
-        assert "CARRIER_B" in card.text and "TN-4242" in card.text
+        assert "Carrier B" in card.text and "TN-4242" in card.text
         assert card.find_element("tag name", "a").get_attribute("href") == \
             "https://tracking.carrier-b.example/parcels/TN-4242"
         returns = browser.form("/returns")
