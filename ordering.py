@@ -10797,10 +10797,13 @@ def product_page(visit, product_id):
 
 def movements_table(visit, product_id):
     """A product's most recent stock movements, newest first, with what each belongs to."""
-    rows = []
-    for movement in map(movement_json, stock_history(visit.conn, visit.company_id, product_id)):
-        of = (link(f"/dashboard/orders/{movement['orderId']}", movement["orderId"])
-              if movement["orderId"] else "")
+    rows, movements = [], list(map(movement_json, stock_history(visit.conn, visit.company_id,
+                                                                 product_id)))
+    numbers = order_numbers(visit.conn, visit.company_id,
+                            [movement["orderId"] for movement in movements if movement["orderId"]])
+    for movement in movements:
+        of = (link(f"/dashboard/orders/{movement['orderId']}",
+                   f"order {numbers[movement['orderId']]}") if movement["orderId"] else "")
         if movement["returnId"]:
             of = join([of, render(" return {r}", r=movement["returnId"])])
         actor = movement["actor"]

@@ -6156,6 +6156,8 @@ def test_staff_adjust_and_count_on_the_stock_page_and_the_product_page_lists_mov
     assert ordering.CSRF_REFUSED in response.text
     browser.post(path + "/stock/melt", {"csrf": csrf}, status=404)
     assert stock_state() == before
+    place(api, tenant, [{"productId": product["id"], "quantity": 2}])
+    assert movement_rows(browser.get(path))[0][1:5] == ["-2", "13", "order", "order 1001"]
 
 
 # 8.5 Customers -------------------------------------------------------------------------------
