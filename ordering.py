@@ -6625,7 +6625,7 @@ def order_search(conn, company_id, text):
     the text, ignoring ASCII case (each served by an index, so a search costs the same at any
     number of orders)."""
     text = text.strip()
-    if re.fullmatch(r"#?[0-9]{1,18}", text) and conn.execute(
+    if re.fullmatch(r"#?[0-9]{1,9}", text) and conn.execute(
             "SELECT 1 FROM orders WHERE company_id = ? AND number = ?",
             (company_id, int(text.lstrip("#")))).fetchone():
         return "number = ?", [int(text.lstrip("#"))]

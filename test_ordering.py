@@ -7203,7 +7203,7 @@ def test_orders_list_filters_search_and_pages(app, tenant, browser):
     assert listed("?search=012")[0] == []
     assert listed(f"?search={orders[3]['id']}")[0] == [numbers[3]]
     assert listed("?search=1042")[0] == listed("?search=%231042")[0] == ["1042"]
-    assert listed("?search=1061")[0] == []
+    assert listed("?search=1061")[0] == listed("?search=99999999999")[0] == []
     assert listed("?since=2999-01-01")[0] == []
     assert len(listed("?until=2999-01-01")[0]) == 50
 
