@@ -2195,7 +2195,8 @@ def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, s
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
                    "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
-                   "/dashboard/billing", "/dashboard/emails", "/dashboard/settings")
+                   "/dashboard/billing", "/dashboard/emails", "/dashboard/settings",
+                   "/dashboard/settings/carriers")
 
 
 def dashboard_order(tenant, status="SUBMITTED", quantity=1):
