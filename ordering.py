@@ -175,7 +175,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -704,6 +704,12 @@ MIGRATIONS = {
          add_column("products", "order_multiple INTEGER NOT NULL DEFAULT 1 CHECK "
                                 "(order_multiple >= 1)"),
          add_column("products", "price_breaks TEXT")),
+    # Order numbers: each company's orders numbered from 1001 in the order they were placed
+    # (their IDs' order); the next order takes the number after its company's highest.
+    12: (add_column("orders", "number INTEGER"),
+         "UPDATE orders SET number = numbered.number FROM (SELECT id, 1000 + ROW_NUMBER() "
+         "OVER (PARTITION BY company_id ORDER BY id) AS number FROM orders) AS numbered "
+         "WHERE orders.id = numbered.id AND orders.number IS NULL"),
 }
 
 
@@ -2290,18 +2296,18 @@ EMAIL_LAYOUT = """<!doctype html>
 
 EMAIL_TEMPLATES = {
     "order_shipped": EmailTemplate(
-        subject="Your order {orderId} has shipped",
-        text="Hello {customerName},\n\nYour order {orderId} has shipped.\n\n{facts}\n",
-        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderId}</strong> has "
+        subject="Your order {orderNumber} has shipped",
+        text="Hello {customerName},\n\nYour order {orderNumber} has shipped.\n\n{facts}\n",
+        html="<p>Hello {customerName},</p>\n<p>Your order <strong>{orderNumber}</strong> has "
              "shipped.</p>\n{facts}"),
     "order_confirmation": EmailTemplate(
-        subject="We received your order {orderId}",
-        text="Hello {customerName},\n\nThank you for your order {orderId}.\n\n{facts}\n\n"
+        subject="We received your order {orderNumber}",
+        text="Hello {customerName},\n\nThank you for your order {orderNumber}.\n\n{facts}\n\n"
              "{lines}\n",
-        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderId}"
+        html="<p>Hello {customerName},</p>\n<p>Thank you for your order <strong>{orderNumber}"
              "</strong>.</p>\n{facts}\n{lines}"),
     "order_alert": EmailTemplate(
-        subject="New storefront order {orderId} from {customerName}",
+        subject="New storefront order {orderNumber} from {customerName}",
         text="A new order came in from the storefront.\n\n{facts}\n\n{lines}\n\n"
              "Open it in the dashboard: {link}\n",
         html="<p>A new order came in from the storefront.</p>\n{facts}\n{lines}\n"
@@ -2376,13 +2382,13 @@ EMAIL_TEMPLATES = {
              "just changed, and every other signed-in browser signed out. If it was not you, "
              '<a href="{link}">set a new one at once</a>.</p>'),
     "order_cancelled": EmailTemplate(
-        subject="Your order {orderId} is cancelled",
-        text="Hello {customerName},\n\n{store} cancelled your order {orderId}.\n\n{facts}\n\n"
+        subject="Your order {orderNumber} is cancelled",
+        text="Hello {customerName},\n\n{store} cancelled your order {orderNumber}.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
-        html="<p>Hello {customerName},</p>\n<p>{store} cancelled your order <strong>{orderId}"
+        html="<p>Hello {customerName},</p>\n<p>{store} cancelled your order <strong>{orderNumber}"
              '</strong>.</p>\n{facts}\n<p><a href="{link}">See it in the store</a></p>'),
     "return_approved": EmailTemplate(
-        subject="Your return for order {orderId} is approved",
+        subject="Your return for order {orderNumber} is approved",
         text="Hello {customerName},\n\n{store} approved your return. Send the goods back as "
              "agreed; we will write again when they are refunded.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
@@ -2390,7 +2396,7 @@ EMAIL_TEMPLATES = {
              "back as agreed; we will write again when they are refunded.</p>\n{facts}\n"
              '<p><a href="{link}">See it in the store</a></p>'),
     "return_refunded": EmailTemplate(
-        subject="Your return for order {orderId} is refunded",
+        subject="Your return for order {orderNumber} is refunded",
         text="Hello {customerName},\n\n{store} refunded your return.\n\n{facts}\n\n"
              "See it in the store: {link}\n",
         html="<p>Hello {customerName},</p>\n<p>{store} refunded your return.</p>\n{facts}\n"
@@ -2487,10 +2493,14 @@ ORDER_TRACKING = Template("carrier number url",
                           '{carrier} {number} <a href="{url}" rel="noreferrer">{url}</a>')
 SHIPS_TO = Template("address", '<h2>Ships to</h2><address class="card">{address}</address>')
 
-NEW_ORDER = Template("customer lines error po notes", """\
-<p class="muted">Orders created here emit no order.created. Each line takes the customer's own \
-price where one is set (on the customer's page), else the catalog price.</p>\
-{customer}{lines}{error}{po}{notes}<button type="submit">Create order</button>""")
+NEW_ORDER = Template("customer lines count error address po notes", """\
+<p class="muted">Each line takes the customer's own price where one is set (on the customer's \
+page), else the catalog price; lines left at "(none)" are skipped.</p>\
+{customer}<input type="hidden" name="lineCount" value="{count}">{lines}{error}\
+<div><button type="submit" name="addLine" value="yes" class="secondary" formnovalidate>\
+Add a line</button></div>\
+<fieldset class="address"><legend>Ship to</legend>{address}</fieldset>{po}{notes}\
+<button type="submit">Create order</button>""")
 
 SHIP_FORM = Template("carrier number url", """\
 <h3>Ship</h3><input type="hidden" name="status" value="SHIPPED">\
@@ -2594,11 +2604,21 @@ SETTINGS_FORM = Template(
     "server mail_name reply_to alerts reports buyer_emails approval tax_rate terms stripe", """\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{reports}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
+<h2>Carriers</h2><p><a href="/dashboard/settings/carriers">Carriers' names and tracking links\
+</a></p>\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
 become invoice.paid and are listed under Billing. The operator of the service maps it \
 (company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
 customer receives that customer's invoices.</p><div><button type="submit">Save</button></div>""")
+
+#: The Carriers page (Settings): a name and a tracking link for each carrier, in one form.
+CARRIERS_FORM = Template("carriers", """\
+<p class="muted">Buyers read a carrier's name on their order and in the shipping email, and \
+follow its tracking link, where {{number}} stands for the tracking number (as in \
+https://tracking.example/track?n={{number}}). For another carrier, staff give the link as they \
+ship.</p>{carriers}<div><button type="submit">Save</button></div>""")
+CARRIER_FIELDS = Template("code fields", "<fieldset><legend>{code}</legend>{fields}</fieldset>")
 
 
 # 4.4 Storefront pages ------------------------------------------------------------------------
@@ -3023,6 +3043,19 @@ REPLY_TO_MESSAGE = "Reply-to must be an email address."
 STAFF_ALERTS_MESSAGE = (f"Staff alerts must be at most {MAX_STAFF_ALERTS} email addresses, "
                         "separated by commas.")
 
+#: A company's carriers (Settings, Carriers): each of the spec's codes but OTHER has a name
+#: and a tracking-link template, whose {number} the tracking number replaces.
+NAMED_CARRIERS = CARRIERS[:-1]
+MAX_CARRIER_NAME = 60
+CARRIER_NAME_RULE = f"must be 1 to {MAX_CARRIER_NAME} characters on one line"
+CARRIER_TEMPLATE_RULE = ("must be an https:// or http:// address with {number} where the "
+                         "tracking number goes")
+
+#: The dashboard's webhook form, when the server delivers to no private address (the
+#: allow-private-webhooks setting off): nothing is saved.
+WEBHOOK_ADDRESS_REFUSED = ("this server never delivers there: {reason} Give an address "
+                           "reachable from the internet")
+
 #: Money owed (docs/money.md). Payment terms: an invoice falls due this many days after it is
 #: issued (0: on receipt), the company's default or a customer's own.
 MAX_PAYMENT_TERMS = 365
@@ -3030,6 +3063,8 @@ PAYMENT_TERMS_MESSAGE = (f"Payment terms must be a whole number of days from 0 t
                          f"{MAX_PAYMENT_TERMS}.")
 #: How invoices and credit notes are numbered, each in its own sequence per company.
 INVOICE_NUMBER = "INV-{:06d}"
+#: A company's first order's number (people say "order 1001", not "order 1").
+FIRST_ORDER_NUMBER = 1001
 CREDIT_NOTE_NUMBER = "CN-{:06d}"
 INVOICE_STATUSES = ("OPEN", "PAID", "VOID")
 #: A payment's method and reference, as staff type them.
@@ -3814,6 +3849,47 @@ def update_company(conn, company_id, changes):
     return company_json(load_company(conn, company_id))
 
 
+def company_carriers(conn, company_id, templates=DEFAULT_TRACKING_URL_TEMPLATES):
+    """{code: {"name", "template"}} of each of the spec's carrier codes: the company's own
+    name and template where Settings set them, else "Carrier A" (and so on) and templates'
+    (the server's: ORDERING_TRACKING_URL_TEMPLATES). OTHER has no template: its URL is given
+    with each shipment."""
+    carriers = {code: {"name": code.replace("_", " ").title(), "template": templates.get(code)}
+                for code in CARRIERS}
+    carriers["OTHER"]["name"] = "Other carrier"
+    for row in conn.execute("SELECT code, name, url_template FROM carriers WHERE "
+                            "company_id = ?", (company_id,)):
+        carriers[row["code"]] = {"name": row["name"], "template": row["url_template"]}
+    return carriers
+
+
+def set_company_carriers(conn, company_id, carriers, templates=DEFAULT_TRACKING_URL_TEMPLATES):
+    """Names and tracking-link templates of some of the company's carriers ({code: {"name",
+    "template"}}, codes of NAMED_CARRIERS); every refusal at once, each at its field
+    (CODE.name, CODE.template). A carrier set to its defaults (company_carriers', of
+    templates) keeps no row, so that it follows the server's template if that changes."""
+    defaults = company_carriers(conn, None, templates)
+    details, rows = [], []
+    for code, carrier in carriers.items():
+        if code not in NAMED_CARRIERS:
+            raise invalid("code", f"must be one of {', '.join(NAMED_CARRIERS)}")
+        name = one_line(carrier.get("name"))
+        template = (carrier.get("template") or "").strip()
+        if not 1 <= len(name) <= MAX_CARRIER_NAME:
+            details.append({"field": f"{code}.name", "rule": CARRIER_NAME_RULE})
+        if not valid_http_url(template) or "{number}" not in template:
+            details.append({"field": f"{code}.template", "rule": CARRIER_TEMPLATE_RULE})
+        rows.append((company_id, code, name, template))
+    if details:
+        raise ApiError(400, VALIDATION_FAILED, details=details)
+    conn.executemany("DELETE FROM carriers WHERE company_id = ? AND code = ?",
+                     [row[:2] for row in rows])
+    conn.executemany("INSERT INTO carriers (company_id, code, name, url_template) "
+                     "VALUES (?, ?, ?, ?)", [row for row in rows if defaults[row[1]] != {
+                         "name": row[2], "template": row[3]}])
+    return company_carriers(conn, company_id, templates)
+
+
 def company_with_slug(conn, slug):
     """The company whose storefront is at this slug, or None."""
     return conn.execute("SELECT * FROM companies WHERE slug = ?", (slug,)).fetchone()
@@ -4576,6 +4652,18 @@ def order_prices(conn, source, customer_id, products, wanted):
             for product_id, units in wanted.items()}
 
 
+def order_number(conn, order_id):
+    """The number people call an order by (1001, 1002, ... in its company)."""
+    return conn.execute("SELECT number FROM orders WHERE id = ?", (order_id,)).fetchone()[0]
+
+
+def next_in_sequence(conn, table, company_id, column="sequence", first=1):
+    """The company's next number in table's sequence (first, for its first): the write lock
+    of the caller's transaction keeps two writers from taking the same one."""
+    return conn.execute(f"SELECT COALESCE(MAX({column}), ?) + 1 FROM {table} "
+                        "WHERE company_id = ?", (first - 1, company_id)).fetchone()[0]
+
+
 def place_order(conn, company_id, body, source="api", shipping_address=None,
                 checkout_token=None, actor=None, placed_by=None, approved_by=None):
     """POST /api/v1/orders in the spec's processing order, and the dashboard's and the
@@ -4610,13 +4698,15 @@ def place_order(conn, company_id, body, source="api", shipping_address=None,
         raise invalid("items", "order total is too large")
     rate = tax_rate_of(conn, company_id, customer)  # frozen on the order, whatever comes later
     order_id, at = new_id_at("ord")
+    number = next_in_sequence(conn, "orders", company_id, "number", FIRST_ORDER_NUMBER)
     conn.execute(
         "INSERT INTO orders (id, company_id, customer_id, status, po_number, notes, total_cents, "
         "source, shipping_address, checkout_token, tax_rate, tax_cents, placed_by, approved_by, "
-        "created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "number, created_at, updated_at) "
+        "VALUES (?, ?, ?, 'SUBMITTED', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (order_id, company_id, customer_id, po_number, notes, total, source,
          shipping_address and json_text(shipping_address), checkout_token, rate,
-         tax_cents(total, rate), placed_by, approved_by, at, at))
+         tax_cents(total, rate), placed_by, approved_by, number, at, at))
     items = [{"id": new_id("oi"), "quantity": quantity, "unit_price_cents": prices[product_id],
               "product_id": product_id, "product_name": products[product_id]["name"],
               "product_sku": products[product_id]["sku"]} for product_id, quantity in lines]
@@ -4709,18 +4799,18 @@ def queue_order_emails(conn, company, customer, order, contact=None):
     customer's own address, for the operator's command), and an alert to each of the company's
     staff addresses (orders from the API or the dashboard send neither)."""
     lines = email_lines(order["items"])
-    rate, tax = conn.execute("SELECT tax_rate, tax_cents FROM orders WHERE id = ?",
-                             (order["id"],)).fetchone()
+    rate, tax, number = conn.execute("SELECT tax_rate, tax_cents, number FROM orders "
+                                     "WHERE id = ?", (order["id"],)).fetchone()
     # the customer's own contact is the customer, by its (business) name
     other = contact is not None and contact["email_key"] != customer["email_key"]
     to = contact if other else customer
-    common = {"orderId": order["id"], "customerName": to["name"] or to["email"],
+    common = {"orderId": order["id"], "orderNumber": number, "customerName": to["name"] or to["email"],
               "lines": lines, "total": order["total"], "taxRate": rate, "tax": money(tax)}
     po_number = ["PO number", order["poNumber"] or "none"]
     queue_email(conn, company["id"], "order_confirmation", to["email"], dict(
-        common, facts=[["Order", order["id"]], po_number]), to_name=to["name"])
+        common, facts=[["Order", number], po_number]), to_name=to["name"])
     alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
-        ["Order", order["id"]], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
+        ["Order", number], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
         po_number] + ([["Placed by", f"{contact['name'] or ''} <{contact['email']}>"]]
                       if other else []))
     for address in json.loads(company["staff_alerts"] or "[]"):
@@ -4742,16 +4832,18 @@ def order_people(conn, order):
 
 
 def queue_buyer_notice(conn, company_id, customer_id, order_id, kind, facts):
-    """An email of one of BUYER_NOTICES' kinds about an order to its customer, with a link to
-    the order in the store, unless the company turned that kind off (or there is no one to
-    tell)."""
+    """An email of one of BUYER_NOTICES' kinds about an order to its customer (facts after the
+    order's number), with a link to the order in the store, unless the company turned that
+    kind off (or there is no one to tell)."""
     company = load_company(conn, company_id)
     if not customer_id or kind in json.loads(company["buyer_emails_off"] or "[]"):
         return None
     customer = load_customer(conn, company_id, customer_id)
+    number = order_number(conn, order_id)
     return queue_email(conn, company_id, kind, customer["email"], {
-        "orderId": order_id, "customerName": customer["name"] or customer["email"],
-        "store": company["name"], "facts": facts,
+        "orderId": order_id, "orderNumber": number,
+        "customerName": customer["name"] or customer["email"], "store": company["name"],
+        "facts": [["Order", number]] + facts,
         "path": f"/store/{company['slug']}/orders/{order_id}"}, to_name=customer["name"])
 
 
@@ -4781,12 +4873,6 @@ def buyer_invoice(conn, company_id, customer_id, invoice_id):
 
 def load_credit_note(conn, company_id, credit_note_id):
     return load_row(conn, "credit_notes", "Credit note", company_id, credit_note_id)
-
-
-def next_in_sequence(conn, table, company_id):
-    """The company's next number in table's sequence (1 for its first)."""
-    return conn.execute(f"SELECT COALESCE(MAX(sequence), 0) + 1 FROM {table} "
-                        "WHERE company_id = ?", (company_id,)).fetchone()[0]
 
 
 def first_reminder_at(due_at):
@@ -4861,7 +4947,8 @@ def queue_invoice_email(conn, company_id, customer, invoice, kind):
         "store": company["name"], "path": f"/store/{company['slug']}/invoices/{invoice['id']}",
         "lines": lines, "total": money(invoice["subtotal_cents"]),
         "taxRate": invoice["tax_rate"], "tax": money(invoice["tax_cents"]),
-        "facts": [["Order", invoice["order_id"]], ["Issued", invoice["issued_at"][:10]],
+        "facts": [["Order", order_number(conn, invoice["order_id"])],
+                  ["Issued", invoice["issued_at"][:10]],
                   *invoice_facts(conn, invoice, total=False)]}, to_name=customer["name"])
 
 
@@ -5176,21 +5263,25 @@ def queue_shipping_email(conn, company_id, order):
     one a shipment issues: no email of its own goes with it) and, when the order has
     tracking, the carrier, the tracking number and the tracking URL."""
     customer = load_customer(conn, company_id, order["customerId"])
-    facts = [["Order", order["id"]], ["PO number", order["poNumber"] or "none"]]
+    number = order_number(conn, order["id"])
+    facts = [["Order", number], ["PO number", order["poNumber"] or "none"]]
     if order["tracking"]:
-        facts += [["Carrier", order["tracking"]["carrier"]],
+        carrier = company_carriers(conn, company_id)[order["tracking"]["carrier"]]["name"]
+        facts += [["Carrier", carrier],
                   ["Tracking number", order["tracking"]["number"]],
                   ["Track it", order["tracking"]["url"], order["tracking"]["url"]]]
     invoice = order_invoice(conn, order["id"])
     if invoice is not None:
         facts += invoice_facts(conn, invoice)
     queue_email(conn, company_id, "order_shipped", customer["email"], {
-        "orderId": order["id"], "customerName": customer["name"] or customer["email"],
-        "facts": facts}, to_name=customer["name"])
+        "orderId": order["id"], "orderNumber": number,
+        "customerName": customer["name"] or customer["email"], "facts": facts},
+        to_name=customer["name"])
 
 
-def parse_status_update(body, templates):
-    """The body of PATCH /api/v1/orders/{id}: (status, tracking or None)."""
+def parse_status_update(body, carriers):
+    """The body of PATCH /api/v1/orders/{id}: (status, tracking or None). A named carrier's
+    URL, unless given, comes from its template in carriers (company_carriers')."""
     require_object(body)
     status = body.get("status")
     if status not in ORDER_STATUSES:
@@ -5213,7 +5304,8 @@ def parse_status_update(body, templates):
     if url is None or url == "":
         if carrier == "OTHER":
             raise ApiError(400, TRACKING_URL_REQUIRED)
-        url = templates[carrier].format(number=urllib.parse.quote(number, safe=""))
+        url = carriers[carrier]["template"].replace(
+            "{number}", urllib.parse.quote(number, safe=""))
     elif not valid_http_url(url):
         raise invalid("tracking.url", f"must be an http or https URL of at most {MAX_URL} characters")
     return status, {"carrier": carrier, "number": number, "url": url}
@@ -5263,8 +5355,7 @@ def update_order_status(conn, company_id, order_id, status, tracking=None, sourc
     elif status == "CANCELLED":
         emit(conn, company_id, "order.cancelled", summary)
         queue_buyer_notice(conn, company_id, order["customerId"], order_id, "order_cancelled", [
-            ["Order", order_id], ["PO number", order["poNumber"] or "none"],
-            ["Reason", reason or "none given"]])
+            ["PO number", order["poNumber"] or "none"], ["Reason", reason or "none given"]])
     return order
 
 
@@ -5444,8 +5535,7 @@ def approve_return(conn, company_id, return_id):
         "id": row["id"], "orderId": row["order_id"], "customerId": row["customer_id"],
         "status": "APPROVED"})
     queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"],
-                       "return_approved", [["Order", row["order_id"]],
-                                           ["Reason given", row["reason"]]])
+                       "return_approved", [["Reason given", row["reason"]]])
     return returns_json(conn, [row])[0]
 
 
@@ -5499,7 +5589,7 @@ def refund_return(conn, company_id, return_id, method, good_units, damaged_units
     note = issue_credit_note(conn, company_id, row["customer_id"], refund_id, amount_cents,
                              at) if method == "CREDIT" else None
     queue_buyer_notice(conn, company_id, row["customer_id"], row["order_id"], "return_refunded",
-                       [["Order", row["order_id"]], ["Refund", amount_text(money(amount_cents))],
+                       [["Refund", amount_text(money(amount_cents))],
                         ["How", f"credit note {note['number']}, for your invoices" if note else
                          "as a credit toward your invoices" if method == "CREDIT" else
                          "paid back outside the store, as agreed with you"]])
@@ -6728,11 +6818,26 @@ def customer_emails(conn, company_id, ids):
         ids) if row["company_id"] == company_id}
 
 
+def order_numbers(conn, company_id, ids):
+    """{order ID: number} for these IDs of the company's orders."""
+    ids = list(set(ids))
+    if not ids:  # PostgreSQL has no empty IN ()
+        return {}
+    return dict(tuple(row) for row in conn.execute(
+        f"SELECT id, number FROM orders WHERE company_id = ? AND id IN "
+        f"({','.join('?' * len(ids))})", [company_id, *ids]))
+
+
 def order_search(conn, company_id, text):
-    """The orders list's search as a filter and its parameters: the order with that ID, else
-    the orders whose PO number begins with the text, ignoring ASCII case (both served by an
-    index, so a search costs the same at any number of orders)."""
+    """The orders list's search as a filter and its parameters: the order of that number
+    (1042 or #1042), else the order with that ID, else the orders whose PO number begins with
+    the text, ignoring ASCII case (each served by an index, so a search costs the same at any
+    number of orders)."""
     text = text.strip()
+    if re.fullmatch(r"#?[0-9]{1,9}", text) and conn.execute(
+            "SELECT 1 FROM orders WHERE company_id = ? AND number = ?",
+            (company_id, int(text.lstrip("#")))).fetchone():
+        return "number = ?", [int(text.lstrip("#"))]
     if conn.execute("SELECT 1 FROM orders WHERE id = ? AND company_id = ?",
                     (text, company_id)).fetchone():
         return "id = ?", [text]
@@ -7200,6 +7305,26 @@ def decline_request(conn, company_id, request_id, admin_id, reason):
                         total=amount_text(money(request["total_cents"])))
 
 
+def staff_order(conn, company_id, customer_id, items, address, po_number=None, notes=None,
+                actor=None, placed_by=None):
+    """The dashboard's new order: for a customer staff chose, of items (the API's), shipped to
+    address (ADDRESS_FIELDS'), every refusal of the three at once, each at its field; placed as
+    place_order places it (no order.created)."""
+    details = [] if customer_id else [{"field": "customerId", "rule": "choose a customer"}]
+    if not items:
+        details.append({"field": "items", "rule": "choose at least one product"})
+    try:
+        address = parse_address(address)
+    except ApiError as error:
+        details += error.details
+    if details:
+        raise ApiError(400, VALIDATION_FAILED, details)
+    return place_order(conn, company_id, {"customerId": customer_id, "items": items,
+                                          "poNumber": po_number, "notes": notes},
+                       source="dashboard", shipping_address=address, actor=actor,
+                       placed_by=placed_by)
+
+
 # 11.3 Records as the database writes them ----------------------------------------------------
 # The API's reads of products and orders have the database write each record's JSON text (in
 # C, on either engine: see the engines' json_object), rather than reading every column into
@@ -7293,7 +7418,7 @@ def api_orders(conn, company_id, query):
 
 #: What export writes, and the columns of each (the products' are what an import reads).
 EXPORT_COLUMNS = {
-    "orders": ("order_id", "placed_at", "status", "customer_email", "customer_name",
+    "orders": ("order_number", "order_id", "placed_at", "status", "customer_email", "customer_name",
                "po_number", "sku", "product", "quantity", "unit_price", "line_total",
                "order_subtotal", "order_tax", "order_total"),
     "products": ("sku", "name", "category", "unit", "price", "stock", "low_stock_threshold",
@@ -7302,8 +7427,8 @@ EXPORT_COLUMNS = {
     "customers": ("email", "name", "status", "credit_limit", "tax_rate_override",
                   "payment_terms_days", "notes", "id"),
     "prices": ("customer_email", "group", "sku", "product", "price"),
-    "invoices": ("number", "issued", "due", "status", "customer_email", "order_id", "subtotal",
-                 "tax", "total", "paid", "credited", "balance"),
+    "invoices": ("number", "issued", "due", "status", "customer_email", "order_number",
+                 "order_id", "subtotal", "tax", "total", "paid", "credited", "balance"),
 }
 EXPORT_BATCH = 500
 _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")
@@ -7362,9 +7487,9 @@ def _order_rows(conn, company_id, since, until):
         for order in orders:
             total = order["total_cents"]
             for item in items[order["id"]]:
-                yield (order["id"], order["created_at"], order["status"], order["email"],
-                       order["customer_name"], order["po_number"], item["product_sku"],
-                       item["product_name"], item["quantity"],
+                yield (order["number"], order["id"], order["created_at"], order["status"],
+                       order["email"], order["customer_name"], order["po_number"],
+                       item["product_sku"], item["product_name"], item["quantity"],
                        decimal_text(item["unit_price_cents"]),
                        decimal_text(item["unit_price_cents"] * item["quantity"]),
                        decimal_text(total), decimal_text(order["tax_cents"]),
@@ -7405,14 +7530,16 @@ def _price_rows(conn, company_id, since, until):
 
 
 def _invoice_rows(conn, company_id, since, until):
-    for invoices in in_batches(conn, "SELECT t.*, c.email FROM customer_invoices t LEFT JOIN "
-                                     "customers c ON c.id = t.customer_id "
+    for invoices in in_batches(conn, "SELECT t.*, c.email, o.number AS order_number FROM "
+                                     "customer_invoices t LEFT JOIN customers c ON "
+                                     "c.id = t.customer_id JOIN orders o ON o.id = t.order_id "
                                      "WHERE t.company_id = ?", [company_id], since, until):
         for i in invoices:
             yield (i["number"], i["issued_at"][:10], i["due_at"][:10], i["status"], i["email"],
-                   i["order_id"], decimal_text(i["subtotal_cents"]), decimal_text(i["tax_cents"]),
-                   decimal_text(i["total_cents"]), decimal_text(i["paid_cents"]),
-                   decimal_text(i["credited_cents"]), decimal_text(balance_cents(i)))
+                   i["order_number"], i["order_id"], decimal_text(i["subtotal_cents"]),
+                   decimal_text(i["tax_cents"]), decimal_text(i["total_cents"]),
+                   decimal_text(i["paid_cents"]), decimal_text(i["credited_cents"]),
+                   decimal_text(balance_cents(i)))
 
 
 _EXPORT_ROWS = {"orders": _order_rows, "products": _product_rows,
@@ -8020,6 +8147,28 @@ def address_allowed(address):
     return ip.is_global and not ip.is_multicast
 
 
+def refused_address(host, infos):
+    """Why a delivery to host, which resolved to infos (getaddrinfo's), is refused, or None:
+    one of its addresses is loopback, private, link-local or reserved."""
+    for info in infos:
+        if not address_allowed(info[4][0]):
+            return (f"{host} resolves to {info[4][0]}, a loopback, private, link-local or "
+                    f"reserved address.")
+    return None
+
+
+def webhook_url_refused(url, timeout):
+    """Why this server will refuse every delivery to url, or None: its host resolves to an
+    address it does not deliver to (a host that does not resolve yet may later)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        infos = resolve(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                        timeout)
+    except (OSError, ValueError):
+        return None
+    return refused_address(parts.hostname, infos)
+
+
 def resolve(host, port, timeout):
     """getaddrinfo under the delivery deadline (it has no timeout of its own)."""
     answer = {}
@@ -8046,12 +8195,9 @@ def post_webhook(url, body, headers, timeout, allow_private=False):
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     infos = resolve(parts.hostname, port, timeout)
-    if not allow_private:
-        for info in infos:
-            if not address_allowed(info[4][0]):
-                raise DeliveryRefused(
-                    f"Refused: {parts.hostname} resolves to {info[4][0]}, a loopback, private, "
-                    f"link-local or reserved address.")
+    refused = None if allow_private else refused_address(parts.hostname, infos)
+    if refused:
+        raise DeliveryRefused(f"Refused: {refused}")
     sock, error = None, None
     for family, kind, proto, _, address in infos:
         remaining = deadline - time.monotonic()
@@ -8757,7 +8903,8 @@ class Api:
     @route("PATCH", "/api/v1/orders/<order_id>", "orders:write")
     def update_order(call, order_id):
         """Update an order's status and tracking"""
-        status, tracking = parse_status_update(call.body, call.settings.tracking_url_templates)
+        status, tracking = parse_status_update(call.body, company_carriers(
+            call.conn, call.company_id, call.settings.tracking_url_templates))
         return {"data": update_order_status(call.conn, call.company_id, order_id, status, tracking)}
 
 
@@ -9957,6 +10104,7 @@ class Visit:
         self.query = {name: query.get(name) for name in query}
         self.form = bottle.request.forms.decode() if bottle.request.method == "POST" else {}
         self.errors = {}
+        self.kept = False  # a form shown again as it was sent, without errors
         self.shown = {}  # {field: (its ID, label)} of the messages shown beside fields
         self.notice = None
         self.id_suffix = ""
@@ -9991,7 +10139,7 @@ class Visit:
         return {name: value for name, value in self.query.items() if value}
 
     def value(self, name, default=""):
-        if self.errors and name in self.form:
+        if (self.errors or self.kept) and name in self.form:
             return self.form.get(name)
         return "" if default is None else default
 
@@ -10290,7 +10438,7 @@ def invoice_document(visit, invoice, order_href):
         ship_to=address_lines(shipping_address_of(order)) if order["shipping_address"] else
         "none given",
         issued=invoice["issued_at"][:10], due=invoice["due_at"][:10],
-        terms=terms_text(invoice["terms_days"]), order=link(order_href, order["id"]),
+        terms=terms_text(invoice["terms_days"]), order=link(order_href, order["number"]),
         po=order["po_number"] or "none", lines=invoice_lines_table(conn, invoice),
         paid=cents_text(invoice["paid_cents"]),
         credited=cents_text(invoice["credited_cents"]), balance=cents_text(
@@ -10636,14 +10784,14 @@ def orders_page(visit):
     result = find_orders(visit.conn, visit.company_id, query, query.get("search"))
     customers = customer_emails(visit.conn, visit.company_id,
                                 [row["customer_id"] for row in result["data"]])
-    rows = [(link(f"/dashboard/orders/{row['id']}", row["id"]), row["created_at"][:16]
+    rows = [(link(f"/dashboard/orders/{row['id']}", row["number"]), row["created_at"][:16]
              .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
              status_tag(row["status"]), cents_text(row["total_cents"] + row["tax_cents"]))
             for row in result["data"]]
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
     choices = [("", "Any customer")] + customer_choices(visit.conn, visit.company_id)
     return listing(visit, "Orders", "order", [
-        visit.field("search", "Order ID or start of PO number", query.get("search", "")),
+        visit.field("search", "Order number, ID or start of PO number", query.get("search", "")),
         visit.select("status", "Status", statuses, query.get("status", "")),
         visit.select("customerId", "Customer", choices, query.get("customerId", "")),
         visit.field("since", "Created from", query.get("since", ""), kind="date"),
@@ -10653,38 +10801,51 @@ def orders_page(visit):
             numeric=("Total",))]), result)
 
 
-CARRIER_CHOICES = [(carrier, carrier) for carrier in CARRIERS]
-LINES_ON_NEW_ORDER = 5
+#: The lines a new order's form starts with; its "Add a line" button adds one at a time.
+LINES_ON_NEW_ORDER = 3
+
+
+def new_order_lines(visit):
+    """How many lines the new order's form has: as many as it was sent with (one more after
+    "Add a line"), within the API's limit."""
+    sent = visit.form.get("lineCount", "") if visit.form else ""
+    count = int(sent) if sent.isdigit() else LINES_ON_NEW_ORDER
+    return max(1, min(count + (visit.form.get("addLine") == "yes"), MAX_ORDER_LINES))
 
 
 @page("GET", "/dashboard/orders/new")
 def new_order_page(visit):
-    customers = customer_choices(visit.conn, visit.company_id)
+    customers = [("", "Choose a customer")] + customer_choices(visit.conn, visit.company_id)
     products = [("", "(none)")] + [
         (product_id, f"{name} ({sku or '-'}, stock {stock})")
         for product_id, name, sku, stock in product_choices(visit.conn, visit.company_id)]
+    count = new_order_lines(visit)
     lines = join(render(GRID, cells=join([
         visit.select(f"productId{n}", f"Product {n + 1}", products),
         visit.field(f"quantity{n}", "Quantity", "1" if n == 0 else "", kind="number", min="1")]))
-        for n in range(LINES_ON_NEW_ORDER))
+        for n in range(count))
     return visit.page("New order", visit.form_tag("/dashboard/orders", render(
         NEW_ORDER, customer=visit.select("customerId", "Customer", customers), lines=lines,
-        error=visit.error("items"), po=visit.field("poNumber", "PO number"),
+        count=count, error=visit.error("items"), address=join(
+            visit.field(name, label if required else label + " (optional)", maxlength=longest)
+            for name, label, longest, required in ADDRESS_FIELDS),
+        po=visit.field("poNumber", "PO number"),
         notes=visit.field("notes", "Notes", kind="textarea"))))
 
 
 @page("POST", "/dashboard/orders", refused=new_order_page)
 def create_order_action(visit):
-    items = []
-    for n in range(LINES_ON_NEW_ORDER):
-        if visit.form.get(f"productId{n}"):
-            quantity = form_number(visit.form, f"quantity{n}")
-            items.append({"productId": visit.form[f"productId{n}"], "quantity": quantity})
-    body = {"customerId": visit.form.get("customerId"), "items": items,
-            "poNumber": form_text(visit.form, "poNumber"), "notes": form_text(visit.form, "notes")}
+    if visit.form.get("addLine") == "yes":  # the same form, one line longer, as it was typed
+        visit.kept = True
+        return new_order_page(visit)
+    items = [{"productId": visit.form[f"productId{n}"],
+              "quantity": form_number(visit.form, f"quantity{n}")}
+             for n in range(new_order_lines(visit)) if visit.form.get(f"productId{n}")]
     with visit.write() as conn:
-        order = place_order(conn, visit.company_id, body, source="dashboard", actor=visit.actor,
-                            placed_by=visit.session["account_id"])
+        order = staff_order(conn, visit.company_id, visit.form.get("customerId"), items,
+                            visit.form, form_text(visit.form, "poNumber"),
+                            form_text(visit.form, "notes"), visit.actor,
+                            visit.session["account_id"])
     return redirect(f"/dashboard/orders/{order['id']}", "order")
 
 
@@ -10693,7 +10854,7 @@ def order_page(visit, order_id):
     row = load_order(visit.conn, visit.company_id, order_id)
     order = orders_with_items(visit.conn, [row])[0]
     address = shipping_address_of(row)
-    return visit.page(f"Order {order_id}", render(
+    return visit.page(f"Order {row['number']}", render(
         ORDER_PAGE, facts=order_facts(visit, order, row),
         ships_to=render(SHIPS_TO, address=address_lines(address)) if address else "",
         actions=join(order_actions(visit, order)), lines=order_lines(order, row),
@@ -10711,7 +10872,15 @@ def order_facts(visit, order, row):
         people=placed_by_text(visit.conn, row),
         po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
         updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
-        tracking=render(ORDER_TRACKING, **order["tracking"]) if order["tracking"] else "none")
+        tracking=order_tracking_cell(visit, order["tracking"]))
+
+
+def order_tracking_cell(visit, tracking):
+    """A shipment's carrier by its name, its number and its link (none: "none")."""
+    if not tracking:
+        return "none"
+    names = company_carriers(visit.conn, visit.company_id)
+    return render(ORDER_TRACKING, **dict(tracking, carrier=names[tracking["carrier"]]["name"]))
 
 
 def order_invoice_cell(visit, order):
@@ -10748,10 +10917,12 @@ def status_form(visit, action, status):
     whether to put the units back."""
     if status == "SHIPPED":
         return visit.form_tag(action, render(
-            SHIP_FORM, carrier=visit.select("tracking.carrier", "Carrier", CARRIER_CHOICES),
+            SHIP_FORM, carrier=visit.select("tracking.carrier", "Carrier", [
+                (code, carrier["name"]) for code, carrier in company_carriers(
+                    visit.conn, visit.company_id).items()]),
             number=visit.field("tracking.number", "Tracking number", required="required"),
-            url=visit.field("tracking.url", "Tracking URL (OTHER carrier, or to override)",
-                            kind="url")))
+            url=visit.field("tracking.url", "Tracking URL (for another carrier, or to "
+                                            "override the carrier's link)", kind="url")))
     if status == "CANCELLED":
         return visit.form_tag(action, render(
             CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
@@ -10813,7 +10984,8 @@ def order_status_action(visit, order_id):
         body["tracking"] = {"carrier": visit.form.get("tracking.carrier"),
                             "number": visit.form.get("tracking.number", ""),
                             "url": form_text(visit.form, "tracking.url")}
-    status, tracking = parse_status_update(body, visit.settings.tracking_url_templates)
+    status, tracking = parse_status_update(body, company_carriers(
+        visit.conn, visit.company_id, visit.settings.tracking_url_templates))
     with visit.write() as conn:
         dashboard_update_order_status(conn, visit.company_id, order_id, status, tracking,
                                       visit.form.get("reason"),
@@ -10932,10 +11104,13 @@ def product_page(visit, product_id):
 
 def movements_table(visit, product_id):
     """A product's most recent stock movements, newest first, with what each belongs to."""
-    rows = []
-    for movement in map(movement_json, stock_history(visit.conn, visit.company_id, product_id)):
-        of = (link(f"/dashboard/orders/{movement['orderId']}", movement["orderId"])
-              if movement["orderId"] else "")
+    rows, movements = [], list(map(movement_json, stock_history(visit.conn, visit.company_id,
+                                                                 product_id)))
+    numbers = order_numbers(visit.conn, visit.company_id,
+                            [movement["orderId"] for movement in movements if movement["orderId"]])
+    for movement in movements:
+        of = (link(f"/dashboard/orders/{movement['orderId']}",
+                   f"order {numbers[movement['orderId']]}") if movement["orderId"] else "")
         if movement["returnId"]:
             of = join([of, render(" return {r}", r=movement["returnId"])])
         actor = movement["actor"]
@@ -11332,7 +11507,9 @@ def returns_page(visit):
     result = find_returns(visit.conn, visit.company_id, visit.filters())
     lines = return_lines_of(visit.conn, [row["id"] for row in result["data"]])
     records = {record["id"]: record for record in returns_json(visit.conn, result["data"])}
-    rows = [(row["id"], link(f"/dashboard/orders/{row['order_id']}", row["order_id"]),
+    numbers = order_numbers(visit.conn, visit.company_id,
+                            [row["order_id"] for row in result["data"]])
+    rows = [(row["id"], link(f"/dashboard/orders/{row['order_id']}", numbers[row["order_id"]]),
              row["reason"], return_lines_text(lines.get(row["id"]), row["item_count"]),
              status_tag(row["status"]),
              return_next_step(visit, row, records[row["id"]], lines.get(row["id"], ())))
@@ -11626,6 +11803,10 @@ def webhook_card(visit, hook):
 def create_webhook_action(visit):
     body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
             "isActive": "isActive" in visit.form}
+    refused = valid_http_url(body["url"]) and not visit.settings.allow_private_webhooks and \
+        webhook_url_refused(body["url"], visit.settings.webhook_timeout)
+    if refused:  # saved, it would only ever fail: say so now, and save nothing
+        raise invalid("url", WEBHOOK_ADDRESS_REFUSED.format(reason=refused))
     with visit.write() as conn:
         hook = create_webhook(conn, visit.company_id, body, every=True)
     visit.notice = render(WEBHOOK_CREATED, secret=hook["secret"])
@@ -11906,6 +12087,27 @@ def update_settings_action(visit):
     with visit.write() as conn:
         update_company(conn, visit.company_id, changes)
     return redirect("/dashboard/settings", "saved")
+
+
+@page("GET", "/dashboard/settings/carriers")
+def carriers_page(visit):
+    carriers = company_carriers(visit.conn, visit.company_id,
+                                visit.settings.tracking_url_templates)
+    return visit.page("Carriers", visit.form_tag("/dashboard/settings/carriers", render(
+        CARRIERS_FORM, carriers=join(render(CARRIER_FIELDS, code=code, fields=join([
+            visit.field(f"{code}.name", "Name", carriers[code]["name"]),
+            visit.field(f"{code}.template", "Tracking link", carriers[code]["template"],
+                        kind="url")])) for code in NAMED_CARRIERS))))
+
+
+@page("POST", "/dashboard/settings/carriers", refused=carriers_page)
+def update_carriers_action(visit):
+    with visit.write() as conn:
+        set_company_carriers(conn, visit.company_id, {code: {
+            "name": visit.form.get(f"{code}.name"),
+            "template": visit.form.get(f"{code}.template")} for code in NAMED_CARRIERS},
+            visit.settings.tracking_url_templates)
+    return redirect("/dashboard/settings/carriers", "saved")
 
 
 def refuse_greedy_forms():
@@ -12603,7 +12805,7 @@ def checkout_action(visit):
 def store_orders_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result = buyer_orders(visit.conn, visit.company_id, visit.session["customer_id"], query)
-    rows = [(link(f"{prefix}/orders/{row['id']}", row["id"]), when_text(row["created_at"]),
+    rows = [(link(f"{prefix}/orders/{row['id']}", row["number"]), when_text(row["created_at"]),
              status_tag(row["status"]), row["po_number"] or "",
              cents_text(row["total_cents"] + row["tax_cents"])) for row in result["data"]]
     filters = render(FILTERS, path=prefix + "/orders", button="Filter", fields=visit.select(
@@ -12622,14 +12824,14 @@ def store_order_page(visit, order_id):
     row = buyer_order(conn, visit.company_id, me, order_id)
     order = orders_with_items(conn, [row])[0]
     address = shipping_address_of(row)
-    return visit.page(f"Order {order_id}", render(
+    return visit.page(f"Order {row['number']}", render(
         STORE_ORDER_PAGE, facts=render(
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
             placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
             notes=order["notes"] or "none", invoice=buyer_invoice_link(visit, order_id),
             people=placed_by_text(conn, row),
             total=cents_text(row["total_cents"] + row["tax_cents"])),
-        tracking=tracking_card(order["tracking"]),
+        tracking=tracking_card(order["tracking"], company_carriers(conn, visit.company_id)),
         ship_to=render(SHIP_TO, address=address_lines(address)) if address else "",
         lines=buyer_order_lines(order, row),
         timeline=order_timeline(visit, order_id),
@@ -12671,11 +12873,13 @@ def store_statement_page(visit):
             numeric=("Total", "Balance"))]))
 
 
-def tracking_card(tracking):
-    """A shipped order's carrier and tracking number, with a link to track it (none: "")."""
+def tracking_card(tracking, carriers):
+    """A shipped order's carrier (by its name in carriers, company_carriers') and tracking
+    number, with a link to track it (none: "")."""
     if not tracking:
         return ""
-    return render(STORE_TRACKING, carrier=tracking["carrier"], number=tracking["number"],
+    return render(STORE_TRACKING, carrier=carriers[tracking["carrier"]]["name"],
+                  number=tracking["number"],
                   track=render(TRACK_PARCEL, url=tracking["url"]) if tracking["url"] else "")
 
 
@@ -12795,10 +12999,10 @@ def request_facts(visit, request, quote):
     """An order request's lines at today's prices (quote: request_quote's), its total when
     asked and its state, as both its buyer and its admins see it."""
     asker = load_contact(visit.conn, request["company_id"], request["contact_id"])
-    decision = ""
-    if request["order_id"]:
+    decision, order_id = "", request["order_id"]
+    if order_id:
         decision = render(DECISION, term="Order", value=link(
-            f"{visit.surface.prefix}/orders/{request['order_id']}", request["order_id"]))
+            f"{visit.surface.prefix}/orders/{order_id}", order_number(visit.conn, order_id)))
     elif request["reason"]:
         decision = render(DECISION, term="Reason declined", value=request["reason"])
     blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""
@@ -13388,11 +13592,13 @@ def prepare_demo(conn):
 
 
 def demo(settings):
-    """Prepare the demo (see prepare_demo) and say how to try it."""
+    """Prepare the demo (see prepare_demo) and say how to try it, at the base URL when one
+    is set (the server's own address, else)."""
     db = Database(settings.db_path, settings)
     with db.write() as conn:
         made = prepare_demo(conn)
-    base = f"http://{settings.host}:{settings.port}/api/v1"
+    site = settings.base_url.rstrip("/") or f"http://{settings.host}:{settings.port}"
+    base = f"{site}/api/v1"
     start = "python ordering.py" + ("" if settings.db_path == Settings.db_path
                                     else f" --db {shlex.quote(settings.db_path)}")
     header = f'-H "Authorization: Bearer {made["key"]}"'
@@ -13407,10 +13613,10 @@ def demo(settings):
         f"  curl -s {header} {base}/products",
         f"  curl -s {header} -H 'Content-Type: application/json' -d '{order}' {base}/orders",
         f"  curl -s {header} {base}/orders",
-        f"Storefront: http://{settings.host}:{settings.port}/store/{DEMO_SLUG}, sign in as "
+        f"Storefront: {site}/store/{DEMO_SLUG}, sign in as "
         f"{DEMO_BUYER_EMAIL} with the password (new on every run) {made['buyerPassword']}, "
         "or register a buyer and approve it under the dashboard's Customers.",
-        f"Dashboard: http://{settings.host}:{settings.port}/dashboard, sign in as "
+        f"Dashboard: {site}/dashboard, sign in as "
         f"{DEMO_STAFF_EMAIL} with the password (new on every run):",
         made["password"],
     ])

@@ -182,6 +182,16 @@ CREATE TABLE IF NOT EXISTS addresses (
 );
 CREATE INDEX IF NOT EXISTS addresses_of_customer ON addresses (customer_id, created_at);
 
+-- A company's names and tracking links of the spec's carrier codes, as Settings sets them; a
+-- code without a row is called "Carrier A" (and so on) and tracked by the server's template.
+CREATE TABLE IF NOT EXISTS carriers (
+    company_id   TEXT NOT NULL REFERENCES companies(id),
+    code         TEXT NOT NULL,     -- CARRIER_A to CARRIER_E (OTHER gives its URL each time)
+    name         TEXT NOT NULL,
+    url_template TEXT NOT NULL,     -- an http(s) URL with {number} where the number goes
+    PRIMARY KEY (company_id, code)
+);
+
 CREATE TABLE IF NOT EXISTS orders (
     id               TEXT PRIMARY KEY,
     status           TEXT NOT NULL CHECK (status = 'SUBMITTED' OR status = 'CONFIRMED' OR
@@ -204,8 +214,12 @@ CREATE TABLE IF NOT EXISTS orders (
     tax_rate         REAL NOT NULL DEFAULT 0,    -- the rate in force when it was placed
     tax_cents        INTEGER NOT NULL DEFAULT 0, -- the tax on total_cents at that rate (rounded once)
     placed_by        TEXT,              -- the contact (store) or staff account (dashboard)
-    approved_by      TEXT               -- the admin contact who approved its request, if one did
+    approved_by      TEXT,              -- the admin contact who approved its request, if one did
+    number           INTEGER            -- what people call it: 1001, 1002, ... per company
 );
+-- Each company numbers its orders 1001, 1002, ... (the next is taken in the write transaction
+-- that places it, as invoices' are, so numbers have no gaps); the dashboard's search finds one.
+CREATE UNIQUE INDEX IF NOT EXISTS orders_by_company_number ON orders (company_id, number);
 CREATE INDEX IF NOT EXISTS orders_by_company_newest
     ON orders (company_id, created_at, id);
 CREATE INDEX IF NOT EXISTS orders_by_company_status_newest

@@ -2209,7 +2209,8 @@ ANSWERED_WITH_A_PAGE = {"/dashboard/webhooks", "/dashboard/webhooks/<webhook_id>
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
                    "/dashboard/products/new", "/dashboard/customers", "/dashboard/customers/new",
                    "/dashboard/returns", "/dashboard/webhooks", "/dashboard/keys",
-                   "/dashboard/billing", "/dashboard/emails", "/dashboard/settings")
+                   "/dashboard/billing", "/dashboard/emails", "/dashboard/settings",
+                   "/dashboard/settings/carriers")
 
 
 def dashboard_order(tenant, status="SUBMITTED", quantity=1):
@@ -3079,6 +3080,13 @@ BUYER_ADDRESS = {"name": "Corner Cafe", "line1": "1 Harbour Road", "city": "Port
            "postalCode": "PO1 2AB", "country": "GB"}
 
 
+def shipped_to_buyer(form):
+    """The dashboard's new order form, its Ship to filled with BUYER_ADDRESS."""
+    for name, value in BUYER_ADDRESS.items():
+        form[name] = value
+    return form
+
+
 def shopper(app, tenant, email="buyer@cafe.example", status="ACTIVE", **fields):
     """(the customer, a browser signed in to the store as that customer)."""
     customer = store_buyer(app, tenant, email, status, **fields)
@@ -3868,7 +3876,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3892,7 +3900,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 11
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 12
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3909,7 +3917,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 11
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 12
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM contact_tokens").fetchone()[0] == 0
@@ -3930,7 +3938,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3950,7 +3958,7 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
@@ -3964,7 +3972,7 @@ def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_ow
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_8)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
             == (0,)
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
@@ -3982,7 +3990,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -4022,7 +4030,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -4032,6 +4040,31 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
         with pytest.raises(sqlite3.IntegrityError):
             with db.write() as conn:
                 conn.execute("UPDATE orders SET status = 'LOST' WHERE id = ?", (order["id"],))
+    finally:
+        db.close()
+
+
+def test_schema_12_numbers_each_companys_orders_in_the_order_they_were_placed(
+        app, database, tenant, other):
+    placed = [buyer_order(company, company.customer(), company.product(stock=5), source="api")
+              for company in (tenant, other, tenant, tenant, other)]
+
+    def back_to_schema_11(conn):
+        conn.execute("DROP INDEX orders_by_company_number")
+        conn.execute("UPDATE orders SET number = NULL")
+        conn.engine.set_schema_version(conn, 11)
+
+    db = reopened_from(app, database, back_to_schema_11)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        numbers = dict(db.conn.execute("SELECT id, number FROM orders"))
+        assert [numbers[order["id"]] for order in placed] == [1001, 1001, 1002, 1003, 1002]
+        with db.write() as conn:
+            later = ordering.place_order(conn, tenant.id, {
+                "customerId": placed[0]["customerId"],
+                "items": [{"productId": placed[0]["items"][0]["productId"], "quantity": 1}]})
+        assert db.conn.execute("SELECT number FROM orders WHERE id = ?",
+                               (later["id"],)).fetchone()[0] == 1004
     finally:
         db.close()
 
@@ -5082,11 +5115,13 @@ def test_the_shipping_email_carries_order_po_number_carrier_number_and_url(maile
     url = "https://tracking.carrier-b.example/parcels/TN-42"
     text, html = parts(message)
     for part in (text, html):
-        for value in (order["id"], "PO-7781", "CARRIER_B", "TN-42", url):
+        for value in ("Order: 1001" if part is text else "order <strong>1001</strong>",
+                      "PO-7781", "Carrier: Carrier B" if part is text else "Carrier B", "TN-42",
+                      url):
             assert value in part, (value, part)
     assert f'<a href="{url}">' in html
     headers = message["parsed"]
-    assert headers["Subject"] == f"Your order {order['id']} has shipped"
+    assert headers["Subject"] == "Your order 1001 has shipped"
     assert headers["To"] == "Corner Cafe <buyer@corner-cafe.example>"
     assert headers["From"] == f"Acme Wholesale <{MAIL_FROM}>"
     [row] = wait_for_email(mailed.service.db, lambda rows: rows[0]["state"] == "sent")
@@ -5165,13 +5200,13 @@ def test_a_storefront_order_confirms_to_the_customer_and_alerts_each_staff_addre
         "buyer@harbour.example", "owner@acme.example", "staff@acme.example"]
     for message in messages:
         text, html = parts(message)
-        for value in (order["id"], "PO-55", "Jasmine Rice 25kg", "GR-RICE-25", "2 x",
+        for value in ("Order: 1001", "PO-55", "Jasmine Rice 25kg", "GR-RICE-25", "2 x",
                       "42.50", "85.00", "Black Tea 500g", "3 x", "11.50", "34.50", "119.50"):
             assert value in text, (value, text)
         for value in ("Jasmine Rice 25kg", "42.50", "85.00", "34.50", "119.50", "PO-55"):
             assert value in html
     confirmation = next(m for m in messages if m["to"] == ["buyer@harbour.example"])
-    assert confirmation["parsed"]["Subject"] == f"We received your order {order['id']}"
+    assert confirmation["parsed"]["Subject"] == "We received your order 1001"
     alert = next(m for m in messages if m["to"] == ["staff@acme.example"])
     link = f"{BASE_URL}/dashboard/orders/{order['id']}"
     assert link in parts(alert)[0] and f'<a href="{link}">' in parts(alert)[1]
@@ -6152,6 +6187,8 @@ def test_staff_adjust_and_count_on_the_stock_page_and_the_product_page_lists_mov
     assert ordering.CSRF_REFUSED in response.text
     browser.post(path + "/stock/melt", {"csrf": csrf}, status=404)
     assert stock_state() == before
+    place(api, tenant, [{"productId": product["id"], "quantity": 2}])
+    assert movement_rows(browser.get(path))[0][1:5] == ["-2", "13", "order", "order 1001"]
 
 
 # 8.5 Customers -------------------------------------------------------------------------------
@@ -6527,10 +6564,10 @@ def test_dashboard_and_storefront_orders_take_the_customers_price_and_api_orders
 
     page = browser.get("/dashboard/orders/new")
     assert ("Each line takes the customer's own price where one is set (on the customer's "
-            "page), else the catalog price.") in page.html.get_text()
+            "page), else the catalog price;") in page.html.get_text()
     totals = {}
     for buyer in (customer, plain):
-        form = main_form(browser.get("/dashboard/orders/new"))
+        form = shipped_to_buyer(main_form(browser.get("/dashboard/orders/new")))
         form["customerId"], form["productId0"], form["quantity0"] = (
             buyer["id"], product["id"], "2")
         order_id = form.submit(status=303).location.rsplit("/", 1)[1].split("?")[0]
@@ -7124,6 +7161,7 @@ def test_order_created_in_the_dashboard_emits_no_order_created(app, tenant, brow
     product = tenant.product(stock=5)
     customer = tenant.customer()
     page = browser.get("/dashboard/orders/new")
+    shipped_to_buyer(main_form(page))
     main_form(page)["customerId"] = customer["id"]
     main_form(page)["productId0"] = product["id"]
     main_form(page)["quantity0"] = "2"
@@ -7141,6 +7179,7 @@ def test_order_form_shows_the_apis_stock_message(app, tenant, browser):
     product = tenant.product(name="Tea", stock=1)
     customer = tenant.customer()
     page = browser.get("/dashboard/orders/new")
+    shipped_to_buyer(main_form(page))
     main_form(page)["customerId"] = customer["id"]
     main_form(page)["productId0"] = product["id"]
     main_form(page)["quantity0"] = "2"
@@ -7149,6 +7188,46 @@ def test_order_form_shows_the_apis_stock_message(app, tenant, browser):
     assert ('Insufficient stock for product "Tea". Available: 1, requested: 2.'
             in refused.html.get_text())
     assert snapshot(app.service.db) == before
+
+
+def test_a_new_order_takes_any_number_of_lines_a_shipping_address_and_a_chosen_customer(
+        app, tenant, browser):
+    rice, tea, oil, salt = (tenant.product(name=name, stock=50, price_cents=100)
+                            for name in ("Rice", "Tea", "Oil", "Salt"))
+    customer = tenant.customer()
+    form = main_form(browser.get("/dashboard/orders/new"))
+    assert form["customerId"].value == "" and form["customerId"].options[0] == (
+        "", True, "Choose a customer")
+    assert [name for name in form.fields if (name or "").startswith("productId")] == [
+        "productId0", "productId1", "productId2"]
+    form["productId0"], form["quantity0"] = rice["id"], "2"
+    form["city"] = "Portsmouth"
+    refused = form.submit(status=400)  # no customer, no address: every message at once
+    assert [field_error(refused, name) for name in ("customerId", "name", "line1",
+                                                    "postalCode", "country")] == [
+        "choose a customer", "is required", "is required", "is required", "is required"]
+    assert len(errors_of(refused)) == 5  # none at the city, which was given
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM orders").fetchone()[0] == 0
+    form = form_to(refused, "/dashboard/orders")
+    assert (form["productId0"].value, form["quantity0"].value, form["city"].value) == (
+        rice["id"], "2", "Portsmouth")
+    for n, product in enumerate((tea, oil)):
+        form[f"productId{n + 1}"], form[f"quantity{n + 1}"] = product["id"], str(n + 3)
+    longer = form.submit("addLine", status=200)  # a line more, with what was typed kept
+    form = form_to(longer, "/dashboard/orders")
+    assert [form[f"productId{n}"].value for n in range(4)] == [
+        rice["id"], tea["id"], oil["id"], ""]
+    assert form["city"].value == "Portsmouth" and not errors_of(longer)
+    shipped_to_buyer(form)
+    form["customerId"], form["productId3"], form["quantity3"] = customer["id"], salt["id"], "1"
+    placed = form.submit(status=303).follow()
+    assert placed.html.find("h1").get_text() == "Order 1001"
+    assert placed.html.find("h2", string="Ships to").find_next("address").get_text("|") == \
+        "Corner Cafe|1 Harbour Road|Portsmouth|PO1 2AB|United Kingdom"
+    order = ordering.order_with_items(tenant.db.conn, tenant.id, placed.request.path.rsplit(
+        "/", 1)[1])
+    assert [(item["productName"], item["quantity"]) for item in order["items"]] == [
+        ("Rice", 2), ("Tea", 3), ("Oil", 4), ("Salt", 1)]
 
 
 def test_orders_list_filters_search_and_pages(app, tenant, browser):
@@ -7164,17 +7243,19 @@ def test_orders_list_filters_search_and_pages(app, tenant, browser):
     def listed(query=""):
         page = browser.get("/dashboard/orders" + query)
         return [a.get_text() for a in page.html.select("tbody a")], page
+    numbers = [str(1001 + n) for n in range(60)]  # each link names its order's number
     ids, page = listed()
-    assert ids == [o["id"] for o in reversed(orders)][:50]
+    assert ids == numbers[::-1][:50]
     next_page = page.html.find("a", string="Next page")["href"]
-    assert listed(next_page.replace("/dashboard/orders", ""))[0] == [
-        o["id"] for o in reversed(orders)][50:]
-    assert listed("?status=CONFIRMED")[0] == [orders[7]["id"]]
-    assert listed(f"?customerId={first['id']}")[0][:2] == [orders[59]["id"], orders[57]["id"]]
-    assert listed("?search=po-012")[0] == [orders[12]["id"]]
-    assert listed("?search=PO-05")[0] == [o["id"] for o in reversed(orders[50:60])]
+    assert listed(next_page.replace("/dashboard/orders", ""))[0] == numbers[::-1][50:]
+    assert listed("?status=CONFIRMED")[0] == [numbers[7]]
+    assert listed(f"?customerId={first['id']}")[0][:2] == [numbers[59], numbers[57]]
+    assert listed("?search=po-012")[0] == [numbers[12]]
+    assert listed("?search=PO-05")[0] == numbers[50:60][::-1]
     assert listed("?search=012")[0] == []
-    assert listed(f"?search={orders[3]['id']}")[0] == [orders[3]["id"]]
+    assert listed(f"?search={orders[3]['id']}")[0] == [numbers[3]]
+    assert listed("?search=1042")[0] == listed("?search=%231042")[0] == ["1042"]
+    assert listed("?search=1061")[0] == listed("?search=99999999999")[0] == []
     assert listed("?since=2999-01-01")[0] == []
     assert len(listed("?until=2999-01-01")[0]) == 50
 
@@ -7333,11 +7414,13 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     form["confirm"], form["restock"] = True, True
     form["reason"] = "Duplicate of\r\nanother order"
     page = form.submit(status=303).follow()
+    assert page.html.title.get_text().startswith("Order 1002")
+    assert page.html.find("h1").get_text() == "Order 1002"
     history = [[cell.get_text() for cell in row.find_all("td")] for row in page.html.find(
         "h2", string="History").find_next("tbody").find_all("tr")]
     assert history[-1][2:] == ["CANCELLED", "dashboard", "", "Duplicate of another order"]
     (mail,) = [row for row in email_rows(tenant.db) if row["kind"] == "order_cancelled"]
-    assert mail["subject"] == f"Your order {back['id']} is cancelled"
+    assert mail["subject"] == "Your order 1002 is cancelled"
     assert ["Reason", "Duplicate of another order"] in json.loads(mail["data"])["facts"]
     assert "Its units are back in stock." in page.text
     assert not [f for f in page.forms.values() if f.action.endswith("/restock")]
@@ -7357,6 +7440,35 @@ def test_staff_cancelling_choose_whether_the_units_go_back_and_may_put_them_back
     assert refusal.html.find(class_="alert").get_text() == (
         "Not saved: This order's units are already back in stock.")
     assert tenant.stock(kept_product) == 50
+
+
+def test_each_company_numbers_its_orders_from_1001_without_gaps_under_concurrent_processes(
+        app, tenant, other, database):
+    """Orders placed by four processes at once, on both engines: 1001 to 1024, each once."""
+    product = tenant.product(stock=1000)
+    customer = tenant.customer()
+    script = ("import sys, ordering\n"
+              "db = ordering.Database(sys.argv[1])\n"
+              "for _ in range(6):\n"
+              "    with db.write() as conn:\n"
+              "        order = ordering.place_order(conn, sys.argv[2], {'customerId': "
+              "sys.argv[3], 'items': [{'productId': sys.argv[4], 'quantity': 1}]})\n"
+              "    print(db.conn.execute('SELECT number FROM orders WHERE id = ?', "
+              "(order['id'],)).fetchone()[0])\n")
+    workers = [subprocess.Popen([sys.executable, "-c", script, str(database), tenant.id,
+                                 customer["id"], product["id"]], cwd=HERE,
+                                stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    printed = [int(number) for worker in workers
+               for number in worker.communicate(timeout=60)[0].split()]
+    assert all(worker.returncode == 0 for worker in workers)
+    assert sorted(printed) == list(range(1001, 1025))
+    numbers = [row[0] for row in tenant.db.conn.execute(
+        "SELECT number FROM orders WHERE company_id = ? ORDER BY number", (tenant.id,))]
+    assert numbers == list(range(1001, 1025))
+    # another company's sequence starts at 1001
+    theirs = buyer_order(other, other.customer(), other.product(stock=5), source="api")
+    assert tenant.db.conn.execute("SELECT number FROM orders WHERE id = ?",
+                                  (theirs["id"],)).fetchone()[0] == 1001
 
 
 # 9.2 Invoices, payments and credit -----------------------------------------------------------
@@ -8055,6 +8167,7 @@ def test_return_walks_from_requested_to_refunded(app, tenant, browser, receiver)
     form_to(returns, f"/{created['id']}/approve").submit(status=303)
     assert one(receiver, "return.approved")["json"]["data"]["status"] == "APPROVED"
     returns = browser.get("/dashboard/returns")
+    assert table_rows(returns)[0][:2] == [created["id"], "1001"]  # the order, by its number
     assert not [f for f in returns.forms.values() if f.action.endswith("/approve")]
     form_to(returns, f"/{created['id']}/receive").submit(status=303)
     refund = form_to(browser.get("/dashboard/returns"), f"/{created['id']}/refund")
@@ -8919,6 +9032,34 @@ def test_webhook_form_shows_the_apis_messages(app, tenant, browser):
     assert tenant.db.conn.execute("SELECT COUNT(*) FROM webhooks").fetchone()[0] == 0
 
 
+def test_the_webhook_form_refuses_an_address_the_server_never_delivers_to(database, monkeypatch):
+    addresses = {"hooks.internal.example": "10.0.0.5", "hooks.example": "93.184.216.34"}
+    monkeypatch.setattr(ordering, "resolve", lambda host, port, timeout: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (addresses[host], port))])
+    app = build_app(database, allow_private_webhooks=False)
+    try:
+        tenant = Tenant(app, "Acme Wholesale")
+        make_staff(tenant)
+        browser = signed_in(app)
+        create = form_to(browser.get("/dashboard/webhooks"), "/dashboard/webhooks")
+        create["url"] = "https://hooks.internal.example/h"
+        create.get("events", index=0).checked = True
+        refused = create.submit(status=400)
+        assert field_error(refused, "url") == (
+            "this server never delivers there: hooks.internal.example resolves to 10.0.0.5, a "
+            "loopback, private, link-local or reserved address. Give an address reachable "
+            "from the internet")
+        assert tenant.db.conn.execute("SELECT COUNT(*) FROM webhooks").fetchone()[0] == 0
+        create = form_to(refused, "/dashboard/webhooks")
+        assert create["url"].value == "https://hooks.internal.example/h"
+        create["url"] = "https://hooks.example/h"
+        create.submit(status=200)
+        assert [row[0] for row in tenant.db.conn.execute("SELECT url FROM webhooks")] == [
+            "https://hooks.example/h"]
+    finally:
+        app.service.close(grace=0)
+
+
 # 10.2 Emails ---------------------------------------------------------------------------------
 
 def test_the_emails_page_shows_each_step_and_sends_a_failed_email_again(mailed, mail):
@@ -8973,7 +9114,7 @@ def test_a_dashboard_shipment_while_the_mail_server_is_down_shows_each_step(data
         finally:
             server.close()
         text, html = parts(message)
-        for value in ("CARRIER_C", "TRK-900", "https://tracking.carrier-c.example/?tracknum="
+        for value in ("Carrier C", "TRK-900", "https://tracking.carrier-c.example/?tracknum="
                                               "TRK-900"):
             assert value in text and value in html
         page = browser.get(f"/dashboard/emails/{row['id']}")
@@ -10056,7 +10197,7 @@ def test_a_version_10_database_gives_its_products_rules_that_allow_any_quantity(
         conn.engine.set_schema_version(conn, 10)
     db = reopened_from(app, database, back)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         row = ordering.load_product(db.conn, tenant.id, rice["id"])
         assert (row["min_quantity"], row["order_multiple"], row["price_breaks"]) == (1, 1, None)
     finally:
@@ -10080,7 +10221,7 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
     db = reopened_from(app, database, back)
     try:
         conn = db.conn
-        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 12
         contacts = {row["email"]: row for row in conn.execute("SELECT * FROM contacts")}
         mine, theirs = contacts["buyer@cafe.example"], contacts["api@cafe.example"]
         assert (mine["customer_id"], mine["role"], mine["status"], mine["name"],
@@ -11183,12 +11324,13 @@ def test_a_buyers_orders_of_every_source_newest_first_with_a_status_filter_and_p
     orders = store_of(tenant) + "/orders"
     page = buyer.get(orders)
     assert [(row[0], row[2], row[4]) for row in table_rows(page)] == [
-        (made[2]["id"], "SUBMITTED", "30.00"), (made[1]["id"], "SUBMITTED", "20.00"),
-        (made[0]["id"], "CONFIRMED", "10.00")]
-    assert [row[0] for row in table_rows(buyer.get(orders + "?status=CONFIRMED"))] == [
-        made[0]["id"]]
+        ("1003", "SUBMITTED", "30.00"), ("1002", "SUBMITTED", "20.00"),
+        ("1001", "CONFIRMED", "10.00")]  # each by its number, linked to it
+    assert [a["href"] for a in page.html.select("tbody a")] == [
+        f"{orders}/{order['id']}" for order in reversed(made)]
+    assert [row[0] for row in table_rows(buyer.get(orders + "?status=CONFIRMED"))] == ["1001"]
     first = buyer.get(orders + "?limit=2")
-    assert [row[0] for row in table_rows(first.click("Next page"))] == [made[0]["id"]]
+    assert [row[0] for row in table_rows(first.click("Next page"))] == ["1001"]
     refused = buyer.get(orders + "?status=LOST", status=400)
     assert refused.html.find(class_="alert").get_text() == ordering.INVALID_ORDER_STATUS
 
@@ -11226,7 +11368,8 @@ def test_a_cursor_of_another_customers_order_answers_as_an_unknown_one(app, tena
     unknown = buyer.get(orders + "ord_unknown")
     assert table_rows(unknown) == [["Nothing here yet."]]
     assert without_secrets(buyer.get(orders + theirs["id"])) == without_secrets(unknown)
-    assert [row[0] for row in table_rows(buyer.get(orders + newest["id"]))] == [mine["id"]]
+    assert [a["href"] for a in buyer.get(orders + newest["id"]).html.select("tbody a")] == [
+        f"{store_of(tenant)}/orders/{mine['id']}"]
 
 
 def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_card(
@@ -11237,6 +11380,8 @@ def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_c
                         notes="Back door")
     path = f"{store_of(tenant)}/orders/{order['id']}"
     page = buyer.get(path)
+    assert page.html.find("h1").get_text() == "Order 1001"
+    assert page.html.title.get_text().startswith("Order 1001")
     facts = [dd.get_text() for dd in page.html.select("dl.facts dd")]
     assert facts[:1] + facts[2:] == ["SUBMITTED", "not recorded", "PO-7781", "Back door",
                                      "85.00", "not yet: an order is invoiced as it ships"]
@@ -11256,7 +11401,7 @@ def test_the_order_page_shows_lines_total_po_address_timeline_and_the_tracking_c
             for item in page.html.select("ol.timeline li")] == [
         "SUBMITTED", "CONFIRMED", "SHIPPED"]
     card = page.html.find(class_="tracking")
-    assert [dd.get_text() for dd in card.select("dd")] == ["CARRIER_B", "TN-42"]
+    assert [dd.get_text() for dd in card.select("dd")] == ["Carrier B", "TN-42"]
     assert card.find("a")["href"] == "https://tracking.carrier-b.example/parcels/TN-42"
     assert "Return goods" in page.text
 
@@ -11457,7 +11602,7 @@ def test_quantity_rules_and_price_breaks_hold_at_every_storefront_and_dashboard_
     order = ordering.order_with_items(tenant.db.conn, tenant.id, placed.split("?")[0])
     assert (order["items"][0]["quantity"], order["items"][0]["unitPrice"]) == (50, 38)
 
-    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form = shipped_to_buyer(form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders"))
     form["customerId"], form["productId0"], form["quantity0"] = customer["id"], rice["id"], "7"
     refused = form.submit(status=400)
     assert html_text(ordering.QUANTITY_RULE.format(
@@ -11512,7 +11657,7 @@ def test_a_price_group_gives_its_customers_the_lowest_price_and_the_cart_says_wh
     placed = place(api, tenant, [{"productId": tea["id"], "quantity": 1}],
                    customer_id=customer["id"]).json["data"]
     assert placed["items"][0]["unitPrice"] == 10  # the API's orders: the catalog price
-    form = form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders")
+    form = shipped_to_buyer(form_to(browser.get("/dashboard/orders/new"), "/dashboard/orders"))
     form["customerId"], form["productId0"], form["quantity0"] = customer["id"], tea["id"], "2"
     made = form.submit(status=303).location.split("/orders/")[1].split("?")[0]
     assert ordering.order_with_items(tenant.db.conn, tenant.id, made)["items"][0][
@@ -11663,14 +11808,14 @@ def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutra
     assert answer.body.startswith(b"\xef\xbb\xbf")
     rows = list(csv.reader(io.StringIO(answer.body.decode("utf-8-sig"))))
     assert rows[0] == list(ordering.EXPORT_COLUMNS["orders"])
-    assert sorted(row[0] for row in rows[1:]) == sorted(
-        [placed[0]["id"]] * 2 + [placed[1]["id"]] * 2)
-    first = [row for row in rows if row[0] == placed[0]["id"]]
+    assert sorted(row[:2] for row in rows[1:]) == sorted(
+        [["1001", placed[0]["id"]]] * 2 + [["1002", placed[1]["id"]]] * 2)
+    first = [row for row in rows if row[1] == placed[0]["id"]]
     assert first == [
-        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+        ["1001", placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
          "'+Café Ünïcode", "'=PO 1", "GR-RICE-25", "Rice 25kg", "1", "42.50", "42.50", "43.50",
          "4.35", "47.85"],
-        [placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
+        ["1001", placed[0]["id"], "2026-11-02T10:00:00.000Z", "SUBMITTED", "buyer@cafe.example",
          "'+Café Ünïcode", "'=PO 1", "'-EVIL", "'=HYPERLINK(\"http://evil.example\")", "1",
          "1.00", "1.00", "43.50", "4.35", "47.85"]]
     everything = browser.get("/dashboard/spreadsheets/orders").body.decode("utf-8-sig")
@@ -11684,7 +11829,7 @@ def test_export_writes_each_kind_as_csv_a_spreadsheet_opens_with_formulas_neutra
     assert prices.splitlines()[1] == "buyer@cafe.example,,GR-RICE-25,Rice 25kg,39.90"
     invoices = browser.get("/dashboard/spreadsheets/invoices").body.decode("utf-8-sig")
     assert invoices.splitlines()[1] == (f"INV-000001,2026-11-01,2026-12-01,OPEN,"
-                                        f"buyer@cafe.example,{placed[0]['id']},43.50,4.35,"
+                                        f"buyer@cafe.example,1001,{placed[0]['id']},43.50,4.35,"
                                         f"47.85,0.00,0.00,47.85")
     customers = browser.get("/dashboard/spreadsheets/customers").body.decode("utf-8-sig")
     assert customers.splitlines()[1].startswith("buyer@cafe.example,'+Café Ünïcode,ACTIVE,,")
@@ -12586,7 +12731,7 @@ def test_mail_written_without_a_mail_server_waits_and_goes_once_one_is_set(datab
     make_staff(tenant)
     api = webtest.TestApp(app)
     shipped_order(api, tenant, tenant.customer(email="new@example.com"))
-    old = shipped_order(api, tenant, tenant.customer(email="old@example.com"))
+    shipped_order(api, tenant, tenant.customer(email="old@example.com"))
     assert [row["state"] for row in email_rows(tenant.db)] == ["pending", "pending"]
     page = signed_in(app).get("/dashboard/emails")
     assert page.text.count(">not sent<") == 2
@@ -12607,7 +12752,7 @@ def test_mail_written_without_a_mail_server_waits_and_goes_once_one_is_set(datab
     unsent = next(row for row in rows if row["state"] == "unsent")
     assert unsent["last_reply"] == ("Not sent: no mail server was set within 48 hours of it "
                                     "being written.")
-    assert old["id"] in unsent["subject"]
+    assert unsent["subject"] == "Your order 1002 has shipped"  # old@example.com's order
 
 
 def test_a_name_with_a_line_break_adds_no_recipient_no_header_and_no_part(mailed, mail):
@@ -13955,7 +14100,8 @@ def test_every_change_on_the_dashboard_says_what_it_did_in_a_status_element(app,
     page, said = done(page, "/status")
     assert said == "Saved: the customer is active and may order at the store."
     page, said = done(browser.get("/dashboard/orders/new"), "/dashboard/orders",
-                      customerId=customer["id"], productId0=product_id, quantity0="2")
+                      customerId=customer["id"], productId0=product_id, quantity0="2",
+                      **BUYER_ADDRESS)
     assert said == "Saved: the order is placed."
     order_path = page.request.path
     page, said = done(page, "/status", {"status": "CONFIRMED"})
@@ -14205,6 +14351,8 @@ def test_a_void_invoice_keeps_its_number_and_a_cancelled_order_offers_no_invoice
     with tenant.db.write() as conn:
         invoice = ordering.invoice_order(conn, tenant.id, order["id"])
     page = browser.get(f"/dashboard/invoices/{invoice['id']}")
+    ordered = page.html.find("dt", string="Order").find_next("dd").find("a")
+    assert (ordered.get_text(), ordered["href"]) == ("1001", f"/dashboard/orders/{order['id']}")
     page = form_to(page, "/void").submit(status=400)  # the box says it is meant
     assert field_error(page, "confirm") == "tick the box to void the invoice"
     form = form_to(page, "/void")
@@ -14281,6 +14429,49 @@ def test_the_settings_page_shows_the_stripe_customer_and_only_the_operator_maps_
     sent = dict(form.submit_fields(), stripeCustomerId="cus_Taken")
     assert browser.post("/dashboard/settings", sent, status=303)
     assert stripe_customer_of(tenant) == "cus_Acme1"
+
+
+def test_carriers_names_and_tracking_links_are_each_companys_own(app, api, tenant, other,
+                                                                 browser):
+    page = browser.get("/dashboard/settings").click("Carriers' names and tracking links")
+    form = main_form(page)
+    assert (form["CARRIER_A.name"].value, form["CARRIER_A.template"].value) == (
+        "Carrier A", "https://tracking.carrier-a.example/track?number={number}")
+    assert "OTHER.name" not in form.fields
+    form["CARRIER_A.name"], form["CARRIER_A.template"] = " ", "ftp://parcels.example/{number}"
+    form["CARRIER_B.template"] = "https://parcels.example/track"
+    refused = form.submit(status=400)  # every error at once, each at its field
+    assert [field_error(refused, f"{code}.{part}") for code, part in (
+        ("CARRIER_A", "name"), ("CARRIER_A", "template"), ("CARRIER_B", "template"),
+        ("CARRIER_C", "template"))] == [
+        ordering.CARRIER_NAME_RULE, ordering.CARRIER_TEMPLATE_RULE,
+        ordering.CARRIER_TEMPLATE_RULE, None]
+    form = main_form(refused)
+    assert form["CARRIER_B.template"].value == "https://parcels.example/track"
+    assert tenant.db.conn.execute("SELECT COUNT(*) FROM carriers").fetchone()[0] == 0
+    form["CARRIER_A.name"] = "Parcel Force"
+    form["CARRIER_A.template"] = "https://parcels.example/t?n={number}&lang=en"
+    form["CARRIER_B.template"] = "https://tracking.carrier-b.example/parcels/{number}"
+    saved = form.submit(status=303).follow()
+    assert notice_of(saved) == "Saved: the changes are in force."
+    assert [tuple(row) for row in tenant.db.conn.execute(
+        "SELECT company_id, code, name, url_template FROM carriers")] == [
+        (tenant.id, "CARRIER_A", "Parcel Force", "https://parcels.example/t?n={number}&lang=en")]
+    customer = tenant.customer(email="buyer@cafe.example")
+    order = shipped_order(api, tenant, customer, {"carrier": "CARRIER_A", "number": "TN 7/1"})
+    read = api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"]
+    assert read["tracking"] == {"carrier": "CARRIER_A", "number": "TN 7/1",
+                                "url": "https://parcels.example/t?n=TN%207%2F1&lang=en"}
+    mail = next(row for row in email_rows(tenant.db) if row["kind"] == "order_shipped")
+    assert ["Carrier", "Parcel Force"] in json.loads(mail["data"])["facts"]
+    page = browser.get(f"/dashboard/orders/{order['id']}")
+    assert page.html.find("dt", string="Tracking").find_next("dd").get_text(
+        " ", strip=True).startswith("Parcel Force TN 7/1 https://parcels.example/")
+    # another company's Carrier A is still the server's
+    theirs = shipped_order(api, other, other.customer(), {"carrier": "CARRIER_A",
+                                                          "number": "X-100"})
+    assert api.get(f"/api/v1/orders/{theirs['id']}", headers=other.headers).json["data"][
+        "tracking"]["url"] == "https://tracking.carrier-a.example/track?number=X-100"
 
 
 def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant, other,
@@ -14364,10 +14555,10 @@ def test_buyers_are_emailed_as_returns_are_approved_and_refunded_unless_settings
         ordering.refund_return(conn, tenant.id, first["id"], "CREDIT", 1, 0, 1250)
     sent = [row for row in email_rows(tenant.db) if row["kind"].startswith("return_")]
     assert [(row["kind"], row["subject"]) for row in sent] == [
-        ("return_approved", f"Your return for order {order['id']} is approved"),
-        ("return_refunded", f"Your return for order {order['id']} is refunded")]
+        ("return_approved", "Your return for order 1001 is approved"),
+        ("return_refunded", "Your return for order 1001 is refunded")]
     refunded = json.loads(sent[1]["data"])
-    assert refunded["facts"][1:] == [["Refund", "12.50"],
+    assert refunded["facts"] == [["Order", 1001], ["Refund", "12.50"],
                                      ["How", "credit note CN-000001, for your invoices"]]
     text, _ = ordering.email_bodies("return_refunded", refunded, "http://shop.example", "Acme")
     assert f"See it in the store: http://shop.example/store/acme-wholesale/orders/{order['id']}" \
@@ -14698,7 +14889,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
 
         browser.open(f"{store}/orders/{order_id}")
         card = driver.find_element("css selector", ".tracking")
-        assert "CARRIER_B" in card.text and "TN-4242" in card.text
+        assert "Carrier B" in card.text and "TN-4242" in card.text
         assert card.find_element("tag name", "a").get_attribute("href") == \
             "https://tracking.carrier-b.example/parcels/TN-4242"
         returns = browser.form("/returns")
@@ -15259,6 +15450,16 @@ def test_demo_is_made_once_and_its_key_places_an_order(db_path):
         app.service.close(grace=0)
 
 
+def test_demo_prints_its_links_at_the_base_url_when_one_is_set(db_path):
+    result = run_cli(db_path, "demo", env={"ORDERING_BASE_URL": "https://shop.example/"})
+    assert result.returncode == 0, result.stderr
+    links = re.findall(r"https?://[^\s,']+", result.stdout)
+    assert links == ["https://shop.example/api/v1/products",
+                     "https://shop.example/api/v1/orders", "https://shop.example/api/v1/orders",
+                     "https://shop.example/store/demo-wholesale",
+                     "https://shop.example/dashboard"]
+
+
 def test_demo_prints_a_staff_sign_in_that_works(db_path):
     for _ in range(2):  # a new password on every run, the account made once
         result = run_cli(db_path, "demo")
@@ -15406,7 +15607,8 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
 
     expected = {"companies": 2, "api_keys": 3, "products": 3, "customer_groups": 0,
                 "group_prices": 0, "report_runs": 0, "customers": 1, "contacts": 1,
-                "customer_prices": 1, "cart_lines": 2, "addresses": 1, "orders": 2,
+                "customer_prices": 1, "cart_lines": 2, "addresses": 1, "carriers": 0,
+                "orders": 2,
                 "order_status_changes": 2, "order_items": 3, "order_requests": 0,
                 "returns": 1, "return_lines": 1,
                 "refunds": 0, "stock_movements": 6, "invoices": 0, "stripe_events": 0,
