@@ -2031,6 +2031,10 @@ SIGN_IN_FORM = Template("prefix error email csrf", """\
 
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
+#: Where signing out leads: the visitor's own sign-out, said so.
+SIGNED_OUT_BY_YOU = Template("prefix", """\
+<p class="card narrow" role="status">You have signed out. <a href="{prefix}/sign-in">Sign in \
+again</a>.</p>""")
 
 #: A link of the header's navigation (current: CURRENT on the page it leads to).
 NAV_LINK = Template("href current text", '<li><a href="{href}"{current}>{text}</a></li>')
@@ -2889,6 +2893,7 @@ RETURNABLE_ORDER_STATUSES = ("SHIPPED", "DELIVERED")
 RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
 PASSWORD_SET = "Your password is set. Sign in with it."
 EMAIL_VERIFIED = "Thank you: your email address is confirmed."
+EMAIL_VERIFIED_ALREADY = "Your email address is confirmed already: sign in below."
 #: Hours the old secret of a rotated webhook still signs, unless told otherwise.
 WEBHOOK_SECRET_GRACE_HOURS = 24
 #: Requests per minute of a new API key, unless told otherwise.
@@ -6002,15 +6007,24 @@ def issue_account_link(conn, contact, purpose, now_ms):
 def account_link(conn, company_id, purpose, token, now_ms, use=False):
     """The contact of the store whose link this is; with use, every link of this purpose of
     that contact ends. An unknown, used, expired or other store's link is LINK_EXPIRED."""
-    row = conn.execute(
-        "SELECT t.contact_id, t.expires_at FROM contact_tokens t JOIN contacts c "
-        "ON c.id = t.contact_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
-        (hash_key(token), purpose, company_id)).fetchone()
-    if row is None or row["expires_at"] <= iso(now_ms):
+    row = account_link_row(conn, company_id, purpose, token)
+    if row["expires_at"] <= iso(now_ms):
         raise ApiError(400, LINK_EXPIRED)
     if use:
         end_account_links(conn, row["contact_id"], (purpose,))
     return load_contact(conn, company_id, row["contact_id"])
+
+
+def account_link_row(conn, company_id, purpose, token):
+    """(contact_id, expires_at) of a link of the store, expired or not; LINK_EXPIRED when
+    there is none."""
+    row = conn.execute(
+        "SELECT t.contact_id, t.expires_at FROM contact_tokens t JOIN contacts c "
+        "ON c.id = t.contact_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
+        (hash_key(token), purpose, company_id)).fetchone()
+    if row is None:
+        raise ApiError(400, LINK_EXPIRED)
+    return row
 
 
 def end_account_links(conn, contact_id, purposes=("reset",)):
@@ -6048,9 +6062,14 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
 
 
 def verify_customer_email(conn, store_slug, token, now_ms):
-    """The verification link of a registration: the address is the contact's."""
+    """The verification link of a registration: the address is the contact's. A used link
+    stays (until its contact is blocked) so that using it again says the address is
+    confirmed already (409), even past its hour, rather than that it expired."""
     company = company_by_slug(conn, store_slug)
-    contact = account_link(conn, company["id"], "verify", token, now_ms, use=True)
+    row = account_link_row(conn, company["id"], "verify", token)
+    if load_contact(conn, company["id"], row["contact_id"])["email_verified"]:
+        raise ApiError(409, EMAIL_VERIFIED_ALREADY)
+    contact = account_link(conn, company["id"], "verify", token, now_ms)
     _mark_email_verified(conn, contact)
     clear_sign_in_failures(conn, contact["email"], f"{company['id']} ")
     return contact_json(load_contact(conn, company["id"], contact["id"]))
@@ -10146,6 +10165,7 @@ class Surface:
         app.route(self.prefix + "/sign-in", "GET", lambda: self.sign_in_page())
         app.route(self.prefix + "/sign-in", "POST", self.sign_in)
         app.route(self.prefix + "/sign-out", "POST", self.sign_out)
+        app.route(self.prefix + "/signed-out", "GET", self.signed_out_page)
         app.route(self.prefix, "GET", lambda: redirect(self.home))
 
     def now_ms(self):
@@ -10318,7 +10338,11 @@ class Surface:
             with self.service.db.write() as conn:
                 end_session(conn, self.accounts, found["token_hash"])
         self.set_session_cookie("", max_age=0)
-        return redirect(self.prefix + "/sign-in")
+        return redirect(self.prefix + "/signed-out")
+
+    def signed_out_page(self):
+        self.headers()
+        return self.bare_page("Signed out", render(SIGNED_OUT_BY_YOU, prefix=self.prefix))
 
     def stylesheet(self):
         self.headers("text/css; charset=utf-8")
@@ -11690,6 +11714,7 @@ class StoreSurface(Surface):
                 ("GET", "/sign-in", lambda: self.sign_in_page()),
                 ("POST", "/sign-in", self.sign_in),
                 ("POST", "/sign-out", self.sign_out),
+                ("GET", "/signed-out", self.signed_out_page),
                 ("GET", "/register", self.register_page), ("POST", "/register", self.register),
                 ("GET", "/reset", self.reset_page), ("POST", "/reset", self.request_reset),
                 ("GET", "/reset/<token>", self.new_password_page),
@@ -11856,6 +11881,8 @@ class StoreSurface(Surface):
             with self.service.db.write() as conn:
                 verify_customer_email(conn, self.store()["slug"], token, self.now_ms())
         except ApiError as error:
+            if error.message == EMAIL_VERIFIED_ALREADY:
+                return self.sign_in_page(notice=error.message)
             bottle.response.status = error.status
             return self.reset_page(error.message)
         return self.sign_in_page(notice=EMAIL_VERIFIED)

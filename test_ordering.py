@@ -9379,9 +9379,15 @@ def test_idle_sessions_and_old_failure_counts_are_purged(app, staff):
         "address:192.0.2.2", "email:other@acme.example"]
 
 
-def test_sign_out_ends_the_session(app, browser):
+def test_sign_out_ends_the_session_and_says_so(app, browser):
     page = browser.get("/dashboard/orders")
-    form_to(page, "/dashboard/sign-out").submit(status=303)
+    gone = form_to(page, "/dashboard/sign-out").submit(status=303)
+    assert gone.location.endswith("/dashboard/signed-out")
+    said = gone.follow(status=200)
+    assert said.html.select_one("[role=status]").get_text(" ", strip=True) == \
+        "You have signed out. Sign in again ."
+    assert said.html.select_one("[role=status] a")["href"] == "/dashboard/sign-in"
+    assert "Sign out" not in said.text
     assert browser.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
 
@@ -9463,7 +9469,12 @@ def test_sign_out_ends_the_session_and_an_old_cookie_is_worth_nothing(app, tenan
     assert app.service.db.conn.execute("SELECT token_hash FROM contact_sessions").fetchone()[0] \
         == ordering.hash_key(token)
     page = browser.get(store_of(tenant) + "/account")
-    browser.post(store_of(tenant) + "/sign-out", {"csrf": csrf_of(page)}, status=303)
+    gone = browser.post(store_of(tenant) + "/sign-out", {"csrf": csrf_of(page)}, status=303)
+    assert gone.location.endswith(store_of(tenant) + "/signed-out")
+    said = gone.follow(status=200)
+    assert said.html.select_one("[role=status]").get_text(" ", strip=True) == \
+        "You have signed out. Sign in again ."
+    assert said.html.select_one("[role=status] a")["href"] == store_of(tenant) + "/sign-in"
     replay = store_visitor(app)
     replay.set_cookie("ordering_store_session", token)
     assert replay.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
@@ -9587,8 +9598,26 @@ def test_registration_makes_a_pending_customer_its_event_and_a_verification_emai
     done = store_visitor(app).get(data["path"], status=200)
     assert "your email address is confirmed" in done.text
     assert app.service.db.conn.execute("SELECT email_verified FROM customers").fetchone()[0] == 1
-    again = store_visitor(app).get(data["path"], status=400)
-    assert "has expired or was already used" in again.text
+    again = store_visitor(app).get(data["path"], status=200)
+    assert ordering.EMAIL_VERIFIED_ALREADY in again.text
+    assert main_form(again).action == "/store/acme-wholesale/sign-in"
+
+
+def test_a_used_verification_link_says_confirmed_already_even_past_its_hour(app, tenant):
+    now = [time.time()]
+    app.storefront.clock = lambda: now[0]
+    store_register(app, tenant, "new@cafe.example")
+    store_register(app, tenant, "late@cafe.example")
+    used, unused = (emailed[2]["path"] for emailed in account_emails(app))
+    store_visitor(app).get(used, status=200)
+    now[0] += ordering.ACCOUNT_LINK_SECONDS
+    again = store_visitor(app).get(used, status=200)
+    assert again.html.select_one("[role=status]").get_text(strip=True) == \
+        "Your email address is confirmed already: sign in below."
+    late = store_visitor(app).get(unused, status=400)
+    assert late.html.select_one("[role=alert]").get_text(strip=True) == ordering.LINK_EXPIRED
+    assert store_visitor(app).get(store_of(tenant) + "/verify/" + "x" * 43, status=400).html \
+        .select_one("[role=alert]").get_text(strip=True) == ordering.LINK_EXPIRED
 
 
 def test_registration_refuses_a_short_password_next_to_its_field_and_writes_nothing(app, tenant):
