@@ -3153,6 +3153,47 @@ ROLE_LINKS = {"admin": ["Catalog", "Cart (0)", "Orders", "Requests", "Statement"
               "buyer": ["Catalog", "Cart (0)", "Orders", "Requests", "Account"],
               "bookkeeper": ["Catalog", "Orders", "Statement", "Account"]}
 
+#: The right each dashboard form needs; STAFF_RIGHTS says which roles have it.
+STAFF_FORM_RIGHTS = {
+    "/dashboard/orders": "work", "/dashboard/orders/<order_id>/status": "work",
+    "/dashboard/orders/<order_id>/restock": "work", "/dashboard/products": "work",
+    "/dashboard/products/<product_id>/stock/<kind>": "work",
+    "/dashboard/products/<product_id>": "work", "/dashboard/customers": "work",
+    "/dashboard/customers/<customer_id>/prices": "work",
+    "/dashboard/customers/<customer_id>/prices/<product_id>/clear": "work",
+    "/dashboard/customers/<customer_id>": "work",
+    "/dashboard/customers/<customer_id>/status": "work",
+    "/dashboard/customers/<customer_id>/invite": "work",
+    "/dashboard/customers/<customer_id>/contacts": "work",
+    "/dashboard/contacts/<contact_id>": "work", "/dashboard/contacts/<contact_id>/invite": "work",
+    "/dashboard/groups": "work", "/dashboard/groups/<group_id>": "work",
+    "/dashboard/groups/<group_id>/prices": "work",
+    "/dashboard/groups/<group_id>/prices/<product_id>/clear": "work",
+    "/dashboard/customers/<customer_id>/group": "work",
+    "/dashboard/orders/<order_id>/returns": "work",
+    "/dashboard/returns/<return_id>/refund": "money",
+    "/dashboard/returns/<return_id>/<step>": "work",
+    "/dashboard/orders/<order_id>/invoice": "money",
+    "/dashboard/invoices/<invoice_id>/payments": "money",
+    "/dashboard/invoices/<invoice_id>/credit": "money",
+    "/dashboard/invoices/<invoice_id>/void": "money", "/dashboard/webhooks": "company",
+    "/dashboard/webhooks/<webhook_id>/toggle": "company",
+    "/dashboard/webhooks/<webhook_id>/rotate": "company", "/dashboard/keys": "company",
+    "/dashboard/keys/<key_id>/revoke": "company", "/dashboard/spreadsheets/import": "work",
+    "/dashboard/spreadsheets/import/apply": "work",
+    "/dashboard/emails/<email_id>/send-again": "work", "/dashboard/settings": "company",
+    "/dashboard/staff/<staff_id>": "company"}
+
+
+def staff_of_each_role(app, tenant):
+    """A signed-in browser of each staff role, read-only first (so that an owner's changes
+    come after the refusals)."""
+    for role in ordering.STAFF_ROLES:
+        with tenant.db.write() as conn:
+            ordering.create_staff(conn, tenant.id, f"{role}@acme.example", STAFF_PASSWORD, role)
+    return {role: signed_in(app, f"{role}@acme.example")
+            for role in reversed(ordering.STAFF_ROLES)}
+
 
 def wholesale_rice(tenant):
     """A product sold from 12 units in cases of 6, 40.00 from 24 units and 38.00 from 48."""
@@ -3847,7 +3888,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3871,7 +3912,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 11
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 12
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3888,7 +3929,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 11
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 12
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM contact_tokens").fetchone()[0] == 0
@@ -3909,7 +3950,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3929,7 +3970,7 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
@@ -3943,7 +3984,7 @@ def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_ow
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_8)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
             == (0,)
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
@@ -3961,7 +4002,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -4001,7 +4042,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -9292,8 +9333,9 @@ def test_staff_create_reads_the_password_from_stdin_and_prints_the_account(db_pa
                            company["id"], "--email", "Staff@Acme.example", "--password-stdin")
     assert result.returncode == 0, result.stderr
     account = json.loads(result.stdout)
-    assert set(account) == {"id", "email", "companyId"}
-    assert (account["email"], account["companyId"]) == ("Staff@Acme.example", company["id"])
+    assert set(account) == {"id", "email", "companyId", "role"}
+    assert (account["email"], account["companyId"], account["role"]) == (
+        "Staff@Acme.example", company["id"], "owner")
     assert account["id"].startswith("stf_")
     row = read_db(db_path).execute("SELECT password_hash FROM staff").fetchone()
     algorithm, n, r, p, salt, digest = row[0].split("$")
@@ -9320,6 +9362,43 @@ def test_staff_create_refuses_short_password_duplicate_email_and_writes_nothing(
                             "--email", "b@acme.example", "--password-stdin")
     assert unknown.returncode != 0 and "Company not found." in unknown.stderr
     assert read_db(db_path).execute("SELECT COUNT(*) FROM staff").fetchone()[0] == 1
+
+
+def test_staff_create_takes_a_role_and_staff_update_changes_it_keeping_an_owner(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    made = {}
+    for role in ("read-only", "owner"):
+        result = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company",
+                               company["id"], "--email", f"{role}@acme.example",
+                               "--password-stdin", "--role", role)
+        made[role] = json.loads(result.stdout)
+    assert made["read-only"]["role"] == "read-only"
+    assert cli_json(db_path, "staff-update", made["read-only"]["id"], "--role", "staff") == {
+        **made["read-only"], "role": "staff"}
+    cli_refuses(db_path, "staff-update", made["owner"]["id"], "--role", "staff",
+                message=ordering.LAST_OWNER)
+    cli_refuses(db_path, "staff-update", "stf_nope", "--role", "staff",
+                message="Staff account not found.")
+    wrong = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company", company["id"],
+                          "--email", "x@acme.example", "--password-stdin", "--role", "boss")
+    assert wrong.returncode == 2 and "invalid choice: 'boss'" in wrong.stderr
+    assert [row[0] for row in read_db(db_path).execute(
+        "SELECT role FROM staff ORDER BY email_key")] == ["owner", "staff"]
+
+
+def test_a_version_11_database_makes_every_staff_account_an_owner(app, tenant, database):
+    staff = make_staff(tenant)
+
+    def back(conn):
+        conn.execute("ALTER TABLE staff DROP COLUMN role")
+        conn.engine.set_schema_version(conn, 11)
+    db = reopened_from(app, database, back)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert [tuple(row) for row in db.conn.execute("SELECT id, role FROM staff")] == [
+            (staff["id"], "owner")]
+    finally:
+        db.close()
 
 
 def test_each_account_has_a_salt_of_its_own(app, tenant, other):
@@ -10005,7 +10084,7 @@ def test_a_version_10_database_gives_its_products_rules_that_allow_any_quantity(
         conn.engine.set_schema_version(conn, 10)
     db = reopened_from(app, database, back)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
         row = ordering.load_product(db.conn, tenant.id, rice["id"])
         assert (row["min_quantity"], row["order_multiple"], row["price_breaks"]) == (1, 1, None)
     finally:
@@ -10029,7 +10108,7 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
     db = reopened_from(app, database, back)
     try:
         conn = db.conn
-        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 11
+        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 12
         contacts = {row["email"]: row for row in conn.execute("SELECT * FROM contacts")}
         mine, theirs = contacts["buyer@cafe.example"], contacts["api@cafe.example"]
         assert (mine["customer_id"], mine["role"], mine["status"], mine["name"],
@@ -14121,6 +14200,81 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
                                  "85.00"], ["", "", "Balance", "", "85.00"]]
 
 
+def test_every_page_and_form_of_the_dashboard_answers_each_role_as_its_table_says(
+        app, tenant):
+    product = tenant.product(stock=50, sku="GR-RICE-25")
+    customer = store_buyer(app, tenant)
+    order = checked_out(tenant, customer["id"], product["id"])
+    values = {"order_id": order["id"], "product_id": product["id"],
+              "customer_id": customer["id"], "kind": "adjust", "step": "approve"}
+    browsers = staff_of_each_role(app, tenant)
+    assert {path: right for method, path, _, _, right in ordering.PAGES
+            if method == "POST" and path.startswith("/dashboard/")} == STAFF_FORM_RIGHTS
+    for method, path, *_ in ordering.PAGES:
+        if method != "GET" or not path.startswith("/dashboard/"):
+            continue
+        url = re.sub(r"<(\w+)>", lambda arg: {**values, "kind": "orders"}.get(arg[1], "nope"),
+                     path)
+        for role, browser in browsers.items():
+            page = browser.get(url, status=200 if "nope" not in url else 404)
+            for form in page.forms.values() if page.content_type == "text/html" else ():
+                if form.method == "POST" and not form.action.endswith("/sign-out"):
+                    assert ordering.form_right(form.action) in ordering.STAFF_RIGHTS[role], (
+                        url, role, form.action)
+    for path, right in STAFF_FORM_RIGHTS.items():
+        url = re.sub(r"<(\w+)>", lambda arg: values.get(arg[1], "nope"), path)
+        for role, browser in browsers.items():
+            csrf = csrf_of(browser.get("/dashboard/orders"))
+            answer = browser.post(url, {"csrf": csrf}, status="*")
+            refused = right not in ordering.STAFF_RIGHTS[role]
+            assert (answer.status_int == 403) == refused, (path, role, answer.status)
+            assert (ordering.STAFF_ROLE_REFUSED in answer.text) == refused, (path, role)
+
+
+def test_a_read_only_account_sees_every_page_with_no_form_and_staff_no_money_or_settings(
+        app, tenant):
+    product = tenant.product(stock=50, sku="GR-RICE-25")
+    customer = store_buyer(app, tenant)
+    order = checked_out(tenant, customer["id"], product["id"])
+    browsers = staff_of_each_role(app, tenant)
+    forms = {role: sorted(form.action for url in (
+        f"/dashboard/orders/{order['id']}", "/dashboard/settings", "/dashboard/staff")
+        for form in browser.get(url).forms.values() if not form.action.endswith("/sign-out"))
+        for role, browser in browsers.items()}
+    assert forms["read-only"] == []
+    assert set(forms["staff"]) == {f"/dashboard/orders/{order['id']}/returns",
+                                   f"/dashboard/orders/{order['id']}/status"}
+    assert set(forms["staff"]) < set(forms["owner"])
+    assert f"/dashboard/orders/{order['id']}/invoice" in forms["owner"]
+    assert "/dashboard/settings" in forms["owner"]
+
+
+def test_an_owner_changes_roles_on_the_staff_page_and_a_company_keeps_an_owner(app, tenant):
+    browsers = staff_of_each_role(app, tenant)
+    rows = [[cell.get_text(" ", strip=True) for cell in row.select("td")][:2]
+            for row in browsers["owner"].get("/dashboard/staff").html.select("tbody tr")]
+    assert rows == [["owner@acme.example", "owner"], ["read-only@acme.example", "read-only"],
+                    ["staff@acme.example", "staff"]]
+    ids = {row["email"]: row["id"] for row in tenant.db.conn.execute("SELECT * FROM staff")}
+    page = browsers["owner"].get("/dashboard/staff")
+    form = form_to(page, "/dashboard/staff/" + ids["staff@acme.example"])
+    form["role"] = "owner"
+    done = form.submit(status=303).follow()
+    assert done.html.select_one("[role=status]").get_text(strip=True) == \
+        "Saved: the staff member's role is changed; it applies at their next page."
+    assert "/dashboard/settings" in {f.action for f in browsers["staff"].get(
+        "/dashboard/settings").forms.values()}
+    for email in ("staff@acme.example", "owner@acme.example"):
+        form = form_to(browsers["owner"].get("/dashboard/staff"), "/dashboard/staff/" + ids[email])
+        form["role"] = "read-only"
+        answer = form.submit(status="*")
+    assert answer.status_int == 409
+    assert answer.html.select_one("[role=alert]").get_text(strip=True) == \
+        "Not saved: " + ordering.LAST_OWNER
+    assert [row[0] for row in tenant.db.conn.execute(
+        "SELECT role FROM staff ORDER BY email_key")] == ["owner", "read-only", "read-only"]
+
+
 # 15.2 Billing, emails and settings -----------------------------------------------------------
 
 def test_the_settings_page_shows_the_stripe_customer_and_only_the_operator_maps_it(
@@ -15047,7 +15201,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 43
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 44
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
@@ -15590,7 +15744,7 @@ def test_docs_name_every_command_setting_public_name_event_and_page(tmp_path):
     app.service.close()
     paths = {route.rule for route in app.routes
              if route.rule == "/dashboard" or route.rule.startswith(("/dashboard/", "/store/"))}
-    assert {path for _, path, _, _ in ordering.PAGES} <= paths
+    assert {path for _, path, *_ in ordering.PAGES} <= paths
     assert {"/dashboard/sign-in", "/store/<slug>", "/store/<slug>/register"} <= paths
 
     def path_pattern(path):  # /store/<slug>/orders/<order_id> as docs write it: {slug}, {id}
