@@ -706,10 +706,13 @@ MIGRATIONS = {
          add_column("products", "price_breaks TEXT")),
     # Order numbers: each company's orders numbered from 1001 in the order they were placed
     # (their IDs' order); the next order takes the number after its company's highest.
+    # Staff roles: every account there was may do everything, as an owner may.
     12: (add_column("orders", "number INTEGER"),
          "UPDATE orders SET number = numbered.number FROM (SELECT id, 1000 + ROW_NUMBER() "
          "OVER (PARTITION BY company_id ORDER BY id) AS number FROM orders) AS numbered "
-         "WHERE orders.id = numbered.id AND orders.number IS NULL"),
+         "WHERE orders.id = numbered.id AND orders.number IS NULL",
+         add_column("staff", "role TEXT NOT NULL DEFAULT 'owner' CHECK "
+                             "(role IN ('owner', 'staff', 'read-only'))")),
 }
 
 
@@ -2037,6 +2040,10 @@ SIGN_IN_FORM = Template("prefix error email csrf", """\
 
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
+#: Where signing out leads: the visitor's own sign-out, said so.
+SIGNED_OUT_BY_YOU = Template("prefix", """\
+<p class="card narrow" role="status">You have signed out. <a href="{prefix}/sign-in">Sign in \
+again</a>.</p>""")
 
 #: A link of the header's navigation (current: CURRENT on the page it leads to).
 NAV_LINK = Template("href current text", '<li><a href="{href}"{current}>{text}</a></li>')
@@ -3008,6 +3015,7 @@ RETURNABLE_ORDER_STATUSES = ("SHIPPED", "DELIVERED")
 RATE_LIMITED_PAGE = "Too many requests from your address. Wait a minute and try again."
 PASSWORD_SET = "Your password is set. Sign in with it."
 EMAIL_VERIFIED = "Thank you: your email address is confirmed."
+EMAIL_VERIFIED_ALREADY = "Your email address is confirmed already: sign in below."
 #: Hours the old secret of a rotated webhook still signs, unless told otherwise.
 WEBHOOK_SECRET_GRACE_HOURS = 24
 #: Requests per minute of a new API key, unless told otherwise.
@@ -3093,6 +3101,18 @@ ROLE_RIGHTS = {"admin": frozenset({"order", "statements", "manage"}),
                "buyer": frozenset({"order"}),
                "bookkeeper": frozenset({"statements"})}
 CONTACT_ROLE_MESSAGE = f"Role must be one of {', '.join(CONTACT_ROLES)}."
+#: Staff accounts (docs/dashboard.md): what each role may do on the dashboard. Each dashboard
+#: form names the right it needs (page(..., right=)): it is refused to, and not shown to, a
+#: role without it. work: the daily work; money: refunds, invoices, payments, credit;
+#: company: settings, API keys, webhooks and staff.
+STAFF_ROLES = ("owner", "staff", "read-only")
+STAFF_RIGHTS = {"owner": frozenset({"work", "money", "company"}),
+                "staff": frozenset({"work"}),
+                "read-only": frozenset()}
+STAFF_ROLE_MESSAGE = f"Role must be one of {', '.join(STAFF_ROLES)}."
+STAFF_ROLE_REFUSED = ("Your role does not allow this: an owner of the company can do it, or "
+                      "change your role on the Staff page.")
+LAST_OWNER = "A company keeps at least one owner: make another staff member an owner first."
 CONTACT_STATUS_MESSAGE = "Status must be ACTIVE or BLOCKED."
 CONTACT_EXISTS = "An account with this email already exists at this store."
 CONTACT_BLOCKED_INVITE = "A blocked contact cannot be invited to set a password."
@@ -3407,7 +3427,7 @@ CUSTOMER_PRICE_FIELDS = (
     ("customerId", "customer_id", "value"), ("productId", "product_id", "value"),
     ("price", "price_cents", "money"), ("updatedAt", "updated_at", "value"))
 STAFF_FIELDS = (("id", "id", "value"), ("email", "email", "value"),
-                ("companyId", "company_id", "value"))
+                ("companyId", "company_id", "value"), ("role", "role", "value"))
 COMPANY_FIELDS = (
     ("id", "id", "value"), ("name", "name", "value"), ("slug", "slug", "value"),
     ("stripeCustomerId", "stripe_customer_id", "value"), ("mailName", "mail_name", "value"),
@@ -6091,8 +6111,9 @@ class Accounts:
         return self.enabled.format(a=alias and alias + ".")
 
 
+#: A session tells the account's role, read afresh at every request.
 STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "{a}disabled = 0",
-                 "staff")
+                 "staff", "a.role, ")
 #: The people of a storefront's customers: neither the contact nor its customer blocked (one
 #: whose customer awaits approval may sign in, and sees that it does). A session tells the
 #: contact's customer and role, read afresh at every request.
@@ -6102,11 +6123,12 @@ CONTACTS = Accounts("Contact", "contacts", "contact_sessions", "contact_id",
                     "a.customer_id, a.role, a.approval_limit_cents, ")
 
 
-def create_staff(conn, company_id, email, password):
+def create_staff(conn, company_id, email, password, role="owner"):
     load_company(conn, company_id)
     email = (email or "").strip()
     if not valid_email(email):
         raise ApiError(400, INVALID_EMAIL)
+    check_staff_role(role)
     check_password(password)
     if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
                     (company_id, email.casefold())).fetchone():
@@ -6114,9 +6136,38 @@ def create_staff(conn, company_id, email, password):
     staff_id, at = new_id_at("stf")
     row = {"id": staff_id, "company_id": company_id, "email": email,
            "email_key": email.casefold(), "password_hash": hash_password(password),
-           "created_at": at}
+           "role": role, "created_at": at}
     insert_row(conn, "staff", row)
     return staff_json(row)
+
+
+def check_staff_role(role):
+    if role not in STAFF_ROLES:
+        raise invalid("role", STAFF_ROLE_MESSAGE)
+
+
+def list_staff(conn, company_id):
+    """The company's staff accounts that may sign in, by email (rows)."""
+    return conn.execute("SELECT * FROM staff WHERE company_id = ? AND disabled = 0 "
+                        "ORDER BY email_key, id", (company_id,)).fetchall()
+
+
+def update_staff_role(conn, company_id, staff_id, role):
+    """A staff member's new role; the company keeps an owner (LAST_OWNER)."""
+    check_staff_role(role)
+    row = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    if role != "owner":
+        _keep_an_owner(conn, company_id, staff_id)
+    conn.execute("UPDATE staff SET role = ? WHERE id = ?", (role, staff_id))
+    return staff_json({**row, "role": role})
+
+
+def _keep_an_owner(conn, company_id, staff_id):
+    """Refuses a change that would leave the company no owner who can sign in."""
+    others = conn.execute("SELECT COUNT(*) FROM staff WHERE company_id = ? AND role = 'owner' "
+                          "AND disabled = 0 AND id <> ?", (company_id, staff_id)).fetchone()[0]
+    if not others:
+        raise ApiError(409, LAST_OWNER)
 
 
 def set_password(conn, accounts, account_id, password):
@@ -6286,15 +6337,24 @@ def issue_account_link(conn, contact, purpose, now_ms):
 def account_link(conn, company_id, purpose, token, now_ms, use=False):
     """The contact of the store whose link this is; with use, every link of this purpose of
     that contact ends. An unknown, used, expired or other store's link is LINK_EXPIRED."""
-    row = conn.execute(
-        "SELECT t.contact_id, t.expires_at FROM contact_tokens t JOIN contacts c "
-        "ON c.id = t.contact_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
-        (hash_key(token), purpose, company_id)).fetchone()
-    if row is None or row["expires_at"] <= iso(now_ms):
+    row = account_link_row(conn, company_id, purpose, token)
+    if row["expires_at"] <= iso(now_ms):
         raise ApiError(400, LINK_EXPIRED)
     if use:
         end_account_links(conn, row["contact_id"], (purpose,))
     return load_contact(conn, company_id, row["contact_id"])
+
+
+def account_link_row(conn, company_id, purpose, token):
+    """(contact_id, expires_at) of a link of the store, expired or not; LINK_EXPIRED when
+    there is none."""
+    row = conn.execute(
+        "SELECT t.contact_id, t.expires_at FROM contact_tokens t JOIN contacts c "
+        "ON c.id = t.contact_id WHERE t.token_hash = ? AND t.purpose = ? AND c.company_id = ?",
+        (hash_key(token), purpose, company_id)).fetchone()
+    if row is None:
+        raise ApiError(400, LINK_EXPIRED)
+    return row
 
 
 def end_account_links(conn, contact_id, purposes=("reset",)):
@@ -6335,9 +6395,14 @@ def register_customer(conn, store_slug, email, name, password, now_ms):
 
 
 def verify_customer_email(conn, store_slug, token, now_ms):
-    """The verification link of a registration: the address is the contact's."""
+    """The verification link of a registration: the address is the contact's. A used link
+    stays (until its contact is blocked) so that using it again says the address is
+    confirmed already (409), even past its hour, rather than that it expired."""
     company = company_by_slug(conn, store_slug)
-    contact = account_link(conn, company["id"], "verify", token, now_ms, use=True)
+    row = account_link_row(conn, company["id"], "verify", token)
+    if load_contact(conn, company["id"], row["contact_id"])["email_verified"]:
+        raise ApiError(409, EMAIL_VERIFIED_ALREADY)
+    contact = account_link(conn, company["id"], "verify", token, now_ms)
     _mark_email_verified(conn, contact)
     clear_sign_in_failures(conn, contact["email"], f"{company['id']} ")
     return contact_json(load_contact(conn, company["id"], contact["id"]))
@@ -10202,8 +10267,15 @@ class Visit:
         """The attributes that mark a refused field's control and tie its message to it."""
         return render(FIELD_INVALID, id=field_id) if name in self.errors else ""
 
+    def may_send(self, right):
+        """Whether the signed-in account's role has this right (None: any account)."""
+        return right is None or right in STAFF_RIGHTS[self.session["role"]]
+
     def form_tag(self, action, body, css="card", files=False):
-        """A form that changes something (files: it may carry a file, as multipart)."""
+        """A form that changes something (files: it may carry a file, as multipart); none for
+        a role that may not send it."""
+        if not self.may_send(form_right(action)):
+            return ""
         return render(FORM, css=css, action=action, csrf=self.csrf, body=body,
                       enctype=MULTIPART if files else "")
 
@@ -10295,6 +10367,7 @@ DONE = {
     "nothing-added": "Nothing was added to your cart.",
     "link-sent": VERIFICATION_SENT,
     "link-not-sent": VERIFICATION_NOT_SENT,
+    "role": "Saved: the staff member's role is changed; it applies at their next page.",
 }
 
 
@@ -10308,15 +10381,24 @@ def redirect(location, done=None):
     return ""
 
 
-#: (method, path, handler, the page a refused form is shown again on).
+#: (method, path, handler, the page a refused form is shown again on, the right of
+#: STAFF_RIGHTS a dashboard form needs).
 PAGES = []
 
 
-def page(method, path, refused=None):
+def page(method, path, refused=None, right=None):
     def register(handler):
-        PAGES.append((method, path, handler, refused))
+        PAGES.append((method, path, handler, refused, right))
         return handler
     return register
+
+
+def form_right(action):
+    """The right of STAFF_RIGHTS the form sent to action needs (None: none)."""
+    for method, path, _, _, right in PAGES:
+        if method == "POST" and re.fullmatch(re.sub(r"<\w+>", "[^/]+", path), action):
+            return right
+    return None
 
 
 def uploaded_text(name, limit=MAX_QUICK_ORDER, too_long=QUICK_ORDER_TOO_LONG):
@@ -10578,15 +10660,16 @@ class Surface:
         self.clock = time.time
 
     def install(self, app):
-        def bind(handler, refused):
-            return lambda **url_args: self.serve(handler, refused, url_args)
-        for method, path, handler, refused in PAGES:
+        def bind(handler, refused, right):
+            return lambda **url_args: self.serve(handler, refused, url_args, right)
+        for method, path, handler, refused, right in PAGES:
             if path.startswith(self.prefix + "/"):
-                app.route(path, method, bind(handler, refused))
+                app.route(path, method, bind(handler, refused, right))
         app.route(self.prefix + "/style.css", "GET", self.stylesheet)
         app.route(self.prefix + "/sign-in", "GET", lambda: self.sign_in_page())
         app.route(self.prefix + "/sign-in", "POST", self.sign_in)
         app.route(self.prefix + "/sign-out", "POST", self.sign_out)
+        app.route(self.prefix + "/signed-out", "GET", self.signed_out_page)
         app.route(self.prefix, "GET", lambda: redirect(self.home))
 
     def now_ms(self):
@@ -10635,7 +10718,7 @@ class Surface:
             bottle.response.set_header(name, value)
         bottle.response.content_type = content_type
 
-    def serve(self, handler, refused, url_args):
+    def serve(self, handler, refused, url_args, right=None):
         self.headers()
         found, token = self.session()
         if found is None:
@@ -10646,6 +10729,8 @@ class Surface:
         visit = Visit(self, found, token)
         if bottle.request.method == "POST" and not visit.csrf_matches():
             return visit.page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
+        if bottle.request.method == "POST" and not visit.may_send(right):
+            return visit.page("Refused", render(ALERT, message=STAFF_ROLE_REFUSED), 403)
         try:
             return handler(visit, **url_args)
         except ApiError as error:
@@ -10759,7 +10844,11 @@ class Surface:
             with self.service.db.write() as conn:
                 end_session(conn, self.accounts, found["token_hash"])
         self.set_session_cookie("", max_age=0)
-        return redirect(self.prefix + "/sign-in")
+        return redirect(self.prefix + "/signed-out")
+
+    def signed_out_page(self):
+        self.headers()
+        return self.bare_page("Signed out", render(SIGNED_OUT_BY_YOU, prefix=self.prefix))
 
     def stylesheet(self):
         self.headers("text/css; charset=utf-8")
@@ -10775,7 +10864,7 @@ NAVIGATION = (("Orders", "/dashboard/orders"), ("Products", "/dashboard/products
               ("Receivables", "/dashboard/receivables"),
               ("Spreadsheets", "/dashboard/spreadsheets"), ("Webhooks", "/dashboard/webhooks"), ("API keys", "/dashboard/keys"),
               ("Billing", "/dashboard/billing"), ("Emails", "/dashboard/emails"),
-              ("Settings", "/dashboard/settings"))
+              ("Staff", "/dashboard/staff"), ("Settings", "/dashboard/settings"))
 
 
 @page("GET", "/dashboard/orders")
@@ -10833,7 +10922,7 @@ def new_order_page(visit):
         notes=visit.field("notes", "Notes", kind="textarea"))))
 
 
-@page("POST", "/dashboard/orders", refused=new_order_page)
+@page("POST", "/dashboard/orders", refused=new_order_page, right="work")
 def create_order_action(visit):
     if visit.form.get("addLine") == "yes":  # the same form, one line longer, as it was typed
         visit.kept = True
@@ -10977,7 +11066,7 @@ def order_returns(visit, order_id):
         for row in returns], numeric=("Refunded",))
 
 
-@page("POST", "/dashboard/orders/<order_id>/status", refused=order_page)
+@page("POST", "/dashboard/orders/<order_id>/status", refused=order_page, right="work")
 def order_status_action(visit, order_id):
     body = {"status": visit.form.get("status")}
     if body["status"] == "SHIPPED":
@@ -10995,7 +11084,7 @@ def order_status_action(visit, order_id):
     return redirect(f"/dashboard/orders/{order_id}", "status")
 
 
-@page("POST", "/dashboard/orders/<order_id>/restock", refused=order_page)
+@page("POST", "/dashboard/orders/<order_id>/restock", refused=order_page, right="work")
 def restock_order_action(visit, order_id):
     with visit.write() as conn:
         restock_order(conn, visit.company_id, order_id, visit.actor)
@@ -11084,7 +11173,7 @@ def new_product_page(visit):
         product_form(visit, "/dashboard/products")]))
 
 
-@page("POST", "/dashboard/products", refused=new_product_page)
+@page("POST", "/dashboard/products", refused=new_product_page, right="work")
 def create_product_action(visit):
     fields = product_fields(visit.form)
     with visit.write() as conn:
@@ -11143,7 +11232,7 @@ def stock_page(visit, product_id):
         movements=movements_table(visit, product_id)))
 
 
-@page("POST", "/dashboard/products/<product_id>/stock/<kind>", refused=stock_page)
+@page("POST", "/dashboard/products/<product_id>/stock/<kind>", refused=stock_page, right="work")
 def stock_action(visit, product_id, kind):
     with visit.write() as conn:
         if kind == "adjust":
@@ -11157,7 +11246,7 @@ def stock_action(visit, product_id, kind):
     return redirect(f"/dashboard/products/{product_id}/stock", "stock")
 
 
-@page("POST", "/dashboard/products/<product_id>", refused=product_page)
+@page("POST", "/dashboard/products/<product_id>", refused=product_page, right="work")
 def update_product_action(visit, product_id):
     fields = product_fields(visit.form)
     with visit.write() as conn:
@@ -11235,7 +11324,7 @@ def new_customer_page(visit):
         customer_fields(visit, {}), render(SUBMIT, text="Create customer")])))
 
 
-@page("POST", "/dashboard/customers", refused=new_customer_page)
+@page("POST", "/dashboard/customers", refused=new_customer_page, right="work")
 def create_customer_action(visit):
     body = dict(customer_body(visit.form), email=visit.form.get("email", ""))
     with visit.write() as conn:
@@ -11304,7 +11393,7 @@ def prices_section(visit, path, listed, template):
                 form.field("price", "Their price", inputmode="decimal")])))))
 
 
-@page("POST", "/dashboard/customers/<customer_id>/prices", refused=customer_page)
+@page("POST", "/dashboard/customers/<customer_id>/prices", refused=customer_page, right="work")
 def set_customer_price_action(visit, customer_id):
     if not visit.form.get("productId"):
         raise invalid("productId", "choose a product")
@@ -11315,14 +11404,14 @@ def set_customer_price_action(visit, customer_id):
 
 
 @page("POST", "/dashboard/customers/<customer_id>/prices/<product_id>/clear",
-      refused=customer_page)
+      refused=customer_page, right="work")
 def clear_customer_price_action(visit, customer_id, product_id):
     with visit.write() as conn:
         clear_customer_price(conn, visit.company_id, customer_id, product_id)
     return redirect(f"/dashboard/customers/{customer_id}#prices", "price-cleared")
 
 
-@page("POST", "/dashboard/customers/<customer_id>", refused=customer_page)
+@page("POST", "/dashboard/customers/<customer_id>", refused=customer_page, right="work")
 def update_customer_action(visit, customer_id):
     refusals = Refusals()
     with visit.write() as conn:
@@ -11342,7 +11431,7 @@ def save_customer_terms(visit, conn, customer_id):
                            form_text(visit.form, "paymentTermsDays"))
 
 
-@page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page)
+@page("POST", "/dashboard/customers/<customer_id>/status", refused=customer_page, right="work")
 def customer_status_action(visit, customer_id):
     with visit.write() as conn:
         customer = set_customer_status(conn, visit.company_id, customer_id,
@@ -11350,7 +11439,7 @@ def customer_status_action(visit, customer_id):
     return redirect(f"/dashboard/customers/{customer_id}", customer["status"])
 
 
-@page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page)
+@page("POST", "/dashboard/customers/<customer_id>/invite", refused=customer_page, right="work")
 def invite_customer_action(visit, customer_id):
     with visit.write() as conn:
         invite_customer(conn, visit.company_id, customer_id, visit.surface.now_ms())
@@ -11374,7 +11463,8 @@ def new_contact_page(visit, customer_id):
             contact_fields(visit, {}, email=True), render(SUBMIT, text="Add and invite")])))
 
 
-@page("POST", "/dashboard/customers/<customer_id>/contacts", refused=new_contact_page)
+@page("POST", "/dashboard/customers/<customer_id>/contacts", refused=new_contact_page,
+      right="work")
 def add_contact_action(visit, customer_id):
     with visit.write() as conn:
         add_contact(conn, visit.company_id, customer_id, contact_body(visit.form),
@@ -11394,14 +11484,14 @@ def contact_page(visit, contact_id):
         visit.button(path + "/invite", "Email a set-password link", "secondary")]))
 
 
-@page("POST", "/dashboard/contacts/<contact_id>", refused=contact_page)
+@page("POST", "/dashboard/contacts/<contact_id>", refused=contact_page, right="work")
 def update_contact_action(visit, contact_id):
     with visit.write() as conn:
         update_contact(conn, visit.company_id, contact_id, contact_body(visit.form))
     return redirect(f"/dashboard/contacts/{contact_id}", "contact")
 
 
-@page("POST", "/dashboard/contacts/<contact_id>/invite", refused=contact_page)
+@page("POST", "/dashboard/contacts/<contact_id>/invite", refused=contact_page, right="work")
 def invite_contact_action(visit, contact_id):
     with visit.write() as conn:
         invite_contact(conn, visit.company_id, contact_id, visit.surface.now_ms())
@@ -11444,7 +11534,7 @@ def groups_page(visit):
                                                    fields=group_fields(visit, {})))]))
 
 
-@page("POST", "/dashboard/groups", refused=groups_page)
+@page("POST", "/dashboard/groups", refused=groups_page, right="work")
 def create_group_action(visit):
     with visit.write() as conn:
         group_id = save_group(conn, visit.company_id, visit.form.get("name"),
@@ -11464,7 +11554,7 @@ def group_page(visit, group_id):
             visit.conn, visit.company_id, group_id), GROUP_PRICES)]))
 
 
-@page("POST", "/dashboard/groups/<group_id>", refused=group_page)
+@page("POST", "/dashboard/groups/<group_id>", refused=group_page, right="work")
 def update_group_action(visit, group_id):
     with visit.write() as conn:
         save_group(conn, visit.company_id, visit.form.get("name"), visit.form.get("discount"),
@@ -11472,7 +11562,7 @@ def update_group_action(visit, group_id):
     return redirect(f"/dashboard/groups/{group_id}", "saved")
 
 
-@page("POST", "/dashboard/groups/<group_id>/prices", refused=group_page)
+@page("POST", "/dashboard/groups/<group_id>/prices", refused=group_page, right="work")
 def set_group_price_action(visit, group_id):
     if not visit.form.get("productId"):
         raise invalid("productId", "choose a product")
@@ -11482,14 +11572,15 @@ def set_group_price_action(visit, group_id):
     return redirect(f"/dashboard/groups/{group_id}#prices", "price")
 
 
-@page("POST", "/dashboard/groups/<group_id>/prices/<product_id>/clear", refused=group_page)
+@page("POST", "/dashboard/groups/<group_id>/prices/<product_id>/clear", refused=group_page,
+      right="work")
 def clear_group_price_action(visit, group_id, product_id):
     with visit.write() as conn:
         set_group_price(conn, visit.company_id, group_id, product_id, None)
     return redirect(f"/dashboard/groups/{group_id}#prices", "price-cleared")
 
 
-@page("POST", "/dashboard/customers/<customer_id>/group", refused=customer_page)
+@page("POST", "/dashboard/customers/<customer_id>/group", refused=customer_page, right="work")
 def customer_group_action(visit, customer_id):
     with visit.write() as conn:
         set_customer_group(conn, visit.company_id, customer_id,
@@ -11559,7 +11650,7 @@ def refund_units_fields(form, per_line):
                    kind="number", min="0")])
 
 
-@page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page)
+@page("POST", "/dashboard/orders/<order_id>/returns", refused=order_page, right="work")
 def open_return_action(visit, order_id):
     with visit.write() as conn:
         open_return(conn, visit.company_id, order_id, visit.form.get("reason"), actor="staff",
@@ -11567,23 +11658,29 @@ def open_return_action(visit, order_id):
     return redirect("/dashboard/returns", "return")
 
 
-@page("POST", "/dashboard/returns/<return_id>/<step>", refused=returns_page)
+# A refund moves money: its route comes before the other steps', which it would match too.
+@page("POST", "/dashboard/returns/<return_id>/refund", refused=returns_page, right="money")
+def refund_action(visit, return_id):
+    good, damaged = form_units(visit.form, "good."), form_units(visit.form, "damaged.")
+    lines = {item_id: (good.get(item_id, 0), damaged.get(item_id, 0))
+             for item_id in {**good, **damaged}} or None
+    with visit.write() as conn:
+        refund_return(conn, visit.company_id, return_id, visit.form.get("method"),
+                      form_int(visit.form, "goodUnits", required=lines is None),
+                      form_int(visit.form, "damagedUnits", required=lines is None),
+                      form_amount(visit.form, "subtotal"),
+                      form_amount(visit.form, "amount", required=False), lines=lines,
+                      actor=visit.actor)
+    return redirect("/dashboard/returns", "refund")
+
+
+@page("POST", "/dashboard/returns/<return_id>/<step>", refused=returns_page, right="work")
 def return_step_action(visit, return_id, step):
     with visit.write() as conn:
         if step == "approve":
             approve_return(conn, visit.company_id, return_id)
         elif step == "receive":
             receive_return(conn, visit.company_id, return_id)
-        elif step == "refund":
-            good, damaged = form_units(visit.form, "good."), form_units(visit.form, "damaged.")
-            lines = {item_id: (good.get(item_id, 0), damaged.get(item_id, 0))
-                     for item_id in {**good, **damaged}} or None
-            refund_return(conn, visit.company_id, return_id, visit.form.get("method"),
-                          form_int(visit.form, "goodUnits", required=lines is None),
-                          form_int(visit.form, "damagedUnits", required=lines is None),
-                          form_amount(visit.form, "subtotal"),
-                          form_amount(visit.form, "amount", required=False), lines=lines,
-                          actor=visit.actor)
         else:
             raise not_found("Page")
     return redirect("/dashboard/returns", step)
@@ -11653,7 +11750,7 @@ def credit_form(visit, invoice, path):
                 "amount", "Amount (empty: as much as both allow)", inputmode="decimal")]))))
 
 
-@page("POST", "/dashboard/orders/<order_id>/invoice", refused=order_page)
+@page("POST", "/dashboard/orders/<order_id>/invoice", refused=order_page, right="money")
 def invoice_order_action(visit, order_id):
     with visit.write() as conn:
         invoiced = order_invoice(conn, order_id)  # (a form sent twice finds it)
@@ -11661,7 +11758,7 @@ def invoice_order_action(visit, order_id):
     return redirect(f"/dashboard/invoices/{invoice['id']}", "invoiced" if invoiced else "issued")
 
 
-@page("POST", "/dashboard/invoices/<invoice_id>/payments", refused=invoice_page)
+@page("POST", "/dashboard/invoices/<invoice_id>/payments", refused=invoice_page, right="money")
 def record_payment_action(visit, invoice_id):
     form = visit.form
     with visit.write() as conn:
@@ -11671,7 +11768,7 @@ def record_payment_action(visit, invoice_id):
     return redirect(f"/dashboard/invoices/{invoice_id}", "payment")
 
 
-@page("POST", "/dashboard/invoices/<invoice_id>/credit", refused=invoice_page)
+@page("POST", "/dashboard/invoices/<invoice_id>/credit", refused=invoice_page, right="money")
 def apply_credit_action(visit, invoice_id):
     with visit.write() as conn:
         apply_credit(conn, visit.company_id, visit.form.get("creditNoteId"), invoice_id,
@@ -11679,7 +11776,7 @@ def apply_credit_action(visit, invoice_id):
     return redirect(f"/dashboard/invoices/{invoice_id}", "credit")
 
 
-@page("POST", "/dashboard/invoices/<invoice_id>/void", refused=invoice_page)
+@page("POST", "/dashboard/invoices/<invoice_id>/void", refused=invoice_page, right="money")
 def void_invoice_action(visit, invoice_id):
     if visit.form.get("confirm") != "yes":
         raise invalid("confirm", "tick the box to void the invoice")
@@ -11799,7 +11896,7 @@ def webhook_card(visit, hook):
         deliveries=deliveries)
 
 
-@page("POST", "/dashboard/webhooks", refused=webhooks_page)
+@page("POST", "/dashboard/webhooks", refused=webhooks_page, right="company")
 def create_webhook_action(visit):
     body = {"url": visit.form.get("url", ""), "events": visit.form.getall("events"),
             "isActive": "isActive" in visit.form}
@@ -11813,7 +11910,7 @@ def create_webhook_action(visit):
     return webhooks_page(visit)
 
 
-@page("POST", "/dashboard/webhooks/<webhook_id>/toggle", refused=webhooks_page)
+@page("POST", "/dashboard/webhooks/<webhook_id>/toggle", refused=webhooks_page, right="company")
 def toggle_webhook_action(visit, webhook_id):
     with visit.write() as conn:
         hook = load_webhook(conn, visit.company_id, webhook_id)
@@ -11821,7 +11918,7 @@ def toggle_webhook_action(visit, webhook_id):
     return redirect("/dashboard/webhooks", "webhook")
 
 
-@page("POST", "/dashboard/webhooks/<webhook_id>/rotate", refused=webhooks_page)
+@page("POST", "/dashboard/webhooks/<webhook_id>/rotate", refused=webhooks_page, right="company")
 def rotate_webhook_action(visit, webhook_id):
     with visit.write() as conn:
         rotated = rotate_webhook_secret(conn, visit.company_id, webhook_id)
@@ -11848,7 +11945,7 @@ def keys_page(visit):
         table(("Key", "Scopes", "Per minute", "Expires", "Created", "State"), rows), create]))
 
 
-@page("POST", "/dashboard/keys", refused=keys_page)
+@page("POST", "/dashboard/keys", refused=keys_page, right="company")
 def create_key_action(visit):
     expires = form_text(visit.form, "expiresAt")
     if expires is not None:
@@ -11862,7 +11959,7 @@ def create_key_action(visit):
     return keys_page(visit)
 
 
-@page("POST", "/dashboard/keys/<key_id>/revoke", refused=keys_page)
+@page("POST", "/dashboard/keys/<key_id>/revoke", refused=keys_page, right="company")
 def revoke_key_action(visit, key_id):
     visit.service.revoke_key(visit.company_id, key_id)
     return redirect("/dashboard/keys", "revoked")
@@ -11895,7 +11992,7 @@ def spreadsheets_page(visit):
             render(SUBMIT, text="Check the file")]), files=True)]))
 
 
-@page("POST", "/dashboard/spreadsheets/import", refused=spreadsheets_page)
+@page("POST", "/dashboard/spreadsheets/import", refused=spreadsheets_page, right="work")
 def import_preview_action(visit):
     """What the file would do, line by line, written only when the staff apply it."""
     text = uploaded_text("file", MAX_IMPORT_CHARACTERS, IMPORT_TOO_LONG)
@@ -11906,7 +12003,7 @@ def import_preview_action(visit):
         visit.service.db, visit.company_id, kind, text, visit.actor, apply=False))
 
 
-@page("POST", "/dashboard/spreadsheets/import/apply", refused=spreadsheets_page)
+@page("POST", "/dashboard/spreadsheets/import/apply", refused=spreadsheets_page, right="work")
 def import_apply_action(visit):
     kind, text = visit.form.get("kind", ""), visit.form.get("text", "")
     result = import_file(visit.service.db, visit.company_id, kind, text, visit.actor,
@@ -12010,7 +12107,7 @@ def email_page(visit, email_id):
         facts, render(HEADING, text="Attempts"), attempts]))
 
 
-@page("POST", "/dashboard/emails/<email_id>/send-again", refused=email_page)
+@page("POST", "/dashboard/emails/<email_id>/send-again", refused=email_page, right="work")
 def send_email_again_action(visit, email_id):
     with visit.write() as conn:
         send_email_again(conn, visit.company_id, email_id)
@@ -12071,7 +12168,7 @@ def buyer_email_switches(company):
         for kind, text in BUYER_NOTICES.items()))
 
 
-@page("POST", "/dashboard/settings", refused=settings_page)
+@page("POST", "/dashboard/settings", refused=settings_page, right="company")
 def update_settings_action(visit):
     changes = {"mail_name": form_text(visit.form, "mailName"),
                "reply_to": form_text(visit.form, "replyTo"),
@@ -12100,7 +12197,8 @@ def carriers_page(visit):
                         kind="url")])) for code in NAMED_CARRIERS))))
 
 
-@page("POST", "/dashboard/settings/carriers", refused=carriers_page)
+@page("POST", "/dashboard/settings/carriers", refused=carriers_page,
+      right="company")
 def update_carriers_action(visit):
     with visit.write() as conn:
         set_company_carriers(conn, visit.company_id, {code: {
@@ -12108,6 +12206,25 @@ def update_carriers_action(visit):
             "template": visit.form.get(f"{code}.template")} for code in NAMED_CARRIERS},
             visit.settings.tracking_url_templates)
     return redirect("/dashboard/settings/carriers", "saved")
+
+
+@page("GET", "/dashboard/staff")
+def staff_page(visit):
+    rows = []
+    for member in list_staff(visit.conn, visit.company_id):
+        action = f"/dashboard/staff/{member['id']}"
+        form = visit.for_form(action, member["id"])
+        rows.append((member["email"], member["role"], form.form_tag(action, join([
+            form.select("role", "Role", [(role, role) for role in STAFF_ROLES],
+                        member["role"]), render(SUBMIT, text="Change role")]), css="inline")))
+    return visit.page("Staff", table(("Email", "Role", "Change"), rows))
+
+
+@page("POST", "/dashboard/staff/<staff_id>", refused=staff_page, right="company")
+def update_staff_action(visit, staff_id):
+    with visit.write() as conn:
+        update_staff_role(conn, visit.company_id, staff_id, visit.form.get("role"))
+    return redirect("/dashboard/staff", "role")
 
 
 def refuse_greedy_forms():
@@ -12203,7 +12320,7 @@ class StoreSurface(Surface):
         def bind(handler, refused):
             return self.in_store(lambda **url_args: self.serve(handler, refused, url_args))
         base = "/store/<slug>"
-        for method, path, handler, refused in PAGES:
+        for method, path, handler, refused, _ in PAGES:
             if path.startswith(base + "/"):
                 app.route(path, method, bind(handler, refused))
         for method, path, callback in (
@@ -12211,6 +12328,7 @@ class StoreSurface(Surface):
                 ("GET", "/sign-in", lambda: self.sign_in_page()),
                 ("POST", "/sign-in", self.sign_in),
                 ("POST", "/sign-out", self.sign_out),
+                ("GET", "/signed-out", self.signed_out_page),
                 ("GET", "/register", self.register_page), ("POST", "/register", self.register),
                 ("GET", "/reset", self.reset_page), ("POST", "/reset", self.request_reset),
                 ("GET", "/reset/<token>", self.new_password_page),
@@ -12381,6 +12499,8 @@ class StoreSurface(Surface):
             with self.service.db.write() as conn:
                 verify_customer_email(conn, self.store()["slug"], token, self.now_ms())
         except ApiError as error:
+            if error.message == EMAIL_VERIFIED_ALREADY:
+                return self.sign_in_page(notice=error.message)
             bottle.response.status = error.status
             return self.reset_page(error.message)
         return self.sign_in_page(notice=EMAIL_VERIFIED)
@@ -14238,9 +14358,19 @@ def read_password(stream):
                          f"{PASSWORD_MIN} characters) is read from standard input",
          option("--company", required=True, help="company ID"), option("--email", required=True),
          option("--password-stdin", action="store_true", required=True,
-                help="read the password from standard input (required: never a flag)"))
+                help="read the password from standard input (required: never a flag)"),
+         option("--role", choices=STAFF_ROLES, default="owner",
+                help="what the account may do on the dashboard (default: owner)"))
 def cmd_staff_create(conn, args):
-    return create_staff(conn, args.company, args.email, read_password(sys.stdin))
+    return create_staff(conn, args.company, args.email, read_password(sys.stdin), args.role)
+
+
+@command("staff-update", "change a staff account's role (a company keeps an owner)",
+         option("id", metavar="STAFF_ID"),
+         option("--role", choices=STAFF_ROLES, required=True))
+def cmd_staff_update(conn, args):
+    return update_staff_role(conn, company_of(conn, "Staff account", args.id), args.id,
+                             args.role)
 
 
 @command("staff-disable", "disable a staff account and end its sessions at once",

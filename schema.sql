@@ -576,7 +576,8 @@ CREATE TABLE IF NOT EXISTS idempotency_keys (
 CREATE INDEX IF NOT EXISTS idempotency_keys_expiry ON idempotency_keys (expires_at);
 
 -- Dashboard staff. A password is kept only as its scrypt hash with a salt of its own; an
--- email is unique within a company. A disabled account can no longer sign in.
+-- email is unique within a company. A disabled account can no longer sign in. Its role says
+-- what it may do on the dashboard (STAFF_RIGHTS).
 CREATE TABLE IF NOT EXISTS staff (
     id             TEXT PRIMARY KEY,
     company_id     TEXT NOT NULL REFERENCES companies(id),
@@ -584,7 +585,8 @@ CREATE TABLE IF NOT EXISTS staff (
     email_key      TEXT NOT NULL,           -- case-folded email
     password_hash  TEXT NOT NULL,
     disabled       INTEGER NOT NULL DEFAULT 0,
-    created_at     TEXT NOT NULL
+    created_at     TEXT NOT NULL,
+    role           TEXT NOT NULL DEFAULT 'owner' CHECK (role IN ('owner', 'staff', 'read-only'))
 );
 CREATE UNIQUE INDEX IF NOT EXISTS staff_unique_email ON staff (company_id, email_key);
 CREATE INDEX IF NOT EXISTS staff_by_email ON staff (email_key);

@@ -3175,6 +3175,47 @@ ROLE_LINKS = {"admin": ["Catalog", "Cart (0)", "Orders", "Requests", "Statement"
               "buyer": ["Catalog", "Cart (0)", "Orders", "Requests", "Account"],
               "bookkeeper": ["Catalog", "Orders", "Statement", "Account"]}
 
+#: The right each dashboard form needs; STAFF_RIGHTS says which roles have it.
+STAFF_FORM_RIGHTS = {
+    "/dashboard/orders": "work", "/dashboard/orders/<order_id>/status": "work",
+    "/dashboard/orders/<order_id>/restock": "work", "/dashboard/products": "work",
+    "/dashboard/products/<product_id>/stock/<kind>": "work",
+    "/dashboard/products/<product_id>": "work", "/dashboard/customers": "work",
+    "/dashboard/customers/<customer_id>/prices": "work",
+    "/dashboard/customers/<customer_id>/prices/<product_id>/clear": "work",
+    "/dashboard/customers/<customer_id>": "work",
+    "/dashboard/customers/<customer_id>/status": "work",
+    "/dashboard/customers/<customer_id>/invite": "work",
+    "/dashboard/customers/<customer_id>/contacts": "work",
+    "/dashboard/contacts/<contact_id>": "work", "/dashboard/contacts/<contact_id>/invite": "work",
+    "/dashboard/groups": "work", "/dashboard/groups/<group_id>": "work",
+    "/dashboard/groups/<group_id>/prices": "work",
+    "/dashboard/groups/<group_id>/prices/<product_id>/clear": "work",
+    "/dashboard/customers/<customer_id>/group": "work",
+    "/dashboard/orders/<order_id>/returns": "work",
+    "/dashboard/returns/<return_id>/refund": "money",
+    "/dashboard/returns/<return_id>/<step>": "work",
+    "/dashboard/orders/<order_id>/invoice": "money",
+    "/dashboard/invoices/<invoice_id>/payments": "money",
+    "/dashboard/invoices/<invoice_id>/credit": "money",
+    "/dashboard/invoices/<invoice_id>/void": "money", "/dashboard/webhooks": "company",
+    "/dashboard/webhooks/<webhook_id>/toggle": "company",
+    "/dashboard/webhooks/<webhook_id>/rotate": "company", "/dashboard/keys": "company",
+    "/dashboard/keys/<key_id>/revoke": "company", "/dashboard/spreadsheets/import": "work",
+    "/dashboard/spreadsheets/import/apply": "work",
+    "/dashboard/emails/<email_id>/send-again": "work", "/dashboard/settings": "company",
+    "/dashboard/staff/<staff_id>": "company"}
+
+
+def staff_of_each_role(app, tenant):
+    """A signed-in browser of each staff role, read-only first (so that an owner's changes
+    come after the refusals)."""
+    for role in ordering.STAFF_ROLES:
+        with tenant.db.write() as conn:
+            ordering.create_staff(conn, tenant.id, f"{role}@acme.example", STAFF_PASSWORD, role)
+    return {role: signed_in(app, f"{role}@acme.example")
+            for role in reversed(ordering.STAFF_ROLES)}
+
 
 def wholesale_rice(tenant):
     """A product sold from 12 units in cases of 6, 40.00 from 24 units and 38.00 from 48."""
@@ -9507,8 +9548,9 @@ def test_staff_create_reads_the_password_from_stdin_and_prints_the_account(db_pa
                            company["id"], "--email", "Staff@Acme.example", "--password-stdin")
     assert result.returncode == 0, result.stderr
     account = json.loads(result.stdout)
-    assert set(account) == {"id", "email", "companyId"}
-    assert (account["email"], account["companyId"]) == ("Staff@Acme.example", company["id"])
+    assert set(account) == {"id", "email", "companyId", "role"}
+    assert (account["email"], account["companyId"], account["role"]) == (
+        "Staff@Acme.example", company["id"], "owner")
     assert account["id"].startswith("stf_")
     row = read_db(db_path).execute("SELECT password_hash FROM staff").fetchone()
     algorithm, n, r, p, salt, digest = row[0].split("$")
@@ -9535,6 +9577,43 @@ def test_staff_create_refuses_short_password_duplicate_email_and_writes_nothing(
                             "--email", "b@acme.example", "--password-stdin")
     assert unknown.returncode != 0 and "Company not found." in unknown.stderr
     assert read_db(db_path).execute("SELECT COUNT(*) FROM staff").fetchone()[0] == 1
+
+
+def test_staff_create_takes_a_role_and_staff_update_changes_it_keeping_an_owner(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Acme")
+    made = {}
+    for role in ("read-only", "owner"):
+        result = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company",
+                               company["id"], "--email", f"{role}@acme.example",
+                               "--password-stdin", "--role", role)
+        made[role] = json.loads(result.stdout)
+    assert made["read-only"]["role"] == "read-only"
+    assert cli_json(db_path, "staff-update", made["read-only"]["id"], "--role", "staff") == {
+        **made["read-only"], "role": "staff"}
+    cli_refuses(db_path, "staff-update", made["owner"]["id"], "--role", "staff",
+                message=ordering.LAST_OWNER)
+    cli_refuses(db_path, "staff-update", "stf_nope", "--role", "staff",
+                message="Staff account not found.")
+    wrong = run_cli_input(db_path, STAFF_PASSWORD, "staff-create", "--company", company["id"],
+                          "--email", "x@acme.example", "--password-stdin", "--role", "boss")
+    assert wrong.returncode == 2 and "invalid choice: 'boss'" in wrong.stderr
+    assert [row[0] for row in read_db(db_path).execute(
+        "SELECT role FROM staff ORDER BY email_key")] == ["owner", "staff"]
+
+
+def test_a_version_11_database_makes_every_staff_account_an_owner(app, tenant, database):
+    staff = make_staff(tenant)
+
+    def back(conn):
+        conn.execute("ALTER TABLE staff DROP COLUMN role")
+        conn.engine.set_schema_version(conn, 11)
+    db = reopened_from(app, database, back)
+    try:
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert [tuple(row) for row in db.conn.execute("SELECT id, role FROM staff")] == [
+            (staff["id"], "owner")]
+    finally:
+        db.close()
 
 
 def test_each_account_has_a_salt_of_its_own(app, tenant, other):
@@ -9594,9 +9673,15 @@ def test_idle_sessions_and_old_failure_counts_are_purged(app, staff):
         "address:192.0.2.2", "email:other@acme.example"]
 
 
-def test_sign_out_ends_the_session(app, browser):
+def test_sign_out_ends_the_session_and_says_so(app, browser):
     page = browser.get("/dashboard/orders")
-    form_to(page, "/dashboard/sign-out").submit(status=303)
+    gone = form_to(page, "/dashboard/sign-out").submit(status=303)
+    assert gone.location.endswith("/dashboard/signed-out")
+    said = gone.follow(status=200)
+    assert said.html.select_one("[role=status]").get_text(" ", strip=True) == \
+        "You have signed out. Sign in again ."
+    assert said.html.select_one("[role=status] a")["href"] == "/dashboard/sign-in"
+    assert "Sign out" not in said.text
     assert browser.get("/dashboard/orders", status=303).location.endswith("/dashboard/sign-in")
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM staff_sessions").fetchone()[0] == 0
 
@@ -9678,7 +9763,12 @@ def test_sign_out_ends_the_session_and_an_old_cookie_is_worth_nothing(app, tenan
     assert app.service.db.conn.execute("SELECT token_hash FROM contact_sessions").fetchone()[0] \
         == ordering.hash_key(token)
     page = browser.get(store_of(tenant) + "/account")
-    browser.post(store_of(tenant) + "/sign-out", {"csrf": csrf_of(page)}, status=303)
+    gone = browser.post(store_of(tenant) + "/sign-out", {"csrf": csrf_of(page)}, status=303)
+    assert gone.location.endswith(store_of(tenant) + "/signed-out")
+    said = gone.follow(status=200)
+    assert said.html.select_one("[role=status]").get_text(" ", strip=True) == \
+        "You have signed out. Sign in again ."
+    assert said.html.select_one("[role=status] a")["href"] == store_of(tenant) + "/sign-in"
     replay = store_visitor(app)
     replay.set_cookie("ordering_store_session", token)
     assert replay.get(store_of(tenant) + "/account", status=303).location.endswith("/sign-in")
@@ -9802,8 +9892,26 @@ def test_registration_makes_a_pending_customer_its_event_and_a_verification_emai
     done = store_visitor(app).get(data["path"], status=200)
     assert "your email address is confirmed" in done.text
     assert app.service.db.conn.execute("SELECT email_verified FROM customers").fetchone()[0] == 1
-    again = store_visitor(app).get(data["path"], status=400)
-    assert "has expired or was already used" in again.text
+    again = store_visitor(app).get(data["path"], status=200)
+    assert ordering.EMAIL_VERIFIED_ALREADY in again.text
+    assert main_form(again).action == "/store/acme-wholesale/sign-in"
+
+
+def test_a_used_verification_link_says_confirmed_already_even_past_its_hour(app, tenant):
+    now = [time.time()]
+    app.storefront.clock = lambda: now[0]
+    store_register(app, tenant, "new@cafe.example")
+    store_register(app, tenant, "late@cafe.example")
+    used, unused = (emailed[2]["path"] for emailed in account_emails(app))
+    store_visitor(app).get(used, status=200)
+    now[0] += ordering.ACCOUNT_LINK_SECONDS
+    again = store_visitor(app).get(used, status=200)
+    assert again.html.select_one("[role=status]").get_text(strip=True) == \
+        "Your email address is confirmed already: sign in below."
+    late = store_visitor(app).get(unused, status=400)
+    assert late.html.select_one("[role=alert]").get_text(strip=True) == ordering.LINK_EXPIRED
+    assert store_visitor(app).get(store_of(tenant) + "/verify/" + "x" * 43, status=400).html \
+        .select_one("[role=alert]").get_text(strip=True) == ordering.LINK_EXPIRED
 
 
 def test_registration_refuses_a_short_password_next_to_its_field_and_writes_nothing(app, tenant):
@@ -14410,6 +14518,81 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
         "since must be a date (2026-11-22) or an ISO 8601 datetime.")
 
 
+def test_every_page_and_form_of_the_dashboard_answers_each_role_as_its_table_says(
+        app, tenant):
+    product = tenant.product(stock=50, sku="GR-RICE-25")
+    customer = store_buyer(app, tenant)
+    order = checked_out(tenant, customer["id"], product["id"])
+    values = {"order_id": order["id"], "product_id": product["id"],
+              "customer_id": customer["id"], "kind": "adjust", "step": "approve"}
+    browsers = staff_of_each_role(app, tenant)
+    assert {path: right for method, path, _, _, right in ordering.PAGES
+            if method == "POST" and path.startswith("/dashboard/")} == STAFF_FORM_RIGHTS
+    for method, path, *_ in ordering.PAGES:
+        if method != "GET" or not path.startswith("/dashboard/"):
+            continue
+        url = re.sub(r"<(\w+)>", lambda arg: {**values, "kind": "orders"}.get(arg[1], "nope"),
+                     path)
+        for role, browser in browsers.items():
+            page = browser.get(url, status=200 if "nope" not in url else 404)
+            for form in page.forms.values() if page.content_type == "text/html" else ():
+                if form.method == "POST" and not form.action.endswith("/sign-out"):
+                    assert ordering.form_right(form.action) in ordering.STAFF_RIGHTS[role], (
+                        url, role, form.action)
+    for path, right in STAFF_FORM_RIGHTS.items():
+        url = re.sub(r"<(\w+)>", lambda arg: values.get(arg[1], "nope"), path)
+        for role, browser in browsers.items():
+            csrf = csrf_of(browser.get("/dashboard/orders"))
+            answer = browser.post(url, {"csrf": csrf}, status="*")
+            refused = right not in ordering.STAFF_RIGHTS[role]
+            assert (answer.status_int == 403) == refused, (path, role, answer.status)
+            assert (ordering.STAFF_ROLE_REFUSED in answer.text) == refused, (path, role)
+
+
+def test_a_read_only_account_sees_every_page_with_no_form_and_staff_no_money_or_settings(
+        app, tenant):
+    product = tenant.product(stock=50, sku="GR-RICE-25")
+    customer = store_buyer(app, tenant)
+    order = checked_out(tenant, customer["id"], product["id"])
+    browsers = staff_of_each_role(app, tenant)
+    forms = {role: sorted(form.action for url in (
+        f"/dashboard/orders/{order['id']}", "/dashboard/settings", "/dashboard/staff")
+        for form in browser.get(url).forms.values() if not form.action.endswith("/sign-out"))
+        for role, browser in browsers.items()}
+    assert forms["read-only"] == []
+    assert set(forms["staff"]) == {f"/dashboard/orders/{order['id']}/returns",
+                                   f"/dashboard/orders/{order['id']}/status"}
+    assert set(forms["staff"]) < set(forms["owner"])
+    assert f"/dashboard/orders/{order['id']}/invoice" in forms["owner"]
+    assert "/dashboard/settings" in forms["owner"]
+
+
+def test_an_owner_changes_roles_on_the_staff_page_and_a_company_keeps_an_owner(app, tenant):
+    browsers = staff_of_each_role(app, tenant)
+    rows = [[cell.get_text(" ", strip=True) for cell in row.select("td")][:2]
+            for row in browsers["owner"].get("/dashboard/staff").html.select("tbody tr")]
+    assert rows == [["owner@acme.example", "owner"], ["read-only@acme.example", "read-only"],
+                    ["staff@acme.example", "staff"]]
+    ids = {row["email"]: row["id"] for row in tenant.db.conn.execute("SELECT * FROM staff")}
+    page = browsers["owner"].get("/dashboard/staff")
+    form = form_to(page, "/dashboard/staff/" + ids["staff@acme.example"])
+    form["role"] = "owner"
+    done = form.submit(status=303).follow()
+    assert done.html.select_one("[role=status]").get_text(strip=True) == \
+        "Saved: the staff member's role is changed; it applies at their next page."
+    assert "/dashboard/settings" in {f.action for f in browsers["staff"].get(
+        "/dashboard/settings").forms.values()}
+    for email in ("staff@acme.example", "owner@acme.example"):
+        form = form_to(browsers["owner"].get("/dashboard/staff"), "/dashboard/staff/" + ids[email])
+        form["role"] = "read-only"
+        answer = form.submit(status="*")
+    assert answer.status_int == 409
+    assert answer.html.select_one("[role=alert]").get_text(strip=True) == \
+        "Not saved: " + ordering.LAST_OWNER
+    assert [row[0] for row in tenant.db.conn.execute(
+        "SELECT role FROM staff ORDER BY email_key")] == ["owner", "read-only", "read-only"]
+
+
 # 15.2 Billing, emails and settings -----------------------------------------------------------
 
 def test_the_settings_page_shows_the_stripe_customer_and_only_the_operator_maps_it(
@@ -15407,7 +15590,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 43
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 44
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
@@ -15963,7 +16146,7 @@ def test_docs_name_every_command_setting_public_name_event_and_page(tmp_path):
     app.service.close()
     paths = {route.rule for route in app.routes
              if route.rule == "/dashboard" or route.rule.startswith(("/dashboard/", "/store/"))}
-    assert {path for _, path, _, _ in ordering.PAGES} <= paths
+    assert {path for _, path, *_ in ordering.PAGES} <= paths
     assert {"/dashboard/sign-in", "/store/<slug>", "/store/<slug>/register"} <= paths
 
     def path_pattern(path):  # /store/<slug>/orders/<order_id> as docs write it: {slug}, {id}
