@@ -1995,7 +1995,7 @@ _PAGE = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} - {site}</title>
+<title>{title} · {site}</title>
 <link rel="stylesheet" href="{prefix}/style.css">
 </head>
 <body>
@@ -9834,7 +9834,8 @@ class Visit:
             notice = join([notice, render(FORM_ALERT, message="Not saved: " + message)])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
-                      site=self.surface.site(), header=header, notice=notice, body=body)
+                      site=load_company(self.conn, self.company_id)["name"], header=header,
+                      notice=notice, body=body)
 
     def refusal(self, error):
         self.errors = {}  # the page says why alone, whatever a form sent before

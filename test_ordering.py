@@ -14360,13 +14360,12 @@ def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in
         mail.close()
 
 
-def test_store_pages_are_titled_with_the_store_and_dashboard_pages_as_before(app, tenant,
-                                                                             browser):
+def test_pages_are_titled_with_the_store_or_the_company(app, tenant, browser):
     store_buyer(app, tenant)
     buyer, _ = store_sign_in(app, tenant, "buyer@cafe.example")
-    assert "<title>Your account - Acme Wholesale</title>" in buyer.get(
+    assert "<title>Your account · Acme Wholesale</title>" in buyer.get(
         store_of(tenant) + "/account").text
-    assert "<title>Orders - ordering</title>" in browser.get("/dashboard/orders").text
+    assert "<title>Orders · Acme Wholesale</title>" in browser.get("/dashboard/orders").text
 
 
 def test_a_refused_form_never_shows_a_password_again(app, tenant):
