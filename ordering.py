@@ -2468,7 +2468,7 @@ ORDER_TRACKING = Template("carrier number url",
 SHIPS_TO = Template("address", '<h2>Ships to</h2><address class="card">{address}</address>')
 
 NEW_ORDER = Template("customer lines error po notes", """\
-<p class="muted">Orders created here emit no order.created. Each line takes the customer's own \
+<p class="muted">Each line takes the customer's own \
 price where one is set (on the customer's page), else the catalog price.</p>\
 {customer}{lines}{error}{po}{notes}<button type="submit">Create order</button>""")
 
@@ -2574,9 +2574,8 @@ SETTINGS_FORM = Template(
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
-become invoice.paid and are listed under Billing. The operator of the service maps it \
-(company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
-customer receives that customer's invoices.</p><div><button type="submit">Save</button></div>""")
+are listed under Billing once the operator of the service links this company to its Stripe \
+customer: ask the operator to do so.</p><div><button type="submit">Save</button></div>""")
 
 
 # 4.4 Storefront pages ------------------------------------------------------------------------
@@ -2799,6 +2798,9 @@ UNKNOWN_EVENT = 'Unknown event: "{name}".'
 SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
           "webhooks:read", "webhooks:write", "inventory:read", "returns:read")
 ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
+#: What the dashboard's button that moves an order to a status says.
+STATUS_ACTIONS = {"CONFIRMED": "Confirm order", "SHIPPED": "Mark shipped",
+                  "DELIVERED": "Mark delivered", "CANCELLED": "Cancel order"}
 CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
 #: Every status a customer is stored with; PENDING (awaiting approval) is never set through
 #: the API, which sets the others.
@@ -10465,7 +10467,7 @@ def status_form(visit, action, status):
             CANCEL_FORM, reason=visit.field("reason", "Reason (optional; its buyer reads it)",
                                             maxlength=MAX_CANCEL_REASON),
             error=visit.error("confirm")), css="")
-    return visit.button(action, f"Mark {status}", "", status=status)
+    return visit.button(action, STATUS_ACTIONS[status], "", status=status)
 
 
 def order_actions(visit, order):
@@ -10749,7 +10751,6 @@ def customer_fields(visit, customer):
 @page("GET", "/dashboard/customers/new")
 def new_customer_page(visit):
     return visit.page("New customer", visit.form_tag("/dashboard/customers", join([
-        render(NOTE, text="Customers created here emit no customer.created."),
         visit.field("email", "Email", kind="email", required="required"),
         customer_fields(visit, {}), render(SUBMIT, text="Create customer")])))
 

@@ -13903,7 +13903,7 @@ def test_browser_ships_an_order_with_tracking(visitor):
     shipped = visitor.delivered("order.shipped", order["id"])[0]["json"]["data"]
     assert shipped["tracking"] == {"carrier": "CARRIER_C", "number": "TRK-55501", "url": url}
     buttons = [b.text for b in visitor.driver.find_elements("css selector", "form button")]
-    assert "Mark DELIVERED" in buttons and "Mark CANCELLED" not in buttons
+    assert "Mark delivered" in buttons and "Cancel order" not in buttons
 
 
 def test_browser_edits_stock_below_the_threshold(visitor):
@@ -14491,7 +14491,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
         send("/dashboard/sign-in", email="staff@phone.example", password=STAFF_PASSWORD)
         browser.open(f"/dashboard/orders/{order_id}")
         browser.submit(next(button for button in driver.find_elements("css selector", "button")
-                            if button.text == "Mark CONFIRMED"))
+                            if button.text == "Confirm order"))
         ship = [form for form in driver.find_elements("tag name", "form")
                 if form.get_attribute("action").endswith("/status")
                 and form.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
