@@ -2183,7 +2183,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
   margin-bottom: 16px; }
 .notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
-  margin-bottom: 16px; overflow-wrap: anywhere; }
+  margin-bottom: 16px; overflow-wrap: break-word; }
 .status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
   font-weight: 600; background: #e6ebf2; }
 .status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
@@ -2191,7 +2191,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
 .status-sent { background: #e3f6e8; } .status-failed, .status-unsent { background: #fde7e5; }
 .muted { color: var(--muted); font-size: 13px; }
-code { font-size: 13px; word-break: break-all; }
+code { font-size: 13px; overflow-wrap: break-word; }
 .pager { margin: 8px 0 24px; }
 nav.pager a { display: inline-block; padding: 10px 0; margin-right: 20px; }
 dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
