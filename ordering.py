@@ -2004,7 +2004,7 @@ _PAGE = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} - {site}</title>
+<title>{title} · {site}</title>
 <link rel="stylesheet" href="{prefix}/style.css">
 </head>
 <body>
@@ -2214,7 +2214,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .alert { border-left: 4px solid var(--danger); background: #fff1f0; padding: 10px 12px;
   margin-bottom: 16px; }
 .notice { border-left: 4px solid var(--ok); background: #effaf3; padding: 10px 12px;
-  margin-bottom: 16px; overflow-wrap: anywhere; }
+  margin-bottom: 16px; overflow-wrap: break-word; }
 .status { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 12px;
   font-weight: 600; background: #e6ebf2; }
 .status-SUBMITTED { background: #e8f0fe; } .status-CONFIRMED { background: #fff4d6; }
@@ -2222,7 +2222,7 @@ button.danger { background: var(--danger); border-color: var(--danger); }
 .status-CANCELLED, .status-BLOCKED, .status-revoked { background: #fde7e5; }
 .status-sent { background: #e3f6e8; } .status-failed, .status-unsent { background: #fde7e5; }
 .muted { color: var(--muted); font-size: 13px; }
-code { font-size: 13px; word-break: break-all; }
+code { font-size: 13px; overflow-wrap: break-word; }
 .pager { margin: 8px 0 24px; }
 nav.pager a { display: inline-block; padding: 10px 0; margin-right: 20px; }
 dl.facts { display: grid; grid-template-columns: max-content 1fr; gap: 4px 16px; margin: 0; }
@@ -2615,9 +2615,8 @@ SETTINGS_FORM = Template(
 </a></p>\
 <h2>Billing</h2><p>Stripe customer: <code>{stripe}</code></p>\
 <p class="muted">The company as a customer of the service's Stripe account: its paid invoices \
-become invoice.paid and are listed under Billing. The operator of the service maps it \
-(company-update COMPANY_ID --stripe-customer cus_...): whoever maps a company to a Stripe \
-customer receives that customer's invoices.</p><div><button type="submit">Save</button></div>""")
+are listed under Billing once the operator of the service links this company to its Stripe \
+customer: ask the operator to do so.</p><div><button type="submit">Save</button></div>""")
 
 #: The Carriers page (Settings): a name and a tracking link for each carrier, in one form.
 CARRIERS_FORM = Template("carriers", """\
@@ -2855,6 +2854,9 @@ UNKNOWN_EVENT = 'Unknown event: "{name}".'
 SCOPES = ("products:read", "orders:read", "orders:write", "customers:read", "customers:write",
           "webhooks:read", "webhooks:write", "inventory:read", "returns:read")
 ORDER_STATUSES = ("SUBMITTED", "CONFIRMED", "SHIPPED", "DELIVERED", "CANCELLED")
+#: What the dashboard's button that moves an order to a status says.
+STATUS_ACTIONS = {"CONFIRMED": "Confirm order", "SHIPPED": "Mark shipped",
+                  "DELIVERED": "Mark delivered", "CANCELLED": "Cancel order"}
 CARRIERS = ("CARRIER_A", "CARRIER_B", "CARRIER_C", "CARRIER_D", "CARRIER_E", "OTHER")
 #: Every status a customer is stored with; PENDING (awaiting approval) is never set through
 #: the API, which sets the others.
@@ -10298,7 +10300,8 @@ class Visit:
             notice = join([notice, self.error_summary()])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
-                      site=self.surface.site(), header=header, notice=notice, body=body)
+                      site=load_company(self.conn, self.company_id)["name"], header=header,
+                      notice=notice, body=body)
 
     def error_summary(self):
         """Above a refused form: a message that belongs to no field the page shows, and a
@@ -11018,7 +11021,7 @@ def status_form(visit, action, status):
                                             maxlength=MAX_CANCEL_REASON),
             invalid=visit.invalid("confirm", "confirm"),
             error=visit.error("confirm", "confirm", "Yes, cancel this order")), css="")
-    return visit.button(action, f"Mark {status}", "", status=status)
+    return visit.button(action, STATUS_ACTIONS[status], "", status=status)
 
 
 def order_actions(visit, order):
@@ -11319,7 +11322,6 @@ def customer_fields(visit, customer):
 @page("GET", "/dashboard/customers/new")
 def new_customer_page(visit):
     return visit.page("New customer", visit.form_tag("/dashboard/customers", join([
-        render(NOTE, text="Customers created here emit no customer.created."),
         visit.field("email", "Email", kind="email", required="required"),
         customer_fields(visit, {}), render(SUBMIT, text="Create customer")])))
 

@@ -14317,7 +14317,7 @@ def test_browser_ships_an_order_with_tracking(visitor):
     shipped = visitor.delivered("order.shipped", order["id"])[0]["json"]["data"]
     assert shipped["tracking"] == {"carrier": "CARRIER_C", "number": "TRK-55501", "url": url}
     buttons = [b.text for b in visitor.driver.find_elements("css selector", "form button")]
-    assert "Mark DELIVERED" in buttons and "Mark CANCELLED" not in buttons
+    assert "Mark delivered" in buttons and "Cancel order" not in buttons
 
 
 def test_browser_edits_stock_below_the_threshold(visitor):
@@ -14912,13 +14912,12 @@ def test_a_buyer_registers_confirms_is_approved_in_the_dashboard_and_signs_in_in
         mail.close()
 
 
-def test_store_pages_are_titled_with_the_store_and_dashboard_pages_as_before(app, tenant,
-                                                                             browser):
+def test_pages_are_titled_with_the_store_or_the_company(app, tenant, browser):
     store_buyer(app, tenant)
     buyer, _ = store_sign_in(app, tenant, "buyer@cafe.example")
-    assert "<title>Your account - Acme Wholesale</title>" in buyer.get(
+    assert "<title>Your account · Acme Wholesale</title>" in buyer.get(
         store_of(tenant) + "/account").text
-    assert "<title>Orders - ordering</title>" in browser.get("/dashboard/orders").text
+    assert "<title>Orders · Acme Wholesale</title>" in browser.get("/dashboard/orders").text
 
 
 def test_a_refused_form_never_shows_a_password_again(app, tenant):
@@ -15055,7 +15054,7 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
         send("/dashboard/sign-in", email="staff@phone.example", password=STAFF_PASSWORD)
         browser.open(f"/dashboard/orders/{order_id}")
         browser.submit(next(button for button in driver.find_elements("css selector", "button")
-                            if button.text == "Mark CONFIRMED"))
+                            if button.text == "Confirm order"))
         ship = [form for form in driver.find_elements("tag name", "form")
                 if form.get_attribute("action").endswith("/status")
                 and form.find_element("name", "status").get_attribute("value") == "SHIPPED"][0]
