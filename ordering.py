@@ -2291,12 +2291,17 @@ def plain(template, **values):
 
 EmailTemplate = collections.namedtuple("EmailTemplate", "subject text html")
 
+#: An email's page: as wide as the phone it is read on, up to a column a desktop reads well,
+#: its tables never wider than the screen (mail clients take inline styles only).
 EMAIL_LAYOUT = """<!doctype html>
 <html lang="en">
-<head><meta charset="utf-8"><title>{subject}</title></head>
-<body>
+<head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>{subject}</title></head>
+<body style="margin:0;padding:12px;font-family:sans-serif;line-height:1.5">
+<div style="max-width:600px;margin:0 auto;overflow-wrap:break-word">
 {body}
 <p>{sender}</p>
+</div>
 </body>
 </html>
 """
@@ -4830,7 +4835,8 @@ def queue_order_emails(conn, company, customer, order, contact=None):
               "lines": lines, "total": order["total"], "taxRate": rate, "tax": money(tax)}
     po_number = ["PO number", order["poNumber"] or "none"]
     queue_email(conn, company["id"], "order_confirmation", to["email"], dict(
-        common, facts=[["Order", number], po_number]), to_name=to["name"])
+        common, facts=[["Order", number, f"/store/{company['slug']}/orders/{order['id']}"],
+                       po_number]), to_name=to["name"])
     alert = dict(common, path=f"/dashboard/orders/{order['id']}", facts=[
         ["Order", number], ["Customer", f"{customer['name'] or ''} <{customer['email']}>"],
         po_number] + ([["Placed by", f"{contact['name'] or ''} <{contact['email']}>"]]
@@ -5286,7 +5292,9 @@ def queue_shipping_email(conn, company_id, order):
     tracking, the carrier, the tracking number and the tracking URL."""
     customer = load_customer(conn, company_id, order["customerId"])
     number = order_number(conn, order["id"])
-    facts = [["Order", number], ["PO number", order["poNumber"] or "none"]]
+    slug = load_company(conn, company_id)["slug"]
+    facts = [["Order", number, f"/store/{slug}/orders/{order['id']}"],
+             ["PO number", order["poNumber"] or "none"]]
     if order["tracking"]:
         carrier = company_carriers(conn, company_id)[order["tracking"]["carrier"]]["name"]
         facts += [["Carrier", carrier],

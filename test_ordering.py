@@ -5161,6 +5161,12 @@ def test_the_shipping_email_carries_order_po_number_carrier_number_and_url(maile
                       url):
             assert value in part, (value, part)
     assert f'<a href="{url}">' in html
+    # the number leads to the order's page in the store, and the page fits a phone
+    page = f'{store_of(tenant)}/orders/{order["id"]}'
+    assert re.search(f'<a href="https?://[^"/]+{re.escape(page)}">1001</a>', html), html
+    assert re.search(f"Order: 1001 \\(https?://[^/]+{re.escape(page)}\\)", text), text
+    assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in html
+    assert '<div style="max-width:600px;' in html
     headers = message["parsed"]
     assert headers["Subject"] == "Your order 1001 has shipped"
     assert headers["To"] == "Corner Cafe <buyer@corner-cafe.example>"
