@@ -3204,7 +3204,7 @@ STAFF_FORM_RIGHTS = {
     "/dashboard/keys/<key_id>/revoke": "company", "/dashboard/spreadsheets/import": "work",
     "/dashboard/spreadsheets/import/apply": "work",
     "/dashboard/emails/<email_id>/send-again": "work", "/dashboard/settings": "company",
-    "/dashboard/staff/<staff_id>": "company"}
+    "/dashboard/settings/carriers": "company", "/dashboard/staff/<staff_id>": "company"}
 
 
 def staff_of_each_role(app, tenant):
@@ -14062,7 +14062,7 @@ def test_every_form_that_changes_something_needs_the_csrf_token(app, tenant, bro
 def test_every_form_that_adds_or_changes_something_answers_its_success_with_a_redirect():
     """Post/redirect/get: a reload of what a form led to sends nothing again. Every form of
     the page registry ends in redirect() (the store's are also sent, see ROLE_CELLS)."""
-    posted = {path: inspect.unwrap(handler) for method, path, handler, _ in ordering.PAGES
+    posted = {path: inspect.unwrap(handler) for method, path, handler, *_ in ordering.PAGES
               if method == "POST"}
     assert ANSWERED_WITH_A_PAGE < set(posted)
     for path, handler in posted.items():
@@ -14835,7 +14835,7 @@ def test_store_pages_send_the_security_headers_and_carry_the_companys_name(app, 
     page = store_visitor(app).get(store_of(tenant))
     for name, value in ordering.SECURITY_HEADERS.items():
         assert page.headers[name] == value
-    assert "<title>Welcome - Acme Wholesale</title>" in page.text
+    assert "<title>Welcome · Acme Wholesale</title>" in page.text
     assert "ordering" not in page.html.find("title").get_text()
 
 
@@ -15096,8 +15096,8 @@ def test_a_buyer_quick_orders_checks_out_follows_the_shipment_returns_and_pays_i
         pay_partly_and_credit_the_return(browser, send, order_id, returned[0]["id"])
         browser.open(store + "/statement")
         assert [[cell.text for cell in row.find_elements("tag name", "td")][1:]
-                for row in driver.find_elements("css selector", "tbody tr")][:4] == [
-            ["Invoice", "INV-000001", "121.50", "121.50"],
+                for row in driver.find_elements("css selector", "tbody tr")][:5] == [
+            ["", "Opening balance", "", "0.00"], ["Invoice", "INV-000001", "121.50", "121.50"],
             ["Payment", "INV-000001 bank transfer", "-79.00", "42.50"],
             ["Credit note", "CN-000001", "-42.50", "0.00"], ["", "Balance", "", "0.00"]]
     finally:
