@@ -2646,9 +2646,12 @@ STORE_SIGN_IN_LINKS = Template("prefix", """\
 <a href="{prefix}/register">Register a new account</a></p>""")
 
 #: What a storefront form that sends an email answers, whoever the address belongs to.
-STORE_MAIL_SENT = Template("email what", """\
+STORE_MAIL_SENT = Template("email what then", """\
 <div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
-way to it {what}. It may take a few minutes; look in your spam folder too.</p></div>""")
+way to it {what}. It may take a few minutes; look in your spam folder too.</p>{then}</div>""")
+#: What comes after a registration's confirmation at a store that approves its buyers.
+STORE_APPROVAL_NEXT = Markup("<p>Once the address is confirmed, the store approves new "
+                             "accounts before they order: an email tells you when yours is.</p>")
 
 #: What a buyer whose address is not confirmed yet sees where ordering would be.
 STORE_UNVERIFIED = Template("email form", """\
@@ -12459,7 +12462,9 @@ class StoreSurface(Surface):
             return self.register_page(form_errors(error), error.status)
         return self.public_page("Check your email", render(
             STORE_MAIL_SENT, email=form.get("email", "").strip(),
-            what="with a link that confirms the address"))
+            what="with a link that confirms the address",
+            then=STORE_APPROVAL_NEXT if self.store()["storefront_approval"] == "required"
+            else ""))
 
     def reset_page(self, error=""):
         return self.form_page("Set a password", self.prefix + "/reset", (
@@ -12475,7 +12480,7 @@ class StoreSurface(Surface):
         with self.service.db.write() as conn:
             request_password_reset(conn, self.store()["slug"], email, self.now_ms())
         return self.public_page("Check your email", render(
-            STORE_MAIL_SENT, email=email, what="with a link that sets your password"))
+            STORE_MAIL_SENT, email=email, what="with a link that sets your password", then=""))
 
     def new_password_page(self, token, errors=None, status=200):
         if errors is None:

@@ -10193,13 +10193,14 @@ def test_automatic_approval_through_company_update_and_the_settings_page(databas
     printed = cli_json(database, "company-update", tenant.id, "--storefront-approval",
                        "automatic")
     assert printed["storefrontApproval"] == "automatic"
-    store_register(app, tenant, "auto@cafe.example")
+    approval_next = "the store approves new accounts before they order"
+    assert approval_next not in store_register(app, tenant, "auto@cafe.example").text
     assert app.service.db.conn.execute("SELECT status FROM customers").fetchone()[0] == "ACTIVE"
     page = browser.get("/dashboard/settings")
     assert main_form(page)["storefrontApproval"].value == "automatic"
     main_form(page)["storefrontApproval"] = "required"
     main_form(page).submit(status=303)
-    store_register(app, tenant, "manual@cafe.example")
+    assert approval_next in store_register(app, tenant, "manual@cafe.example").text
     assert app.service.db.conn.execute(
         "SELECT status FROM customers WHERE email = 'manual@cafe.example'").fetchone()[0] \
         == "PENDING"
