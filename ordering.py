@@ -2117,7 +2117,8 @@ NEW_RECORD = Template("path noun", '<p><a class="button" href="{path}/new">New {
 TABLE = Template("head body", '<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
                  '<tbody>{body}</tbody></table></div>')
 HEADING_CELL = Template("numeric text", "<th{numeric}>{text}</th>")
-CELL = Template("numeric text", "<td{numeric}>{text}</td>")
+#: A cell names its column (data-label), which a phone's stacked rows show beside it.
+CELL = Template("numeric label text", '<td{numeric} data-label="{label}">{text}</td>')
 ROW = Template("cells", "<tr>{cells}</tr>")
 NUMERIC = Markup(' class="num"')
 NO_ROWS = Template("columns",
@@ -2263,6 +2264,23 @@ dl.totals { margin: 12px 0 0 auto; max-width: 320px; }
   main { padding: 10px; }
   th, td { padding: 6px; }
   .hide-narrow { display: none; }
+  /* A table's rows stack as cards, each cell beside its column's name, so that a row's
+     actions are on the screen, not past its right edge. */
+  .table-wrap { overflow-x: visible; }
+  .table-wrap thead { position: absolute; width: 1px; height: 1px; overflow: hidden;
+    clip-path: inset(50%); }
+  .table-wrap table, .table-wrap tbody, .table-wrap tr, .table-wrap td { display: block; }
+  .table-wrap tr { border-bottom: 1px solid var(--line); padding: 6px 0; }
+  .table-wrap td { border: 0; padding: 2px 10px; display: flex; flex-wrap: wrap;
+    align-items: center; justify-content: space-between; gap: 0 12px; text-align: right; }
+  .table-wrap td:empty { display: none; }
+  .table-wrap td:not([data-label=""])::before { content: attr(data-label); color: var(--muted);
+    font-size: 13px; font-weight: 600; text-align: left; }
+  .table-wrap td form { margin: 0; }
+  /* Tap targets at least 44 px tall (WCAG 2.5.8 asks 24). */
+  button, .button { min-height: 44px; }
+  header a, nav.pager a, .table-wrap td a { min-height: 44px; display: inline-flex;
+    align-items: center; }
 }
 """
 
@@ -10456,7 +10474,7 @@ def table(headings, rows, numeric=()):
     head = join(render(HEADING_CELL, text=h, numeric=NUMERIC if h in numeric else "")
                 for h in headings)
     body = join(row if isinstance(row, Markup) else render(ROW, cells=join(
-        render(CELL, text=v, numeric=NUMERIC if h in numeric else "")
+        render(CELL, text=v, label=h, numeric=NUMERIC if h in numeric else "")
         for h, v in zip(headings, row))) for row in rows)
     if not rows:
         body = render(NO_ROWS, columns=len(headings))

@@ -15186,6 +15186,65 @@ def test_product_images_show_lazily_from_https_only_with_the_name_as_their_text(
     assert (photo["alt"], photo["class"]) == ("Rice 25kg", ["photo"])
 
 
+def test_every_page_fits_a_phone_with_its_actions_on_the_screen_in_chromium(served):
+    """At 390x844, each dashboard and store page (every GET page of the registry that these
+    records reach): the page does not scroll sideways, every button and link of its header and
+    main part lies within the screen's width, and buttons, header links, pager links and a
+    table's links are at least 44 px tall (or 44 wide and 24 tall)."""
+    company_id, slug = served.company["id"], served.company["slug"]
+    with served.write() as conn:
+        product = ordering.create_product(conn, company_id, name="Jasmine Rice 25kg",
+                                          sku="GR-RICE-25", price_cents=4250, stock=40)
+        customer = ordering.create_customer(conn, company_id, {
+            "email": "walk@phone.example", "name": "Corner Cafe"}, source="dashboard",
+            password=BUYER_PASSWORD, email_verified=True)
+        order = ordering.place_order(conn, company_id, {
+            "customerId": customer["id"], "poNumber": "PO-7781",
+            "items": [{"productId": product["id"], "quantity": 2}]}, source="storefront")
+        ordering.update_order_status(conn, company_id, order["id"], "SHIPPED")
+        invoice = ordering.order_invoice(conn, order["id"])
+        group = ordering.save_group(conn, company_id, "Cafes", "5")
+        contact = ordering.own_contact(conn, ordering.load_customer(conn, company_id,
+                                                                     customer["id"]))
+        (email_id,) = conn.execute("SELECT id FROM emails WHERE company_id = ? LIMIT 1",
+                                   (company_id,)).fetchone()
+    values = {"order_id": order["id"], "product_id": product["id"], "slug": slug,
+              "customer_id": customer["id"], "invoice_id": invoice["id"], "group_id": group,
+              "contact_id": contact["id"], "email_id": email_id}
+    paths = [re.sub(r"<(\w+)>", lambda name: values.get(name.group(1), "?"), path)
+             for method, path, *_ in ordering.PAGES if method == "GET"]
+    paths = [path for path in paths if "?" not in path]  # no record to show (a CSV, a request)
+    driver = served.driver
+    check = """const width = innerWidth, root = document.documentElement;
+        const shown = selector => [...document.querySelectorAll(selector)].filter(
+            element => element.getBoundingClientRect().width > 0);
+        const off = shown("header a, header button, main a, main button").filter(element => {
+            const box = element.getBoundingClientRect();
+            return box.left < 0 || box.right > width + 0.5; });
+        const small = shown("button, header a, nav.pager a, .table-wrap td a").filter(
+            element => { const box = element.getBoundingClientRect();
+            return box.height < 43.5 && !(box.width >= 44 && box.height >= 24); });
+        return [root.scrollWidth <= root.clientWidth,
+                off.concat(small).map(element => element.outerHTML.slice(0, 90))];"""
+    served.sign_in()
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", PHONE)
+    try:
+        for path in [p for p in paths if p.startswith("/dashboard")]:
+            served.open(path)
+            assert driver.execute_script(check) == [True, []], path
+        driver.delete_all_cookies()
+        served.open(f"/store/{slug}/sign-in")
+        form = served.form("/sign-in")
+        served.fill(form, email="walk@phone.example", password=BUYER_PASSWORD)
+        served.submit(form.find_element("css selector", "button[type=submit]"))
+        for path in [f"/store/{slug}/sign-in", f"/store/{slug}/register"] + [
+                p for p in paths if p.startswith("/store")]:
+            served.open(path)
+            assert driver.execute_script(check) == [True, []], path
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
 def test_an_admin_invites_a_buyer_who_asks_above_the_limit_and_is_approved_in_chromium(served):
     driver, store = served.driver, "/store/" + served.company["slug"]
     with served.write() as conn:
