@@ -2277,6 +2277,7 @@ dl.totals { margin: 12px 0 0 auto; max-width: 320px; }
   .table-wrap td:not([data-label=""])::before { content: attr(data-label); color: var(--muted);
     font-size: 13px; font-weight: 600; text-align: left; }
   .table-wrap td form { margin: 0; }
+  .table-wrap tr:has(td > strong:only-child) td::before { content: none; }  /* a total's row */
   /* Tap targets at least 44 px tall (WCAG 2.5.8 asks 24). */
   button, .button { min-height: 44px; }
   header a, nav.pager a, .table-wrap td a { min-height: 44px; display: inline-flex;
