@@ -118,6 +118,7 @@ import sys
 import threading
 import time
 import unicodedata
+import zoneinfo
 import urllib.parse
 import warnings
 
@@ -175,7 +176,7 @@ def _find_schema():
 SCHEMA_PATH = _find_schema()
 
 #: The schema version this module writes; older databases are migrated up to it at start.
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 DEFAULT_TRACKING_URL_TEMPLATES = {
     "CARRIER_A": "https://tracking.carrier-a.example/track?number={number}",
@@ -713,6 +714,8 @@ MIGRATIONS = {
          "WHERE orders.id = numbered.id AND orders.number IS NULL",
          add_column("staff", "role TEXT NOT NULL DEFAULT 'owner' CHECK "
                              "(role IN ('owner', 'staff', 'read-only'))")),
+    # The company's time zone, in which its pages show times.
+    13: (add_column("companies", "time_zone TEXT"),),
 }
 
 
@@ -1640,6 +1643,44 @@ def now_iso():
     return iso(int(time.time() * 1000))
 
 
+MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+@functools.cache
+def time_zones():
+    """The IANA names of the time zones this machine's database knows (the system's tzdata;
+    without one, UTC alone)."""
+    return frozenset(zoneinfo.available_timezones()) | {"UTC"}
+
+
+@functools.lru_cache(maxsize=256)
+def zone_of(name):
+    """A time zone by its IANA name; None is UTC (the default of every company)."""
+    return datetime.timezone.utc if name in (None, "UTC") else zoneinfo.ZoneInfo(name)
+
+
+def day_text(day):
+    """A calendar day (ISO, or the day of an ISO timestamp) as pages write it: 26 Nov 2026.
+    The books' days (an invoice's issue and due dates, a statement's lines) are UTC days."""
+    year, month, day = day[:10].split("-")
+    return f"{int(day)} {MONTHS[int(month) - 1]} {year}"
+
+
+def local_time_text(timestamp, zone):
+    """An ISO timestamp as pages write it, in a company's time zone (an IANA name; None is
+    UTC): 26 Nov 2026, 15:05 CET."""
+    moment = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    moment = moment.astimezone(zone_of(zone))
+    return (f"{day_text(moment.date().isoformat())}, {moment.hour:02d}:{moment.minute:02d} "
+            f"{moment.tzname()}")
+
+
+def exact_time_text(timestamp):
+    """An ISO timestamp to the millisecond, as a page's hover shows it: 2026-11-26
+    14:05:07.123 UTC."""
+    return timestamp[:23].replace("T", " ") + " UTC"
+
+
 def money(cents):
     """Integer cents to the JSON number the API shows, as JSON.stringify writes it: 12.5 for
     1250, 45 for 4500."""
@@ -2130,6 +2171,9 @@ LINK = Template("href text", '<a href="{href}">{text}</a>')
 #: A link to another site (a tracking page, a hosted invoice): no Referer goes with it.
 OUTSIDE_LINK = Template("href text", '<a href="{href}" rel="noreferrer">{text}</a>')
 STATUS_TAG = Template("style text", '<span class="status status-{style}">{text}</span>')
+#: A moment in the company's time zone; its exact UTC time shows on hover.
+TIME_TAG = Template("at exact text", '<time datetime="{at}" title="{exact}">{text}</time>')
+DAY_TAG = Template("day text", '<time datetime="{day}">{text}</time>')
 MUTED = Template("text", '<span class="muted">{text}</span>')
 NOTE = Template("text", '<p class="muted">{text}</p>')
 PARAGRAPH = Template("text", "<p>{text}</p>")
@@ -2632,7 +2676,9 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
 SETTINGS_FORM = Template(
-    "server mail_name reply_to alerts reports buyer_emails approval tax_rate terms stripe", """\
+    "time_zone server mail_name reply_to alerts reports buyer_emails approval tax_rate terms "
+    "stripe", """\
+<h2>Company</h2>{time_zone}\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{reports}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Carriers</h2><p><a href="/dashboard/settings/carriers">Carriers' names and tracking links\
@@ -3171,6 +3217,7 @@ QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
 #: process that starts after downtime catches up at most, and what the commands say.
 REPORT_PERIODS = ("daily", "weekly")
 REPORT_PERIOD_MESSAGE = "Report period must be daily, weekly or off."
+TIME_ZONE_MESSAGE = "Time zone must be a name from the time zone database, such as Europe/Paris."
 REPORT_CATCH_UP = 7
 REPORT_SENT = "The {period} report of the period from {start} was sent already."
 REPORT_NOWHERE = "The company has no staff alert addresses to send its report to."
@@ -3464,7 +3511,7 @@ COMPANY_FIELDS = (
     ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
     ("paymentTermsDays", "payment_terms_days", "value"),
     ("buyerEmailsOff", "buyer_emails_off", "list"), ("reportPeriod", "report_period", "value"),
-    ("createdAt", "created_at", "value"))
+    ("timeZone", "time_zone", "value"), ("createdAt", "created_at", "value"))
 #: A new company as create_company answers (it has no settings yet).
 NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
 #: A new API key as create_api_key answers: the key itself, which only its creation has (the
@@ -3854,6 +3901,14 @@ def _buyer_emails_off(value):
     return json_text(kinds) if kinds else None
 
 
+def _time_zone(value):
+    """An IANA time zone name this machine knows (Europe/Paris); empty is UTC."""
+    value = (value or "").strip() or None
+    if value is not None and value not in time_zones():
+        raise ApiError(400, TIME_ZONE_MESSAGE)
+    return None if value == "UTC" else value
+
+
 def _report_period(value):
     if value in (None, "", "off"):
         return None
@@ -3868,7 +3923,7 @@ COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_n
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
                     "storefront_approval": _storefront_approval, "tax_rate": _tax_rate,
                     "payment_terms_days": payment_terms, "buyer_emails_off": _buyer_emails_off,
-                    "report_period": _report_period}
+                    "report_period": _report_period, "time_zone": _time_zone}
 
 
 def update_company(conn, company_id, changes):
@@ -6302,7 +6357,8 @@ def load_session(conn, accounts, token):
     return conn.execute(
         f"SELECT s.token_hash, s.created_at, s.last_seen_at, a.id AS account_id, a.email, "
         f"a.company_id, {accounts.session_columns}"
-        f"c.name AS company_name FROM {accounts.sessions} s JOIN {accounts.table} a "
+        f"c.name AS company_name, c.time_zone "
+        f"FROM {accounts.sessions} s JOIN {accounts.table} a "
         f"ON a.id = s.{accounts.account_column} JOIN companies c ON c.id = a.company_id "
         f"WHERE s.token_hash = ? AND {accounts.enabled_in('a')}", (hash_key(token),)).fetchone()
 
@@ -10158,7 +10214,7 @@ FIELD_OF_MESSAGE = {
     PRODUCT_UNAVAILABLE: "items", INSUFFICIENT_STOCK: "items", STORE_STOCK_SHORT: "items",
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
-    COMPANY_TAX_RATE_MESSAGE: "taxRate",
+    COMPANY_TAX_RATE_MESSAGE: "taxRate", TIME_ZONE_MESSAGE: "timeZone",
     APPROVAL_LIMIT_MESSAGE: "approvalLimit", CONTACT_ROLE_MESSAGE: "role",
     CONTACT_STATUS_MESSAGE: "status",
 }
@@ -10223,6 +10279,10 @@ class Visit:
         if bottle.request.path != action:
             view.errors, view.form = {}, {}
         return view
+
+    def when(self, timestamp):
+        """A timestamp in the signed-in account's company's time zone (time_tag)."""
+        return time_tag(timestamp, self.session["time_zone"])
 
     def csrf_matches(self):
         sent = str(self.form.get("csrf", "")).encode("utf-8", "replace")
@@ -10500,11 +10560,6 @@ def placed_by_text(conn, order):
     return placed or "not recorded"
 
 
-def when_text(timestamp):
-    """An ISO 8601 timestamp as a buyer reads it: 2026-11-24 09:07 UTC."""
-    return timestamp[:16].replace("T", " ") + " UTC"
-
-
 def contacts_table(visit, contacts, path):
     """A customer's contacts; each one's email leads to its page at path/{id}."""
     return table(("Email", "Name", "Role", "Status", "Approval limit", "Confirmed"), [
@@ -10552,7 +10607,7 @@ def invoice_document(visit, invoice, order_href):
         buyer=f"{customer['name'] or ''} <{customer['email']}>" if customer else "none",
         ship_to=address_lines(shipping_address_of(order)) if order["shipping_address"] else
         "none given",
-        issued=invoice["issued_at"][:10], due=invoice["due_at"][:10],
+        issued=day_tag(invoice["issued_at"]), due=day_tag(invoice["due_at"]),
         terms=terms_text(invoice["terms_days"]), order=link(order_href, order["number"]),
         po=order["po_number"] or "none", lines=invoice_lines_table(conn, invoice),
         paid=cents_text(invoice["paid_cents"]),
@@ -10597,10 +10652,10 @@ def statement_table(account, invoice_path):
     """A statement (statement()): its opening balance (of a period), its lines by date, each
     invoice's and payment's linked to the invoice (invoice_path and its ID), and the balance
     under them."""
-    rows = [(account["since"][:10], "", render(TOTAL_CELL, text="Opening balance"), "",
+    rows = [(day_tag(account["since"]), "", render(TOTAL_CELL, text="Opening balance"), "",
              render(TOTAL_CELL, text=amount_text(account["opening"])))
             ] if "since" in account else []
-    rows += [(line["date"][:10], STATEMENT_KINDS[line["kind"]],
+    rows += [(day_tag(line["date"]), STATEMENT_KINDS[line["kind"]],
               link(invoice_path + line["invoiceId"], line["reference"]) if line["invoiceId"]
               else line["reference"], amount_text(line["amount"]), amount_text(line["balance"]))
              for line in account["lines"]]
@@ -10635,6 +10690,20 @@ def link(href, text):
 
 def status_tag(status):
     return render(STATUS_TAG, style=status, text=status)
+
+
+def time_tag(timestamp, zone):
+    """A timestamp as every page shows one: in the company's time zone (zone, an IANA name),
+    the exact UTC time on hover; nothing for none."""
+    if not timestamp:
+        return ""
+    return render(TIME_TAG, at=timestamp, exact=exact_time_text(timestamp),
+                  text=local_time_text(timestamp, zone))
+
+
+def day_tag(day):
+    """A calendar day (or the UTC day of a timestamp) as every page shows one."""
+    return render(DAY_TAG, day=day[:10], text=day_text(day)) if day else ""
 
 
 def form_int(form, field, required=True):
@@ -10906,8 +10975,8 @@ def orders_page(visit):
     result = find_orders(visit.conn, visit.company_id, query, query.get("search"))
     customers = customer_emails(visit.conn, visit.company_id,
                                 [row["customer_id"] for row in result["data"]])
-    rows = [(link(f"/dashboard/orders/{row['id']}", row["number"]), row["created_at"][:16]
-             .replace("T", " "), customers.get(row["customer_id"], ""), row["po_number"] or "",
+    rows = [(link(f"/dashboard/orders/{row['id']}", row["number"]), visit.when(row["created_at"]),
+             customers.get(row["customer_id"], ""), row["po_number"] or "",
              status_tag(row["status"]), cents_text(row["total_cents"] + row["tax_cents"]))
             for row in result["data"]]
     statuses = [("", "Any status")] + [(s, s) for s in ORDER_STATUSES]
@@ -10919,7 +10988,7 @@ def orders_page(visit):
         visit.field("since", "Created from", query.get("since", ""), kind="date"),
         visit.field("until", "Created until", query.get("until", ""), kind="date")],
         join([pending_requests_table(visit), table(
-            ("Order", "Created (UTC)", "Customer", "PO number", "Status", "Total"), rows,
+            ("Order", "Created", "Customer", "PO number", "Status", "Total"), rows,
             numeric=("Total",))]), result)
 
 
@@ -10992,8 +11061,8 @@ def order_facts(visit, order, row):
         customer=link(f"/dashboard/customers/{customer['id']}",
                       f"{customer['name'] or ''} <{customer['email']}>") if customer else "none",
         people=placed_by_text(visit.conn, row),
-        po=order["poNumber"] or "", notes=order["notes"] or "", created=order["createdAt"],
-        updated=order["updatedAt"], invoice=order_invoice_cell(visit, order),
+        po=order["poNumber"] or "", notes=order["notes"] or "", created=visit.when(order["createdAt"]),
+        updated=visit.when(order["updatedAt"]), invoice=order_invoice_cell(visit, order),
         tracking=order_tracking_cell(visit, order["tracking"]))
 
 
@@ -11027,8 +11096,8 @@ def order_lines(order, row):
 
 
 def order_history(visit, order_id):
-    return table(("When (UTC)", "From", "To", "By", "Tracking", "Note"),
-                 [(change["created_at"], change["from_status"] or "", change["to_status"],
+    return table(("When", "From", "To", "By", "Tracking", "Note"),
+                 [(visit.when(change["created_at"]), change["from_status"] or "", change["to_status"],
                    change["source"] or render(MUTED, text="not recorded"),
                    change["tracking_number"] or "", change["note"] or "")
                   for change in status_changes(visit.conn, visit.company_id, order_id)])
@@ -11092,8 +11161,8 @@ def return_lines_text(lines, item_count):
 def order_returns(visit, order_id):
     returns = returns_of_order(visit.conn, visit.company_id, order_id)
     lines = return_lines_of(visit.conn, [row["id"] for row in returns])
-    return table(("Return", "Opened (UTC)", "Status", "Reason", "Lines", "Refunded"), [
-        (row["id"], row["created_at"], status_tag(row["status"]), row["reason"],
+    return table(("Return", "Opened", "Status", "Reason", "Lines", "Refunded"), [
+        (row["id"], visit.when(row["created_at"]), status_tag(row["status"]), row["reason"],
          return_lines_text(lines.get(row["id"]), row["item_count"]),
          amount_text(money(row["amount_cents"])) if row["amount_cents"] is not None else "")
         for row in returns], numeric=("Refunded",))
@@ -11236,10 +11305,10 @@ def movements_table(visit, product_id):
         if movement["returnId"]:
             of = join([of, render(" return {r}", r=movement["returnId"])])
         actor = movement["actor"]
-        rows.append((movement["createdAt"], f"{movement['change']:+d}", movement["levelAfter"],
+        rows.append((visit.when(movement["createdAt"]), f"{movement['change']:+d}", movement["levelAfter"],
                      movement["reason"], of, movement["note"] or "",
                      " ".join(filter(None, (actor["type"], actor["id"])))))
-    return table(("When (UTC)", "Change", "Level after", "Reason", "For", "Note", "By"), rows,
+    return table(("When", "Change", "Level after", "Reason", "For", "Note", "By"), rows,
                  numeric=("Change", "Level after"))
 
 
@@ -11293,7 +11362,7 @@ def customers_page(visit):
     result = find_customers(visit.conn, visit.company_id, query)
     rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
              status_tag(c["status"]), amount_text(money(c["credit_limit_cents"])),
-             c["created_at"][:10]) for c in result["data"]]
+             day_tag(c["created_at"])) for c in result["data"]]
     waiting = awaiting_approval_table(visit)
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
@@ -11309,7 +11378,7 @@ def customers_page(visit):
 def awaiting_approval_table(visit):
     """The customers awaiting approval, each with its Approve button (none: nothing)."""
     pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
-                c["created_at"][:10], "Yes" if c["email_verified"] else "Not yet",
+                day_tag(c["created_at"]), "Yes" if c["email_verified"] else "Not yet",
                 approve_button(visit.for_form(f"/dashboard/customers/{c['id']}/status", c["id"]),
                                c))
                for c in pending_customers(visit.conn, visit.company_id)]
@@ -11534,13 +11603,13 @@ def pending_requests_table(visit):
     """The order requests that wait for a customer's admin (none: nothing): staff see them,
     the decision is the business's."""
     rows = [(link(f"/dashboard/customers/{row['customer_id']}", row["customer_email"]),
-             row["asker_email"], row["created_at"][:16].replace("T", " "),
+             row["asker_email"], visit.when(row["created_at"]),
              cents_text(row["total_cents"]))
             for row in pending_requests(visit.conn, visit.company_id)]
     if not rows:
         return ""
     return join([render(HEADING, text="Order requests awaiting a buyer's admin"), table(
-        ("Customer", "Asked by", "Asked (UTC)", "Total"), rows, numeric=("Total",)),
+        ("Customer", "Asked by", "Asked", "Total"), rows, numeric=("Total",)),
         render(HEADING, text="Orders")])
 
 
@@ -11730,10 +11799,10 @@ def invoice_page(visit, invoice_id):
 def invoice_settlements(visit, invoice_id):
     """The payments recorded against an invoice and the credit applied to it."""
     details = invoice_details(visit.conn, visit.company_id, invoice_id)
-    rows = [(payment["paidAt"][:10], "Payment", " ".join(filter(None, (
+    rows = [(day_tag(payment["paidAt"]), "Payment", " ".join(filter(None, (
         payment["method"], payment["reference"]))), amount_text(payment["amount"]))
         for payment in details["payments"]] + [
-        (credit["createdAt"][:10], "Credit", credit["creditNoteNumber"],
+        (day_tag(credit["createdAt"]), "Credit", credit["creditNoteNumber"],
          amount_text(credit["amount"])) for credit in details["credits"]]
     return join([render(HEADING, text="Payments and credit"), table(
         ("Date", "Kind", "Reference", "Amount"), rows, numeric=("Amount",))])
@@ -11824,7 +11893,8 @@ def invoices_page(visit):
     customers = customer_emails(visit.conn, visit.company_id,
                                 [row["customer_id"] for row in result["data"]])
     rows = [(link(f"/dashboard/invoices/{row['id']}", row["number"]),
-             customers.get(row["customer_id"], ""), row["issued_at"][:10], row["due_at"][:10],
+             customers.get(row["customer_id"], ""), day_tag(row["issued_at"]),
+             day_tag(row["due_at"]),
              status_tag(row["status"]), cents_text(row["total_cents"]),
              cents_text(balance_cents(row))) for row in result["data"]]
     return visit.page("Invoices", join([render(FILTERS, path="/dashboard/invoices", fields=join([
@@ -11854,7 +11924,7 @@ def receivables_page(visit):
         render(HEADING, text=listed), table(
             ("Invoice", "Customer", "Issued", "Due", "Past due", "Balance"),
             [(link(f"/dashboard/invoices/{i['id']}", i["number"]), i["email"] or "",
-              i["issued_at"][:10], i["due_at"][:10], AGING_LABELS[i["bucket"]],
+              day_tag(i["issued_at"]), day_tag(i["due_at"]), AGING_LABELS[i["bucket"]],
               cents_text(i["balance_cents"])) for i in invoices], numeric=("Balance",))]))
 
 
@@ -11913,8 +11983,8 @@ def webhook_card(visit, hook):
     """A subscription with its buttons and its recent deliveries."""
     action, grace = f"/dashboard/webhooks/{hook['id']}", hook["secretRotationGraceExpiresAt"]
     deliveries = table(
-        ("When (UTC)", "Event", "Status code", "Duration", "Success", "Response"),
-        [(d["createdAt"], d["event"], d["statusCode"] or "", f"{d['durationMs']} ms",
+        ("When", "Event", "Status code", "Duration", "Success", "Response"),
+        [(visit.when(d["createdAt"]), d["event"], d["statusCode"] or "", f"{d['durationMs']} ms",
           "yes" if d["success"] else "no", render(CODE, text=(d["responseBody"] or "")[:300]))
          for d in recent_deliveries(visit.conn, hook["id"])])
     return render(
@@ -11955,7 +12025,7 @@ def rotate_webhook_action(visit, webhook_id):
     with visit.write() as conn:
         rotated = rotate_webhook_secret(conn, visit.company_id, webhook_id)
     visit.notice = render(SECRET_ROTATED, secret=rotated["secret"],
-                          until=rotated["secretRotationGraceExpiresAt"])
+                          until=visit.when(rotated["secretRotationGraceExpiresAt"]))
     return webhooks_page(visit)
 
 
@@ -11963,7 +12033,7 @@ def rotate_webhook_action(visit, webhook_id):
 def keys_page(visit):
     now = now_iso()
     rows = [(key["id"], key["scopes"].replace(" ", ", "), key["rate_limit"],
-             key["expires_at"] or "never", key["created_at"][:10],
+             visit.when(key["expires_at"]) or "never", day_tag(key["created_at"]),
              status_tag("revoked") if key["revoked"] else
              status_tag("expired") if key_expired(key["expires_at"], now) else
              visit.button(f"/dashboard/keys/{key['id']}/revoke", "Revoke", "danger"))
@@ -12075,13 +12145,14 @@ def spreadsheet_download(visit, kind):
 @page("GET", "/dashboard/billing")
 def billing_page(visit):
     result = find_invoices(visit.conn, visit.company_id, visit.filters())
-    rows = [(row["number"], f"{row['period_start'][:10]} to {row['period_end'][:10]}",
+    rows = [(row["number"], render("{start} to {end}", start=day_tag(row["period_start"]),
+                                   end=day_tag(row["period_end"])),
              minor_amount_text(row["amount_paid_minor"], row["currency"]),
-             row["created_at"][:16].replace("T", " "),
+             visit.when(row["created_at"]),
              render(OUTSIDE_LINK, href=row["hosted_invoice_url"], text="View invoice"))
             for row in result["data"]]
     return visit.page("Billing", join([
-        table(("Number", "Period (UTC)", "Amount", "Recorded (UTC)", "Invoice"), rows,
+        table(("Number", "Period", "Amount", "Recorded", "Invoice"), rows,
               numeric=("Amount",)),
         pager(visit, result, "/dashboard/billing"), render(BILLING_FOOT)]))
 
@@ -12115,11 +12186,11 @@ def emails_page(visit):
     rows = []
     for row in result["data"]:
         state, why = email_state(row, visit.settings)
-        rows.append((link(f"/dashboard/emails/{row['id']}", row["created_at"][:16].replace(
-            "T", " ")), row["to_address"], row["subject"], state, row["attempts"],
+        rows.append((link(f"/dashboard/emails/{row['id']}", visit.when(row["created_at"])),
+                     row["to_address"], row["subject"], state, row["attempts"],
             render(CODE, text=why[:300]), send_again_button(visit, row)))
     return visit.page("Emails", join([
-        table(("Written (UTC)", "Recipient", "Subject", "State", "Attempts", "Last reply", ""),
+        table(("Written", "Recipient", "Subject", "State", "Attempts", "Last reply", ""),
               rows, numeric=("Attempts",)), pager(visit, result, "/dashboard/emails")]))
 
 
@@ -12129,10 +12200,10 @@ def email_page(visit, email_id):
     state, why = email_state(row, visit.settings)
     facts = render(
         EMAIL_FACTS, to=row["to_address"], subject=row["subject"], state=state,
-        written=row["created_at"], why=why, again=send_again_button(visit, row),
-        next=row["next_attempt_at"] if row["state"] == "pending" else "none")
-    attempts = table(("When (UTC)", "Outcome", "Server's reply", "Duration"),
-                     [(attempt["attempted_at"], attempt["outcome"],
+        written=visit.when(row["created_at"]), why=why, again=send_again_button(visit, row),
+        next=visit.when(row["next_attempt_at"]) if row["state"] == "pending" else "none")
+    attempts = table(("When", "Outcome", "Server's reply", "Duration"),
+                     [(visit.when(attempt["attempted_at"]), attempt["outcome"],
                        render(CODE, text=attempt["reply"]), f"{attempt['duration_ms']} ms")
                       for attempt in email_attempts(visit.conn, email_id)])
     return visit.page(f"Email to {row['to_address']}", join([
@@ -12180,6 +12251,9 @@ def settings_fields(visit, company):
                            ", ".join(json.loads(company["staff_alerts"] or "[]"))),
         reports=visit.select("reportPeriod", "A report to the staff alert addresses",
                              REPORT_CHOICES, company["report_period"] or ""),
+        time_zone=visit.select("timeZone", "Time zone (of the times pages show)",
+                               [(zone, zone) for zone in sorted(time_zones())],
+                               company["time_zone"] or "UTC"),
         buyer_emails=buyer_email_switches(company),
         approval=visit.select("storefrontApproval", "New storefront accounts",
                               APPROVAL_CHOICES, company["storefront_approval"]),
@@ -12207,7 +12281,7 @@ def update_settings_action(visit):
                "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
     for field, column in (("storefrontApproval", "storefront_approval"),
                           ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days"),
-                          ("reportPeriod", "report_period")):
+                          ("reportPeriod", "report_period"), ("timeZone", "time_zone")):
         if field in visit.form:  # (a form of an older page may not have it)
             changes[column] = visit.form.get(field)
     if "buyerEmailsShown" in visit.form:
@@ -12959,7 +13033,7 @@ def checkout_action(visit):
 def store_orders_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result = buyer_orders(visit.conn, visit.company_id, visit.session["customer_id"], query)
-    rows = [(link(f"{prefix}/orders/{row['id']}", row["number"]), when_text(row["created_at"]),
+    rows = [(link(f"{prefix}/orders/{row['id']}", row["number"]), visit.when(row["created_at"]),
              status_tag(row["status"]), row["po_number"] or "",
              cents_text(row["total_cents"] + row["tax_cents"])) for row in result["data"]]
     filters = render(FILTERS, path=prefix + "/orders", button="Filter", fields=visit.select(
@@ -12981,7 +13055,7 @@ def store_order_page(visit, order_id):
     return visit.page(f"Order {row['number']}", render(
         STORE_ORDER_PAGE, facts=render(
             STORE_ORDER_FACTS, status=status_tag(order["status"]),
-            placed=when_text(order["createdAt"]), po=order["poNumber"] or "none",
+            placed=visit.when(order["createdAt"]), po=order["poNumber"] or "none",
             notes=order["notes"] or "none", invoice=buyer_invoice_link(visit, order_id),
             people=placed_by_text(conn, row),
             total=cents_text(row["total_cents"] + row["tax_cents"])),
@@ -13016,8 +13090,8 @@ def store_statement_page(visit):
     since = statement_since(visit)
     invoices = find_customer_invoices(conn, visit.company_id, customer_id=me,
                                       open_or_since=since)
-    rows = [(link(f"{prefix}/invoices/{row['id']}", row["number"]), row["issued_at"][:10],
-             row["due_at"][:10], status_tag(row["status"]), cents_text(row["total_cents"]),
+    rows = [(link(f"{prefix}/invoices/{row['id']}", row["number"]), day_tag(row["issued_at"]),
+             day_tag(row["due_at"]), status_tag(row["status"]), cents_text(row["total_cents"]),
              cents_text(balance_cents(row)))
             for row in invoices]
     return visit.page("Statement", join([
@@ -13049,7 +13123,7 @@ def buyer_order_lines(order, row):
 def order_timeline(visit, order_id):
     return render(TIMELINE, steps=join(
         render(TIMELINE_STEP, tag=status_tag(change["to_status"]),
-               at=when_text(change["created_at"]))
+               at=visit.when(change["created_at"]))
         for change in status_changes(visit.conn, visit.company_id, order_id)))
 
 
@@ -13059,7 +13133,7 @@ def buyer_order_returns(visit, order):
     conn, order_id = visit.conn, order["id"]
     returns = returns_of_order(conn, visit.company_id, order_id)
     lines = return_lines_of(conn, [r["id"] for r in returns])
-    shown = [render(STORE_RETURN, opened=when_text(r["created_at"]), status=status_tag(r["status"]),
+    shown = [render(STORE_RETURN, opened=visit.when(r["created_at"]), status=status_tag(r["status"]),
                     refund=render(REFUNDED, amount=cents_text(r["amount_cents"]))
                     if r["amount_cents"] is not None else "",
                     lines=render(LIST, items=join(render(LIST_ITEM, text=f"{units} x {name}")
@@ -13161,7 +13235,8 @@ def request_facts(visit, request, quote):
         decision = render(DECISION, term="Reason declined", value=request["reason"])
     blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""
     return render(REQUEST_FACTS, status=status_tag(request["status"]),
-                  asked=f"{when_text(request['created_at'])} by {asker['email']}{blocked}",
+                  asked=render("{at} by {email}{blocked}", at=visit.when(request["created_at"]),
+                               email=asker["email"], blocked=blocked),
                   total=cents_text(request["total_cents"]), po=request["po_number"] or "none",
                   notes=request["notes"] or "none",
                   ship_to=address_lines(json.loads(request["shipping_address"])),
@@ -13181,7 +13256,7 @@ def my_requests(visit, status=None):
 @buyer_page("GET", "/store/<slug>/requests")
 def store_requests_page(visit):
     prefix = visit.surface.prefix
-    rows = [(link(f"{prefix}/requests/{row['id']}", when_text(row["created_at"])),
+    rows = [(link(f"{prefix}/requests/{row['id']}", visit.when(row["created_at"])),
              row["asker_email"], status_tag(row["status"]), cents_text(row["total_cents"]))
             for row in my_requests(visit)]
     return visit.page("Order requests", table(("Asked", "By", "Status", "Total"), rows,
@@ -13915,7 +13990,7 @@ def cmd_company_create(conn, args):
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
                     ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"),
                     ("tax_rate", "tax_rate"), ("payment_terms", "payment_terms_days"),
-                    ("report", "report_period"))
+                    ("report", "report_period"), ("time_zone", "time_zone"))
 
 
 @command("company-update", "change a company's settings and print the company",
@@ -13938,7 +14013,10 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                 help=f"days from an invoice's issue to its due date, 0 (on receipt, the "
                      f"default) to {MAX_PAYMENT_TERMS}; a customer's own terms win"),
          option("--report", metavar="daily|weekly|off",
-                help="a summary emailed to the staff alert addresses each day or week"))
+                help="a summary emailed to the staff alert addresses each day or week"),
+         option("--time-zone", metavar="ZONE",
+                help="the time zone its pages show times in, a name such as Europe/Paris "
+                     "(UTC, the default, or '')"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}

@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS companies (
     tax_rate            REAL NOT NULL DEFAULT 0, -- a fraction; a customer's override wins
     payment_terms_days  INTEGER NOT NULL DEFAULT 0, -- invoices fall due N days after issue (0: on receipt)
     buyer_emails_off    TEXT,               -- JSON array of the buyer emails it does not send
-    report_period       TEXT                -- daily or weekly: its staff get a report (null: none)
+    report_period       TEXT,               -- daily or weekly: its staff get a report (null: none)
+    time_zone           TEXT                -- IANA name its pages show times in (null: UTC)
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);

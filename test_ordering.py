@@ -3917,7 +3917,7 @@ def test_schema_3_gives_older_databases_the_stripe_customer_and_minor_units(data
 
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         assert stored_amounts(database) == [("jpy", 1200), ("kwd", 12500), ("usd", 4900)]
         with db.write() as conn:
             conn.execute("UPDATE companies SET stripe_customer_id = 'cus_1' WHERE id = ?",
@@ -3941,7 +3941,7 @@ def test_an_older_file_gains_the_mail_tables_and_settings_at_start(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Old Co Sales")
     assert updated["mailName"] == "Old Co Sales"
     conn = sqlite3.connect(db_path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 12
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ordering.SCHEMA_VERSION == 13
     assert conn.execute("SELECT COUNT(*) FROM emails").fetchone()[0] == 0
 
 
@@ -3958,7 +3958,7 @@ def test_schema_4_gives_older_files_the_storefront_setting_and_tables(db_path):
     database.close()
     database = ordering.Database(str(db_path))
     try:
-        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 12
+        assert database.engine.schema_version(database.conn) == ordering.SCHEMA_VERSION == 13
         assert database.conn.execute("SELECT storefront_approval FROM companies WHERE id = ?",
                                      (company["id"],)).fetchone()[0] == "required"
         assert database.conn.execute("SELECT COUNT(*) FROM contact_tokens").fetchone()[0] == 0
@@ -3979,7 +3979,7 @@ def test_schema_5_records_each_older_orders_placement_and_its_status_now(app, te
     app.service.close(grace=0)
     db = ordering.Database(str(database))
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         changes = {order["id"]: [(row["from_status"], row["to_status"], row["source"],
                                   row["tracking_number"])
                                  for row in ordering.status_changes(db.conn, tenant.id,
@@ -3999,7 +3999,7 @@ def test_schema_8_gives_older_databases_a_tax_rate_of_0_and_untaxed_orders(app, 
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_7)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         assert tuple(db.conn.execute("SELECT tax_rate FROM companies").fetchone()) == (0,)
         assert tuple(db.conn.execute("SELECT total_cents, tax_rate, tax_cents FROM orders "
                                      "WHERE id = ?", (order["data"]["id"],)).fetchone()) == (
@@ -4013,7 +4013,7 @@ def test_schema_9_gives_older_databases_payment_terms_and_the_tables_of_money_ow
     order = place(api, tenant, [{"productId": tenant.product()["id"], "quantity": 2}]).json
     db = reopened_from(app, database, back_to_schema_8)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM companies").fetchone()) \
             == (0,)
         assert tuple(db.conn.execute("SELECT payment_terms_days FROM customers").fetchone()) \
@@ -4031,7 +4031,7 @@ def test_schema_6_opens_each_products_ledger_at_its_stock(app, api, tenant, data
     place(api, tenant, [{"productId": rice["id"], "quantity": 3}])
     db = reopened_from(app, database, back_to_schema_5)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         updated = dict(tuple(row) for row in db.conn.execute(
             "SELECT id, updated_at FROM products"))
         opening = [(row["product_id"], row["change"], row["level_after"], row["reason"],
@@ -4071,7 +4071,7 @@ def test_schema_7_makes_an_older_database_what_schema_sql_makes_a_new_one(app, a
     db = reopened_from(app, database, back)
     try:
         assert older[0] != made
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         assert schema_objects(db.conn) == made
         if db.engine is ordering.SQLITE:
             assert [tuple(row) for row in db.conn.execute("PRAGMA integrity_check")] == [("ok",)]
@@ -4097,7 +4097,7 @@ def test_schema_12_numbers_each_companys_orders_in_the_order_they_were_placed(
 
     db = reopened_from(app, database, back_to_schema_11)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         numbers = dict(db.conn.execute("SELECT id, number FROM orders"))
         assert [numbers[order["id"]] for order in placed] == [1001, 1001, 1002, 1003, 1002]
         with db.write() as conn:
@@ -5606,7 +5606,8 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
     printed = cli_json(db_path, "company-update", company["id"], "--stripe-customer",
                        "cus_NffrFeUfNV2Hib")
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [], "reportPeriod": None,
-                "storefrontApproval": "required", "taxRate": 0, "createdAt": printed["createdAt"]}
+                "storefrontApproval": "required", "taxRate": 0, "timeZone": None,
+                "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", paymentTermsDays=0,
                            buyerEmailsOff=[], **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
@@ -5651,18 +5652,19 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
     company = cli_json(db_path, "company-create", "--name", "Fresh Foods")
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Fresh Foods Sales",
                        "--reply-to", "sales@fresh.example", "--staff-alerts",
-                       "a@fresh.example, b@fresh.example,A@fresh.example")
+                       "a@fresh.example, b@fresh.example,A@fresh.example",
+                       "--time-zone", "Asia/Tokyo")
     assert updated == {"id": company["id"], "name": "Fresh Foods", "slug": "fresh-foods",
                        "stripeCustomerId": None,
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
                        "storefrontApproval": "required", "taxRate": 0,
                        "paymentTermsDays": 0, "buyerEmailsOff": [], "reportPeriod": None,
-                       "createdAt": updated["createdAt"]}
+                       "timeZone": "Asia/Tokyo", "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
-                       "--staff-alerts", "")
-    assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"]) == (
-        None, "sales@fresh.example", [])
+                       "--staff-alerts", "", "--time-zone", "")
+    assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"],
+            cleared["timeZone"]) == (None, "sales@fresh.example", [], None)
 
 
 def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
@@ -5673,6 +5675,10 @@ def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
                 "--staff-alerts", "a@fresh.example,nope", message=ordering.STAFF_ALERTS_MESSAGE)
     cli_refuses(db_path, "company-update", company["id"], "--mail-name", "x" * 101,
                 message=ordering.MAIL_NAME_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--time-zone", "Mars/Olympus",
+                message=ordering.TIME_ZONE_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--time-zone", "../../etc/passwd",
+                message=ordering.TIME_ZONE_MESSAGE)
     cli_refuses(db_path, "company-update", "co_nope", "--mail-name", "x",
                 message="Company not found.")
     row = sqlite3.connect(db_path).execute(
@@ -7321,7 +7327,10 @@ def test_history_comes_from_the_status_changes_without_any_webhook(app, api, ten
     assert [row[1:5] for row in rows] == [["", "SUBMITTED", "api", ""],
                                          ["SUBMITTED", "CONFIRMED", "api", ""],
                                          ["CONFIRMED", "SHIPPED", "dashboard", "PKG42"]]
-    assert all(ISO_MS.match(row[0]) for row in rows)
+    times = page.html.find("h2", string="History").find_next("table").select("tbody time")
+    assert all(ISO_MS.fullmatch(at["datetime"]) for at in times)
+    assert [row[0] for row in rows] == [ordering.local_time_text(at["datetime"], None)
+                                        for at in times]
     assert event_count(database, "order.status_changed") == 0   # no webhook: no events kept
     stored = checked_out(tenant, buyer["id"], product["id"])
     made_here = dashboard_order(tenant)
@@ -9615,7 +9624,7 @@ def test_a_version_11_database_makes_every_staff_account_an_owner(app, tenant, d
         conn.engine.set_schema_version(conn, 11)
     db = reopened_from(app, database, back)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         assert [tuple(row) for row in db.conn.execute("SELECT id, role FROM staff")] == [
             (staff["id"], "owner")]
     finally:
@@ -10312,7 +10321,7 @@ def test_a_version_10_database_gives_its_products_rules_that_allow_any_quantity(
         conn.engine.set_schema_version(conn, 10)
     db = reopened_from(app, database, back)
     try:
-        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(db.conn) == ordering.SCHEMA_VERSION == 13
         row = ordering.load_product(db.conn, tenant.id, rice["id"])
         assert (row["min_quantity"], row["order_multiple"], row["price_breaks"]) == (1, 1, None)
     finally:
@@ -10336,7 +10345,7 @@ def test_a_version_9_database_gives_each_customer_its_first_contact_with_all_it_
     db = reopened_from(app, database, back)
     try:
         conn = db.conn
-        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 12
+        assert db.engine.schema_version(conn) == ordering.SCHEMA_VERSION == 13
         contacts = {row["email"]: row for row in conn.execute("SELECT * FROM contacts")}
         mine, theirs = contacts["buyer@cafe.example"], contacts["api@cafe.example"]
         assert (mine["customer_id"], mine["role"], mine["status"], mine["name"],
@@ -14441,7 +14450,7 @@ def test_staff_invoice_an_order_record_payments_apply_credit_and_void_on_its_pag
     assert notice_of(page) == "Saved: the payment is recorded."
     settled = [[cell.get_text(" ", strip=True) for cell in row.find_all("td")]
                for row in page.html.find_all("tbody")[1].find_all("tr")]
-    assert settled == [[today, "Payment", "card R-1", "20.00"]]
+    assert settled == [[ordering.day_text(today), "Payment", "card R-1", "20.00"]]
     assert not [f for f in page.forms.values() if f.action.endswith("/void")]
     credit_noted(tenant, order, 1000)  # a credit note of the same customer's, 10.00
     (credit,) = ordering.customer_credit_notes(tenant.db.conn, tenant.id, order["customerId"])
@@ -14512,8 +14521,8 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
     assert invoice["paymentTermsDays"] == 14
     app.dashboard.clock = lambda: (NOV_1 + 10 * DAY_MS) / 1000
     page = page.click("Statement")  # the last 90 days by default, after the balance before
-    assert table_rows(page) == [["2026-08-13", "", "Opening balance", "", "0.00"],
-                                [invoice["issuedAt"][:10], "Invoice", "INV-000001", "85.00",
+    assert table_rows(page) == [["13 Aug 2026", "", "Opening balance", "", "0.00"],
+                                [ordering.day_text(invoice["issuedAt"]), "Invoice", "INV-000001", "85.00",
                                  "85.00"], ["", "", "Balance", "", "85.00"]]
     form = form_to(page, f"/customers/{customer['id']}/statement")
     form["since"] = "2026-11-02"
@@ -14684,9 +14693,9 @@ def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant,
     rows = [[cell.get_text() for cell in row.find_all("td")]
             for row in page.html.find("tbody").find_all("tr")]
     assert rows == [
-        [evil, "2026-03-01 to 2026-04-01", "12.345 KWD", rows[0][3], "View invoice"],
-        ["ACME-0001", "2026-02-01 to 2026-03-01", "1,200 JPY", rows[1][3], "View invoice"],
-        ["ACME-0000", "2026-01-01 to 2026-02-01", "49.00 USD", rows[2][3], "View invoice"]]
+        [evil, "1 Mar 2026 to 1 Apr 2026", "12.345 KWD", rows[0][3], "View invoice"],
+        ["ACME-0001", "1 Feb 2026 to 1 Mar 2026", "1,200 JPY", rows[1][3], "View invoice"],
+        ["ACME-0000", "1 Jan 2026 to 1 Feb 2026", "49.00 USD", rows[2][3], "View invoice"]]
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", row[3]) for row in rows)
     assert [a["href"] for a in page.html.find("tbody").find_all("a")] == [
         f"https://invoice.stripe.com/i/in_{n}?a=1&b=2" for n in (2, 1, 0)]
@@ -14735,6 +14744,43 @@ def test_settings_set_the_companys_payment_terms(app, tenant, browser):
     page = form.submit(status=400)
     assert alert_of(page) == ("Not saved: Payment terms must be a whole number of days from 0 "
                               "to 365.")
+
+
+def test_pages_show_times_in_the_companys_time_zone_with_the_exact_time_on_hover(
+        app, api, tenant, browser):
+    assert ordering.local_time_text("2026-07-01T12:00:00.000Z", "Europe/Paris") == \
+        "1 Jul 2026, 14:00 CEST"
+    assert ordering.local_time_text("2026-01-01T00:30:00.000Z", "America/New_York") == \
+        "31 Dec 2025, 19:30 EST"
+    assert ordering.local_time_text("2026-01-01T00:30:00.000Z", None) == "1 Jan 2026, 00:30 UTC"
+    product = tenant.product(stock=5)
+    order = place(api, tenant, [{"productId": product["id"], "quantity": 1}]).json["data"]
+
+    def placed(page):
+        return page.html.find("time", {"datetime": order["createdAt"]})
+
+    shown = placed(browser.get(f"/dashboard/orders/{order['id']}"))
+    assert (shown.get_text(), shown["title"]) == (
+        ordering.local_time_text(order["createdAt"], None),
+        order["createdAt"][:23].replace("T", " ") + " UTC")
+    form = main_form(browser.get("/dashboard/settings"))
+    assert form["timeZone"].value == "UTC"
+    form["timeZone"].force_value("Mars/Olympus")
+    refused = form.submit(status=400)
+    assert errors_of(refused) == [ordering.TIME_ZONE_MESSAGE]
+    form = main_form(browser.get("/dashboard/settings"))
+    form["timeZone"] = "America/New_York"
+    assert notice_of(form.submit(status=303).follow()) == "Saved: the changes are in force."
+    local = ordering.local_time_text(order["createdAt"], "America/New_York")
+    assert local.endswith(" EST") and local != ordering.local_time_text(order["createdAt"], None)
+    for page in (browser.get(f"/dashboard/orders/{order['id']}"), browser.get("/dashboard/orders")):
+        assert placed(page).get_text() == local
+    customer, buyer = shopper(app, tenant)
+    mine = buyer_order(tenant, customer, product)
+    row = buyer.get(f"{store_of(tenant)}/orders").html.find("time", {"datetime": mine["createdAt"]})
+    assert row.get_text() == ordering.local_time_text(mine["createdAt"], "America/New_York")
+    assert api.get(f"/api/v1/orders/{order['id']}", headers=tenant.headers).json["data"][
+        "createdAt"] == order["createdAt"]  # the API's times stay UTC
 
 
 def test_buyers_are_emailed_as_returns_are_approved_and_refunded_unless_settings_say_no(
@@ -15130,9 +15176,9 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
     issued_ms = ordering.js_parse_date(invoice["issued_at"])
     app.storefront.clock = lambda: issued_ms / 1000
     page = buyer.get(f"{store_of(tenant)}/statement")
-    opened = ordering.iso(issued_ms - 90 * DAY_MS)[:10]
+    opened = ordering.day_text(ordering.iso(issued_ms - 90 * DAY_MS))
     assert table_rows(page) == [[opened, "", "Opening balance", "", "0.00"],
-                                [invoice["issued_at"][:10], "Invoice", "INV-000001", "91.80",
+                                [ordering.day_text(invoice["issued_at"]), "Invoice", "INV-000001", "91.80",
                                  "91.80"], ["", "", "Balance", "", "91.80"]]
     later = buyer.get(f"{store_of(tenant)}/statement?since=2999-01-01")
     assert table_rows(later)[0] == ["2999-01-01", "", "Opening balance", "", "91.80"]
