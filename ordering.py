@@ -40,8 +40,9 @@ ones above it.
  10. Integrations and accounts   10.1 webhook subscriptions; 10.2 emails (what was sent,
                    sending again); 10.3 API keys and idempotency; 10.4 accounts and sessions
                    (any kind of account); 10.5 storefront accounts (a store's accounts are its
-                   customers' contacts: registration, emailed links, password reset; a
-                   customer's changes, since blocking one ends its contacts' sign-ins);
+                   customers' contacts: registration, emailed links, password reset; staff
+                   reset and are invited by the same links; a customer's changes, since
+                   blocking one ends its contacts' sign-ins);
                    10.6 contacts (adding, inviting and changing a customer's people)
  11. Queries and storefront ordering   11.1 queries (the paginator, list filters, lookups);
                    11.2 storefront ordering (catalog, cart, quick order, reorder, addresses,
@@ -714,8 +715,9 @@ MIGRATIONS = {
          "WHERE orders.id = numbered.id AND orders.number IS NULL",
          add_column("staff", "role TEXT NOT NULL DEFAULT 'owner' CHECK "
                              "(role IN ('owner', 'staff', 'read-only'))")),
-    # The company's time zone, in which its pages show times.
-    13: (add_column("companies", "time_zone TEXT"),),
+    # The company's time zone, in which its pages show times. Staff reset their passwords
+    # by email (staff_tokens is new), and their requests are kept with no company.
+    13: (add_column("companies", "time_zone TEXT"), rebuild_table("account_requests")),
 }
 
 
@@ -2068,16 +2070,18 @@ HEADER = Template("company links prefix csrf email", """\
 <form class="account" method="post" action="{prefix}/sign-out">{csrf}<span>{email}</span>
 <button type="submit">Sign out</button></form>""")
 
-SIGN_IN_FORM = Template("prefix error email csrf", """\
-<form class="card narrow" method="post" action="{prefix}/sign-in">
-<input type="hidden" name="csrf" value="{csrf}">
-{error}
-<label for="email">Email</label>
-<input id="email" name="email" type="email" autocomplete="username" required autofocus value="{email}">
-<label for="password">Password</label>
-<input id="password" name="password" type="password" autocomplete="current-password" required>
-<button type="submit">Sign in</button>
-</form>""")
+#: A field of a form for a visitor who is not signed in (sign in, register, reset).
+SIGNED_OUT_FIELD = Template("name label kind auto value invalid error", """\
+<div><label for="{name}">{label}</label><input id="{name}" name="{name}" type="{kind}" \
+autocomplete="{auto}" value="{value}"{invalid}>{error}</div>""")
+#: The dashboard's way on from its sign-in form.
+SIGN_IN_LINKS = Template("prefix", """\
+<p class="narrow"><a href="{prefix}/reset">Forgot your password?</a></p>""")
+#: What a signed-out form that sends an email answers, whoever the address belongs to.
+MAIL_SENT = Template("what then", """\
+<div class="card narrow" role="status"><p>If the address you gave can receive mail from us, a \
+message is on its way to it {what}. It may take a few minutes; look in your spam folder \
+too.</p>{then}</div>""")
 
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
@@ -2456,6 +2460,31 @@ EMAIL_TEMPLATES = {
         html="<p>Hello {customerName},</p>\n<p>The password of your account at {store} was "
              "just changed, and every other signed-in browser signed out. If it was not you, "
              '<a href="{link}">set a new one at once</a>.</p>'),
+    "staff_reset": EmailTemplate(
+        subject="Set your dashboard password for {company}",
+        text="Hello,\n\nSomeone asked to set a new password for your staff account at "
+             "{company}. Set it with this link (it works once, for an hour):\n\n{link}\n\n"
+             "If it was not you, ignore this email: your password stays as it is.\n",
+        html="<p>Hello,</p>\n<p>Someone asked to set a new password for your staff account at "
+             '{company}. <a href="{link}">Set your password</a> (the link works once, for an '
+             "hour).</p>\n<p>If it was not you, ignore this email: your password stays as it "
+             "is.</p>"),
+    "staff_invite": EmailTemplate(
+        subject="You are invited to the dashboard of {company}",
+        text="Hello,\n\n{company} opened a staff account for you on its dashboard. Set your "
+             "password with this link (it works once, for an hour; after that, ask for a new "
+             "one with \"Forgot your password?\" on the sign-in page):\n\n{link}\n",
+        html="<p>Hello,</p>\n<p>{company} opened a staff account for you on its dashboard. "
+             '<a href="{link}">Set your password</a> (the link works once, for an hour; after '
+             'that, ask for a new one with "Forgot your password?" on the sign-in page).</p>'),
+    "staff_password_changed": EmailTemplate(
+        subject="Your dashboard password for {company} was changed",
+        text="Hello,\n\nThe password of your staff account at {company} was just changed, "
+             "and every signed-in browser signed out. If it was not you, set a new one at "
+             "once:\n\n{link}\n",
+        html="<p>Hello,</p>\n<p>The password of your staff account at {company} was just "
+             "changed, and every signed-in browser signed out. If it was not you, "
+             '<a href="{link}">set a new one at once</a>.</p>'),
     "order_cancelled": EmailTemplate(
         subject="Your order {orderNumber} is cancelled",
         text="Hello {customerName},\n\n{store} cancelled your order {orderNumber}.\n\n{facts}\n\n"
@@ -2710,10 +2739,6 @@ STORE_SIGN_IN_LINKS = Template("prefix", """\
 <p class="narrow"><a href="{prefix}/reset">Forgot your password?</a> &middot; \
 <a href="{prefix}/register">Register a new account</a></p>""")
 
-#: What a storefront form that sends an email answers, whoever the address belongs to.
-STORE_MAIL_SENT = Template("email what then", """\
-<div class="card narrow" role="status"><p>If {email} can receive mail from us, a message is on its \
-way to it {what}. It may take a few minutes; look in your spam folder too.</p>{then}</div>""")
 #: What comes after a registration's confirmation at a store that approves its buyers.
 STORE_APPROVAL_NEXT = Markup("<p>Once the address is confirmed, the store approves new "
                              "accounts before they order: an email tells you when yours is.</p>")
@@ -2791,10 +2816,6 @@ STORE_RETURN = Template("opened status lines reason refund", """\
 
 #: The page of a store address that has no store.
 NO_STORE = Template("message", '<p class="card narrow">{message}</p>')
-#: A signed-out form of the storefront (register, sign in, reset): its fields, one button.
-STORE_FORM_FIELD = Template("name label kind auto value invalid error", """\
-<div><label for="{name}">{label}</label><input id="{name}" name="{name}" type="{kind}" \
-autocomplete="{auto}" value="{value}"{invalid}>{error}</div>""")
 STORE_WELCOME = Template("store prefix", """\
 <div class="card"><p>Welcome to the wholesale store of {store}. Sign in to see prices and order, \
 or register an account.</p><p><a class="button" href="{prefix}/sign-in">Sign in</a> \
@@ -2978,13 +2999,14 @@ PASSWORD_MIN = 12
 #: Whether a company's new storefront accounts wait for approval (the first is the default).
 STOREFRONT_APPROVALS = ("required", "automatic")
 STOREFRONT_APPROVAL_MESSAGE = "Storefront approval must be required or automatic."
-#: Seconds an emailed storefront link (verify an address, set a password) works.
+#: Seconds an emailed link (verify an address, set a password: a store's or the dashboard's)
+#: works.
 ACCOUNT_LINK_SECONDS = 3600
-#: Emails with a storefront link one address gets per hour at most (however often asked).
+#: Emails with a link one account gets per hour at most (however often asked).
 ACCOUNT_MAILS_PER_HOUR = 3
-#: Registrations and reset requests one client address may send per minute: ip_rate_limit
-#: divided by this (10 at the default 600).
-STORE_FORMS_SHARE = 60
+#: Registrations and reset requests (of any store and the dashboard) one client address may
+#: send per minute: ip_rate_limit divided by this (10 at the default 600).
+SIGNED_OUT_FORMS_SHARE = 60
 LINK_EXPIRED = "This link has expired or was already used. Ask for a new one below."
 CURRENT_PASSWORD_WRONG = "is not the account's current password"
 CUSTOMER_BLOCKED_INVITE = "A blocked customer cannot be invited to set a password."
@@ -6172,6 +6194,7 @@ SIGN_IN_ACCOUNT_MAX_WAIT = 60
 #: Live sessions an account keeps at most: a new sign-in ends the oldest beyond it.
 MAX_SESSIONS = 10
 SIGN_IN_REFUSED = "Wrong email or password."
+STAFF_EMAIL_TAKEN = "A staff account with this email already exists in the company."
 SIGN_IN_THROTTLED = "Too many failed sign-ins. Try again in {seconds} seconds."
 
 
@@ -6191,6 +6214,7 @@ class Accounts:
     account_column: str
     enabled: str  # a condition on the account's columns, each written {a}column
     actor: str  # the type of Actor its accounts are as they change stock
+    links: str  # the table of its emailed links' tokens
     session_columns: str = ""  # what else a session tells of its account (a.column, ...)
 
     def enabled_in(self, alias=""):
@@ -6200,14 +6224,14 @@ class Accounts:
 
 #: A session tells the account's role, read afresh at every request.
 STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "{a}disabled = 0",
-                 "staff", "a.role, ")
+                 "staff", "staff_tokens", "a.role, ")
 #: The people of a storefront's customers: neither the contact nor its customer blocked (one
 #: whose customer awaits approval may sign in, and sees that it does). A session tells the
 #: contact's customer and role, read afresh at every request.
 CONTACTS = Accounts("Contact", "contacts", "contact_sessions", "contact_id",
                     "{a}status = 'ACTIVE' AND {a}customer_id IN "
                     "(SELECT id FROM customers WHERE status <> 'BLOCKED')", "buyer",
-                    "a.customer_id, a.role, a.approval_limit_cents, ")
+                    "contact_tokens", "a.customer_id, a.role, a.approval_limit_cents, ")
 
 
 def create_staff(conn, company_id, email, password, role="owner"):
@@ -6219,7 +6243,7 @@ def create_staff(conn, company_id, email, password, role="owner"):
     check_password(password)
     if conn.execute("SELECT 1 FROM staff WHERE company_id = ? AND email_key = ?",
                     (company_id, email.casefold())).fetchone():
-        raise ApiError(409, "A staff account with this email already exists in the company.")
+        raise ApiError(409, STAFF_EMAIL_TAKEN)
     staff_id, at = new_id_at("stf")
     row = {"id": staff_id, "company_id": company_id, "email": email,
            "email_key": email.casefold(), "password_hash": hash_password(password),
@@ -6412,12 +6436,13 @@ def account_mail_allowed(conn, company, contact, now_ms):
     return sent < ACCOUNT_MAILS_PER_HOUR
 
 
-def issue_account_link(conn, contact, purpose, now_ms):
-    """A new link of this purpose (verify or reset) for the contact: its path in the store."""
+def issue_account_link(conn, account, purpose, now_ms, accounts=CONTACTS):
+    """A new link of this purpose (verify or reset) for an account (a contact, unless accounts
+    says which kind): its path on its surface (the store, the dashboard)."""
     token = secrets.token_urlsafe(32)
-    conn.execute("INSERT INTO contact_tokens (token_hash, contact_id, purpose, created_at, "
-                 "expires_at) VALUES (?, ?, ?, ?, ?)",
-                 (hash_key(token), contact["id"], purpose, iso(now_ms),
+    conn.execute(f"INSERT INTO {accounts.links} (token_hash, {accounts.account_column}, "
+                 f"purpose, created_at, expires_at) VALUES (?, ?, ?, ?, ?)",
+                 (hash_key(token), account["id"], purpose, iso(now_ms),
                   iso(now_ms + ACCOUNT_LINK_SECONDS * 1000)))
     return f"/{purpose}/{token}"
 
@@ -6445,9 +6470,9 @@ def account_link_row(conn, company_id, purpose, token):
     return row
 
 
-def end_account_links(conn, contact_id, purposes=("reset",)):
-    conn.execute(f"DELETE FROM contact_tokens WHERE contact_id = ? AND purpose IN "
-                 f"({','.join('?' * len(purposes))})", (contact_id, *purposes))
+def end_account_links(conn, account_id, purposes=("reset",), accounts=CONTACTS):
+    conn.execute(f"DELETE FROM {accounts.links} WHERE {accounts.account_column} = ? AND "
+                 f"purpose IN ({','.join('?' * len(purposes))})", (account_id, *purposes))
 
 
 def register_customer(conn, store_slug, email, name, password, now_ms):
@@ -6606,6 +6631,74 @@ def end_contact_access(conn, contact_ids):
     for contact_id in contact_ids:
         end_sessions(conn, CONTACTS, contact_id)
         end_account_links(conn, contact_id, ("verify", "reset"))
+
+
+# Staff set a forgotten password, and an invited one their first, by the same emailed links
+# (STAFF's), at /dashboard/reset. A dashboard address may have an account in several
+# companies: each gets its own link, in an email that names its company.
+
+def queue_staff_email(conn, staff, kind, path):
+    """An email about a staff account, with a link to path on the dashboard."""
+    company = load_company(conn, staff["company_id"])
+    return queue_email(conn, company["id"], kind, staff["email"], {
+        "company": company["name"], "path": "/dashboard" + path})
+
+
+def staff_mail_allowed(conn, staff, now_ms):
+    """Whether one more email with a link may go to this staff account within the hour."""
+    (sent,) = conn.execute(
+        "SELECT COUNT(*) FROM emails WHERE company_id = ? AND to_address = ? AND kind IN "
+        "('staff_reset', 'staff_invite') AND created_at > ?",
+        (staff["company_id"], staff["email"], iso(now_ms - 3600 * 1000))).fetchone()
+    return sent < ACCOUNT_MAILS_PER_HOUR
+
+
+def request_staff_password_reset(conn, email, now_ms):
+    """A link to set a password, emailed to each staff account with this email that may sign
+    in (within its hourly emails); nothing otherwise. Returns nothing either way, after the
+    same commit."""
+    record_account_request(conn, None, email, now_ms)
+    for staff in conn.execute("SELECT * FROM staff WHERE email_key = ? AND disabled = 0 "
+                              "ORDER BY created_at, id",
+                              ((email or "").strip().casefold(),)).fetchall():
+        if staff_mail_allowed(conn, staff, now_ms):
+            queue_staff_email(conn, staff, "staff_reset",
+                              issue_account_link(conn, staff, "reset", now_ms, STAFF))
+
+
+def staff_link(conn, token, now_ms, use=False):
+    """The staff account (one that may sign in) whose password link this is; with use, its
+    every password link ends. An unknown, used or expired link is LINK_EXPIRED."""
+    row = conn.execute(
+        "SELECT t.staff_id, t.expires_at FROM staff_tokens t JOIN staff s ON s.id = t.staff_id "
+        "WHERE t.token_hash = ? AND t.purpose = 'reset' AND s.disabled = 0",
+        (hash_key(token),)).fetchone()
+    if row is None or row["expires_at"] <= iso(now_ms):
+        raise ApiError(400, LINK_EXPIRED)
+    if use:
+        end_account_links(conn, row["staff_id"], accounts=STAFF)
+    return conn.execute("SELECT * FROM staff WHERE id = ?", (row["staff_id"],)).fetchone()
+
+
+def reset_staff_password(conn, token, password, now_ms):
+    """The link's form: the password is set, every session of the account ends, its failed
+    sign-ins are forgotten, and an email says so."""
+    check_password(password)
+    staff = staff_link(conn, token, now_ms, use=True)
+    set_password(conn, STAFF, staff["id"], password)
+    clear_sign_in_failures(conn, staff["email"])
+    queue_staff_email(conn, staff, "staff_password_changed", "/reset")
+    return staff_json(staff)
+
+
+def invite_staff(conn, company_id, email, role, now_ms):
+    """A new staff account of this role, with a password nobody knows until the invited
+    person sets one through the emailed link (the reset's)."""
+    created = create_staff(conn, company_id, email, secrets.token_urlsafe(32), role)
+    staff = load_row(conn, "staff", STAFF.noun, company_id, created["id"])
+    queue_staff_email(conn, staff, "staff_invite",
+                      issue_account_link(conn, staff, "reset", now_ms, STAFF))
+    return created
 
 
 # A customer's changes end here, after the accounts: blocking one ends its sessions and
@@ -10200,7 +10293,7 @@ SECURITY_HEADERS = {
 #: Form field each field-less message of the operations belongs to (a message with
 #: {placeholders} matches whatever fills them).
 FIELD_OF_MESSAGE = {
-    EMAIL_REQUIRED: "email", INVALID_EMAIL: "email",
+    EMAIL_REQUIRED: "email", INVALID_EMAIL: "email", STAFF_EMAIL_TAKEN: "email",
     CUSTOMER_EXISTS: "email",
     CREDIT_LIMIT_MESSAGE: "creditLimit", TAX_RATE_MESSAGE: "taxRateOverride",
     INVALID_STATUS: "status", INVALID_ORDER_STATUS: "status",
@@ -10461,7 +10554,13 @@ DONE = {
     "link-sent": VERIFICATION_SENT,
     "link-not-sent": VERIFICATION_NOT_SENT,
     "role": "Saved: the staff member's role is changed; it applies at their next page.",
+    "staff-invited": "Saved: the account is made, and an email with a link to set its "
+                     "password is on its way.",
 }
+
+
+#: What the sign-in page says after a signed-out form led there (?done=KEY).
+SIGNED_OUT_DONE = {"password-set": PASSWORD_SET}
 
 
 def redirect(location, done=None):
@@ -10768,11 +10867,19 @@ class Surface:
             if path.startswith(self.prefix + "/"):
                 app.route(path, method, bind(handler, refused, right))
         app.route(self.prefix + "/style.css", "GET", self.stylesheet)
-        app.route(self.prefix + "/sign-in", "GET", lambda: self.sign_in_page())
-        app.route(self.prefix + "/sign-in", "POST", self.sign_in)
-        app.route(self.prefix + "/sign-out", "POST", self.sign_out)
-        app.route(self.prefix + "/signed-out", "GET", self.signed_out_page)
+        for method, path, callback in self.signed_out_routes():
+            app.route(self.prefix + path, method, callback)
         app.route(self.prefix, "GET", lambda: redirect(self.home))
+
+    def signed_out_routes(self):
+        """(method, path under the prefix, callback) of the pages a visitor who is not signed
+        in may open: the way in and out, and a forgotten password's."""
+        return [("GET", "/sign-in", lambda: self.sign_in_page()), ("POST", "/sign-in", self.sign_in),
+                ("POST", "/sign-out", self.sign_out), ("GET", "/signed-out", self.signed_out_page),
+                ("GET", "/reset", lambda: self.reset_page()), ("POST", "/reset", self.request_reset),
+                ("GET", "/check-email", self.check_email_page),
+                ("GET", "/reset/<token>", self.new_password_page),
+                ("POST", "/reset/<token>", self.new_password)]
 
     def now_ms(self):
         return int(self.clock() * 1000)
@@ -10825,8 +10932,8 @@ class Surface:
         found, token = self.session()
         if found is None:
             if bottle.request.method == "POST":
-                bottle.response.status = 403
-                return self.bare_page("Signed out", render(SIGNED_OUT, prefix=self.prefix))
+                return self.public_page("Signed out", render(SIGNED_OUT, prefix=self.prefix),
+                                        403)
             return redirect(self.prefix + "/sign-in")
         visit = Visit(self, found, token)
         if bottle.request.method == "POST" and not visit.csrf_matches():
@@ -10861,15 +10968,46 @@ class Surface:
         """The one company whose accounts sign in here (None: any)."""
         return None
 
-    def bare_page(self, title, body):
-        return render(BARE_LAYOUT, prefix=self.prefix, title=title, site=self.site(), notice="",
-                      body=body)
-
-    def sign_in_page(self, error="", email=""):
+    def public_page(self, title, body, status=200, notice=""):
+        """A page for a visitor who may not be signed in."""
         self.headers()
-        return self.bare_page("Sign in", render(
-            SIGN_IN_FORM, prefix=self.prefix, email=email, csrf=self.form_token(),
-            error=render(ALERT, message=error) if error else ""))
+        bottle.response.status = status
+        return render(BARE_LAYOUT, prefix=self.prefix, title=title, site=self.site(),
+                      notice=notice, body=body)
+
+    def form_page(self, title, action, fields, button, errors=None, status=200, after="",
+                  notice=""):
+        """A signed-out form: its fields as (name, label, kind, autocomplete, value), each
+        message next to its field."""
+        errors = errors or {}
+        controls = join(render(
+            SIGNED_OUT_FIELD, name=name, label=label, kind=kind, auto=auto, value=value,
+            invalid=render(FIELD_INVALID, id=name) if name in errors else "",
+            error=render(FIELD_ERROR, id=name, message=errors[name]) if name in errors else "")
+            for name, label, kind, auto, value in fields)
+        notice = render(NOTICE, message=notice) if notice else ""
+        if "form" in errors:
+            notice = render(FORM_ALERT, message=errors["form"])
+        elif errors:
+            notice = render(ERROR_SUMMARY, items=join(
+                render(ERROR_SUMMARY_ITEM, id=name, label=label, message=errors[name])
+                for name, label, *_ in fields if name in errors))
+        form = render(FORM, css="card narrow", action=action, enctype="", csrf=self.form_token(),
+                      body=join([controls, render(SUBMIT, text=button)]))
+        return self.public_page(title, join([form, after]), status, notice)
+
+    def sign_in_page(self, error="", email="", notice=""):
+        """The sign-in form; notice (or the query's ?done=, a key of SIGNED_OUT_DONE) says
+        what a signed-out form did."""
+        notice = notice or SIGNED_OUT_DONE.get(bottle.request.query.get("done"), "")
+        return self.form_page("Sign in", self.prefix + "/sign-in", (
+            ("email", "Email", "email", "username", email),
+            ("password", "Password", "password", "current-password", "")), "Sign in",
+            {"form": error} if error else None, bottle.response.status_code,
+            self.sign_in_links(), notice)
+
+    def sign_in_links(self):
+        return render(SIGN_IN_LINKS, prefix=self.prefix)
 
     def throttle_subjects(self, email):
         """The sign-in throttle's subjects of this email from this browser's address (see
@@ -10896,9 +11034,87 @@ class Surface:
         return bool(secret) and hmac.compare_digest(sent, self.form_token().encode())
 
     def refused_form(self):
-        self.headers()
-        bottle.response.status = 403
-        return self.bare_page("Refused", render(ALERT, message=CSRF_REFUSED))
+        return self.public_page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
+
+    def address_allowed(self):
+        """Registrations and reset requests of this client address within its share of the
+        per-address limit (ip_rate_limit; 0 is off)."""
+        limit = self.service.settings.ip_rate_limit
+        if limit <= 0:
+            return True
+        address = self.service.client_address(bottle.request.environ)
+        allowed, _, reset = self.service.windows.hit(
+            "signed-out " + address, max(1, limit // SIGNED_OUT_FORMS_SHARE), self.clock())
+        if not allowed:
+            bottle.response.set_header("Retry-After", str(math.ceil(reset)))
+        return allowed
+
+    def too_many(self, title):
+        return self.public_page(title, render(ALERT, message=RATE_LIMITED_PAGE), 429)
+
+    def reset_page(self, error=""):
+        return self.form_page("Set a password", self.prefix + "/reset", (
+            ("email", "Email", "email", "username", ""),), "Email me a link",
+            {"form": error} if error else None, bottle.response.status_code)
+
+    def request_reset(self):
+        if not self.form_matches():
+            return self.refused_form()
+        if not self.address_allowed():
+            return self.too_many("Set a password")
+        email = (bottle.request.forms.decode().get("email") or "").strip()
+        with self.service.db.write() as conn:
+            self.send_reset_link(conn, email, self.now_ms())
+        return redirect(self.prefix + "/check-email?sent=reset")
+
+    def check_email_page(self):
+        """Where a signed-out form that emails a link leads (?sent= names which form)."""
+        if bottle.request.query.get("sent") == "register":
+            return self.public_page("Check your email", render(
+                MAIL_SENT, what="with a link that confirms the address",
+                then=self.after_registration()))
+        return self.public_page("Check your email", render(
+            MAIL_SENT, what="with a link that sets your password", then=""))
+
+    def new_password_page(self, token, errors=None, status=200):
+        if errors is None:
+            try:
+                self.password_link(self.service.db.conn, token, self.now_ms())
+            except ApiError as error:
+                bottle.response.status = error.status
+                return self.reset_page(error.message)
+        return self.form_page("Choose a password", f"{self.prefix}/reset/{token}", (
+            ("password", f"New password (at least {PASSWORD_MIN} characters)", "password",
+             "new-password", ""),), "Set password", errors, status)
+
+    def new_password(self, token):
+        if not self.form_matches():
+            return self.refused_form()
+        password = bottle.request.forms.decode().get("password", "")
+        try:
+            with self.service.db.write() as conn:
+                self.set_password_by_link(conn, token, password, self.now_ms())
+        except ApiError as error:
+            if error.message == LINK_EXPIRED:
+                bottle.response.status = error.status
+                return self.reset_page(error.message)
+            return self.new_password_page(token, form_errors(error), error.status)
+        self.set_session_cookie("", max_age=0)
+        return redirect(self.prefix + "/sign-in?done=password-set")
+
+    # The staff's links; the storefront's are its contacts'.
+
+    def send_reset_link(self, conn, email, now_ms):
+        request_staff_password_reset(conn, email, now_ms)
+
+    def password_link(self, conn, token, now_ms):
+        return staff_link(conn, token, now_ms)
+
+    def set_password_by_link(self, conn, token, password, now_ms):
+        reset_staff_password(conn, token, password, now_ms)
+
+    def after_registration(self):
+        return ""
 
     def sign_in(self):
         if not self.form_matches():  # no other site may sign a browser in to its account
@@ -10949,8 +11165,7 @@ class Surface:
         return redirect(self.prefix + "/signed-out")
 
     def signed_out_page(self):
-        self.headers()
-        return self.bare_page("Signed out", render(SIGNED_OUT_BY_YOU, prefix=self.prefix))
+        return self.public_page("Signed out", render(SIGNED_OUT_BY_YOU, prefix=self.prefix))
 
     def stylesheet(self):
         self.headers("text/css; charset=utf-8")
@@ -12226,6 +12441,8 @@ def settings_page(visit):
                     base=settings.link_base) if settings.smtp_url else NO_MAIL_SERVER
     return visit.page("Settings", visit.form_tag("/dashboard/settings", render(
         SETTINGS_FORM, server=server, stripe=company["stripe_customer_id"] or "none",
+        time_zone=visit.select("timeZone", "Time zone (of the times pages show)", [
+            (zone, zone) for zone in sorted(time_zones())], company["time_zone"] or "UTC"),
         **settings_fields(visit, company))))
 
 
@@ -12242,7 +12459,7 @@ REPORT_CHOICES = (("", "none"), ("daily", "every day (the day before)"),
 
 
 def settings_fields(visit, company):
-    """The fields of the Settings form, by their place in SETTINGS_FORM."""
+    """The fields of the Settings form, by their place in SETTINGS_FORM (but the time zone)."""
     return dict(
         mail_name=visit.field("mailName", "Mail name (the sender's name on emails; empty: the "
                                           "company name)", company["mail_name"]),
@@ -12251,16 +12468,12 @@ def settings_fields(visit, company):
                            ", ".join(json.loads(company["staff_alerts"] or "[]"))),
         reports=visit.select("reportPeriod", "A report to the staff alert addresses",
                              REPORT_CHOICES, company["report_period"] or ""),
-        time_zone=visit.select("timeZone", "Time zone (of the times pages show)",
-                               [(zone, zone) for zone in sorted(time_zones())],
-                               company["time_zone"] or "UTC"),
         buyer_emails=buyer_email_switches(company),
         approval=visit.select("storefrontApproval", "New storefront accounts",
                               APPROVAL_CHOICES, company["storefront_approval"]),
-        tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} "
-                             "(0.0825 is 8.25%; a customer's own rate wins)",
-                             rate_field_text(company["tax_rate"]),
-                             inputmode="decimal"),
+        tax_rate=visit.field("taxRate", f"Tax rate: a fraction from 0 to {MAX_TAX_RATE} (0.0825 "
+                             "is 8.25%; a customer's own rate wins)",
+                             rate_field_text(company["tax_rate"]), inputmode="decimal"),
         terms=visit.field("paymentTerms", f"Payment terms: days from an invoice to its due "
                           f"date, 0 (due on receipt) to {MAX_PAYMENT_TERMS}; a customer's own "
                           f"terms win", company["payment_terms_days"], inputmode="numeric"))
@@ -12323,7 +12536,20 @@ def staff_page(visit):
         rows.append((member["email"], member["role"], form.form_tag(action, join([
             form.select("role", "Role", [(role, role) for role in STAFF_ROLES],
                         member["role"]), render(SUBMIT, text="Change role")]), css="inline")))
-    return visit.page("Staff", table(("Email", "Role", "Change"), rows))
+    invite = visit.form_tag("/dashboard/staff/invite", join([
+        render(HEADING, text="Invite a staff member"),
+        visit.field("email", "Email", kind="email", autocomplete="off"),
+        visit.select("role", "Role", [(role, role) for role in STAFF_ROLES], "staff"),
+        render(SUBMIT, text="Email an invitation")]), css="card")
+    return visit.page("Staff", join([table(("Email", "Role", "Change"), rows), invite]))
+
+
+@page("POST", "/dashboard/staff/invite", refused=staff_page, right="company")
+def invite_staff_action(visit):
+    with visit.write() as conn:
+        invite_staff(conn, visit.company_id, visit.form.get("email"), visit.form.get("role"),
+                     visit.surface.now_ms())
+    return redirect("/dashboard/staff", "staff-invited")
 
 
 @page("POST", "/dashboard/staff/<staff_id>", refused=staff_page, right="company")
@@ -12429,17 +12655,9 @@ class StoreSurface(Surface):
         for method, path, handler, refused, _ in PAGES:
             if path.startswith(base + "/"):
                 app.route(path, method, bind(handler, refused))
-        for method, path, callback in (
-                ("GET", "", self.front_page),
-                ("GET", "/sign-in", lambda: self.sign_in_page()),
-                ("POST", "/sign-in", self.sign_in),
-                ("POST", "/sign-out", self.sign_out),
-                ("GET", "/signed-out", self.signed_out_page),
-                ("GET", "/register", self.register_page), ("POST", "/register", self.register),
-                ("GET", "/reset", self.reset_page), ("POST", "/reset", self.request_reset),
-                ("GET", "/reset/<token>", self.new_password_page),
-                ("POST", "/reset/<token>", self.new_password),
-                ("GET", "/verify/<token>", self.verify)):
+        for method, path, callback in self.signed_out_routes() + [
+                ("GET", "", self.front_page), ("GET", "/verify/<token>", self.verify),
+                ("GET", "/register", self.register_page), ("POST", "/register", self.register)]:
             app.route(base + path, method, self.in_store(callback))
         app.route(base + "/style.css", "GET", lambda slug: self.stylesheet())
 
@@ -12475,33 +12693,8 @@ class StoreSurface(Surface):
                       header=render(STORE_BAR, store=self.site(), prefix=self.prefix),
                       notice=notice, body=body)
 
-    def form_page(self, title, action, fields, button, errors=None, status=200, after="",
-                  notice=""):
-        """A signed-out form: its fields as (name, label, kind, autocomplete, value), each
-        message next to its field."""
-        errors = errors or {}
-        controls = join(render(
-            STORE_FORM_FIELD, name=name, label=label, kind=kind, auto=auto, value=value,
-            invalid=render(FIELD_INVALID, id=name) if name in errors else "",
-            error=render(FIELD_ERROR, id=name, message=errors[name]) if name in errors else "")
-            for name, label, kind, auto, value in fields)
-        notice = render(NOTICE, message=notice) if notice else ""
-        if "form" in errors:
-            notice = render(FORM_ALERT, message=errors["form"])
-        elif errors:
-            notice = render(ERROR_SUMMARY, items=join(
-                render(ERROR_SUMMARY_ITEM, id=name, label=label, message=errors[name])
-                for name, label, *_ in fields if name in errors))
-        form = render(FORM, css="card narrow", action=action, enctype="", csrf=self.form_token(),
-                      body=join([controls, render(SUBMIT, text=button)]))
-        return self.public_page(title, join([form, after]), status, notice)
-
-    def sign_in_page(self, error="", email="", notice=""):
-        return self.form_page("Sign in", self.prefix + "/sign-in", (
-            ("email", "Email", "email", "username", email),
-            ("password", "Password", "password", "current-password", "")), "Sign in",
-            {"form": error} if error else None, bottle.response.status_code,
-            render(STORE_SIGN_IN_LINKS, prefix=self.prefix), notice)
+    def sign_in_links(self):
+        return render(STORE_SIGN_IN_LINKS, prefix=self.prefix)
 
     def front_page(self):
         """Signed out, a welcome without prices; signed in, the catalog (or, awaiting
@@ -12515,22 +12708,6 @@ class StoreSurface(Surface):
         if load_customer(visit.conn, visit.company_id, found["customer_id"])["status"] != "ACTIVE":
             return awaiting_approval(visit)
         return redirect(self.prefix + "/products")
-
-    def address_allowed(self):
-        """Registrations and reset requests of this client address within its share of the
-        per-address limit (ip_rate_limit; 0 is off)."""
-        limit = self.service.settings.ip_rate_limit
-        if limit <= 0:
-            return True
-        address = self.service.client_address(bottle.request.environ)
-        allowed, _, reset = self.service.windows.hit(
-            "store " + address, max(1, limit // STORE_FORMS_SHARE), self.clock())
-        if not allowed:
-            bottle.response.set_header("Retry-After", str(math.ceil(reset)))
-        return allowed
-
-    def too_many(self, title):
-        return self.public_page(title, render(ALERT, message=RATE_LIMITED_PAGE), 429)
 
     def register_page(self, errors=None, status=200):
         form = bottle.request.forms.decode() if errors else {}
@@ -12553,54 +12730,19 @@ class StoreSurface(Surface):
                                   form.get("name"), form.get("password", ""), self.now_ms())
         except ApiError as error:
             return self.register_page(form_errors(error), error.status)
-        return self.public_page("Check your email", render(
-            STORE_MAIL_SENT, email=form.get("email", "").strip(),
-            what="with a link that confirms the address",
-            then=STORE_APPROVAL_NEXT if self.store()["storefront_approval"] == "required"
-            else ""))
+        return redirect(self.prefix + "/check-email?sent=register")
 
-    def reset_page(self, error=""):
-        return self.form_page("Set a password", self.prefix + "/reset", (
-            ("email", "Email", "email", "username", ""),), "Email me a link",
-            {"form": error} if error else None, bottle.response.status_code)
+    def after_registration(self):
+        return STORE_APPROVAL_NEXT if self.store()["storefront_approval"] == "required" else ""
 
-    def request_reset(self):
-        if not self.form_matches():
-            return self.refused_form()
-        if not self.address_allowed():
-            return self.too_many("Set a password")
-        email = (bottle.request.forms.decode().get("email") or "").strip()
-        with self.service.db.write() as conn:
-            request_password_reset(conn, self.store()["slug"], email, self.now_ms())
-        return self.public_page("Check your email", render(
-            STORE_MAIL_SENT, email=email, what="with a link that sets your password", then=""))
+    def send_reset_link(self, conn, email, now_ms):
+        request_password_reset(conn, self.store()["slug"], email, now_ms)
 
-    def new_password_page(self, token, errors=None, status=200):
-        if errors is None:
-            try:
-                account_link(self.service.db.conn, self.store()["id"], "reset", token,
-                             self.now_ms())
-            except ApiError as error:
-                bottle.response.status = error.status
-                return self.reset_page(error.message)
-        return self.form_page("Choose a password", f"{self.prefix}/reset/{token}", (
-            ("password", f"New password (at least {PASSWORD_MIN} characters)", "password",
-             "new-password", ""),), "Set password", errors, status)
+    def password_link(self, conn, token, now_ms):
+        return account_link(conn, self.store()["id"], "reset", token, now_ms)
 
-    def new_password(self, token):
-        if not self.form_matches():
-            return self.refused_form()
-        password = bottle.request.forms.decode().get("password", "")
-        try:
-            with self.service.db.write() as conn:
-                reset_password(conn, self.store()["slug"], token, password, self.now_ms())
-        except ApiError as error:
-            if error.message == LINK_EXPIRED:
-                bottle.response.status = error.status
-                return self.reset_page(error.message)
-            return self.new_password_page(token, form_errors(error), error.status)
-        self.set_session_cookie("", max_age=0)
-        return self.sign_in_page(notice=PASSWORD_SET)
+    def set_password_by_link(self, conn, token, password, now_ms):
+        reset_password(conn, self.store()["slug"], token, password, now_ms)
 
     def verify(self, token):
         try:
@@ -13234,11 +13376,10 @@ def request_facts(visit, request, quote):
     elif request["reason"]:
         decision = render(DECISION, term="Reason declined", value=request["reason"])
     blocked = " (blocked)" if asker["status"] == "BLOCKED" else ""
-    return render(REQUEST_FACTS, status=status_tag(request["status"]),
-                  asked=render("{at} by {email}{blocked}", at=visit.when(request["created_at"]),
-                               email=asker["email"], blocked=blocked),
-                  total=cents_text(request["total_cents"]), po=request["po_number"] or "none",
-                  notes=request["notes"] or "none",
+    return render(REQUEST_FACTS, status=status_tag(request["status"]), asked=render(
+        "{at} by {email}{blocked}", at=visit.when(request["created_at"]), email=asker["email"],
+        blocked=blocked), total=cents_text(request["total_cents"]),
+                  po=request["po_number"] or "none", notes=request["notes"] or "none",
                   ship_to=address_lines(json.loads(request["shipping_address"])),
                   decision=decision, lines=lines_table(
                       [(name, quantity, cents_text(unit), cents_text(line))
@@ -14475,6 +14616,15 @@ def read_password(stream):
                 help="what the account may do on the dashboard (default: owner)"))
 def cmd_staff_create(conn, args):
     return create_staff(conn, args.company, args.email, read_password(sys.stdin), args.role)
+
+
+@command("staff-invite", "create a dashboard staff account and email it a link to set its "
+                         "password (it works for an hour)",
+         option("--company", required=True, help="company ID"), option("--email", required=True),
+         option("--role", choices=STAFF_ROLES, default="staff",
+                help="what the account may do on the dashboard (default: staff)"))
+def cmd_staff_invite(conn, args):
+    return invite_staff(conn, args.company, args.email, args.role, int(time.time() * 1000))
 
 
 @command("staff-update", "change a staff account's role (a company keeps an owner)",

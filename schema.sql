@@ -623,13 +623,24 @@ CREATE TABLE IF NOT EXISTS contact_tokens (
 );
 CREATE INDEX IF NOT EXISTS contact_tokens_of_contact ON contact_tokens (contact_id, created_at);
 
+-- The tokens of emailed dashboard links (set a password: a reset, an invitation), as
+-- contact_tokens for staff.
+CREATE TABLE IF NOT EXISTS staff_tokens (
+    token_hash   TEXT PRIMARY KEY,
+    staff_id     TEXT NOT NULL REFERENCES staff(id) ON DELETE CASCADE,
+    purpose      TEXT NOT NULL CHECK (purpose IN ('reset')),
+    created_at   TEXT NOT NULL,
+    expires_at   TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS staff_tokens_of_staff ON staff_tokens (staff_id, created_at);
+
 -- Failed sign-ins (dashboard and storefronts) and wrong current passwords, per email (within
 -- a store for its buyers) and per client address ("email:..." / "address:...").
 -- Registration and password-reset requests of the last hour, known address or not: each
 -- request commits one, so that its answer takes the same time either way.
 CREATE TABLE IF NOT EXISTS account_requests (
     id          TEXT PRIMARY KEY,
-    company_id  TEXT NOT NULL REFERENCES companies(id),
+    company_id  TEXT REFERENCES companies(id), -- null: a staff reset (the dashboard's, any company)
     email_key   TEXT NOT NULL,
     created_at  TEXT NOT NULL
 );

@@ -3003,11 +3003,17 @@ def store_visitor(app, **environ):
 
 
 def store_register(app, tenant, email, name="Corner Cafe", password=BUYER_PASSWORD,
-                   status=200, **environ):
+                   status=303, **environ):
+    """The answer to the registration form (the page a registration leads to, once sent)."""
     page = store_visitor(app, **environ).get(store_of(tenant) + "/register")
     form = main_form(page)
     form["email"], form["name"], form["password"] = email, name, password
-    return form.submit(status=status)
+    return followed(form.submit(status=status))
+
+
+def followed(response):
+    """A form's answer: the page its redirect leads to, or the page itself."""
+    return response.follow() if response.status_int == 303 else response
 
 
 def store_sign_in(app, tenant, email, password=BUYER_PASSWORD, status=303, **environ):
@@ -3056,16 +3062,16 @@ def watch_customers(api, tenant):
     subscribe(api, tenant, "http://127.0.0.1:9/hook", ["customer.created", "customer.updated"])
 
 
-def request_reset(app, tenant, email, status=200, **environ):
+def request_reset(app, tenant, email, status=303, **environ):
     page = store_visitor(app, **environ).get(store_of(tenant) + "/reset")
     main_form(page)["email"] = email
-    return main_form(page).submit(status=status)
+    return followed(main_form(page).submit(status=status))
 
 
-def set_password_through(app, path, password, status=200):
+def set_password_through(app, path, password, status=303):
     page = store_visitor(app).get(path, status=200)
     main_form(page)["password"] = password
-    return main_form(page).submit(status=status)
+    return followed(main_form(page).submit(status=status))
 
 
 def emailed_link(mail, count, address, base):
@@ -3204,7 +3210,8 @@ STAFF_FORM_RIGHTS = {
     "/dashboard/keys/<key_id>/revoke": "company", "/dashboard/spreadsheets/import": "work",
     "/dashboard/spreadsheets/import/apply": "work",
     "/dashboard/emails/<email_id>/send-again": "work", "/dashboard/settings": "company",
-    "/dashboard/settings/carriers": "company", "/dashboard/staff/<staff_id>": "company"}
+    "/dashboard/settings/carriers": "company", "/dashboard/staff/invite": "company",
+    "/dashboard/staff/<staff_id>": "company"}
 
 
 def staff_of_each_role(app, tenant):
@@ -4669,7 +4676,7 @@ def test_stylesheet_is_served_by_the_module_without_external_assets(api):
 def test_every_template_renders_and_declares_its_placeholders():
     templates = {name: value for name, value in vars(ordering).items()
                  if isinstance(value, ordering.Template)}
-    assert {"LAYOUT", "BARE_LAYOUT", "HEADER", "SIGN_IN_FORM", "SIGNED_OUT", "ORDER_FACTS",
+    assert {"LAYOUT", "BARE_LAYOUT", "HEADER", "SIGNED_OUT_FIELD", "SIGNED_OUT", "ORDER_FACTS",
             "WEBHOOK_CARD"} <= set(templates)
     for name, template in templates.items():
         page = ordering.render(template, **{field: f"<{field}>" for field in template.names})
@@ -9856,11 +9863,11 @@ def test_strangers_keep_a_buyer_out_a_minute_at_most_and_a_reset_ends_even_that(
     page = store_visitor(app).get(store_of(tenant) + "/reset")
     form = main_form(page)
     form["email"] = "owner@cafe.example"
-    form.submit(status=200)
+    form.submit(status=303)
     page = store_visitor(app).get(emailed_path(app, "account_reset"))
     form = main_form(page)
     form["password"] = "a brand new password"
-    form.submit(status=200)
+    form.submit(status=303)
     store_sign_in(app, tenant, "owner@cafe.example", password="a brand new password",
                   status=303, REMOTE_ADDR="198.51.100.4")
 
@@ -9960,7 +9967,7 @@ def test_reset_answers_the_same_for_a_known_and_an_unknown_address(app, tenant):
     for email in ("known@cafe.example", "fresh@cafe.example"):
         page = store_visitor(app).get(store_of(tenant) + "/reset")
         main_form(page)["email"] = email
-        answers.append(main_form(page).submit(status=200))
+        answers.append(main_form(page).submit(status=303))
     assert answers[0].body.replace(b"known@", b"fresh@") == answers[1].body
     assert answers[0].headers == answers[1].headers
     assert [(kind, address) for kind, address, _ in account_emails(app)] == [
@@ -10044,7 +10051,7 @@ def test_reset_mail_is_throttled_per_address_of_email(app, tenant):
 
 
 def test_registrations_and_reset_requests_are_throttled_per_client_address(database):
-    app = build_app(database, ip_rate_limit=ordering.STORE_FORMS_SHARE * 2)
+    app = build_app(database, ip_rate_limit=ordering.SIGNED_OUT_FORMS_SHARE * 2)
     try:
         tenant = Tenant(app, "Acme Wholesale")
         environ = {"REMOTE_ADDR": "192.0.2.7"}
@@ -10243,11 +10250,96 @@ def test_a_reset_request_commits_the_same_write_for_a_known_and_an_unknown_addre
         page = store_visitor(app).get(store_of(tenant) + "/reset")
         form = main_form(page)
         form["email"] = address
-        answer = form.submit(status=200)
+        answer = form.submit(status=303)
         changes.append((db.conn.execute("SELECT COUNT(*) FROM account_requests").fetchone()[0]
                         - before, without_secrets(answer).replace(address, "ADDRESS")))
     assert changes[0] == changes[1] and changes[0][0] == 1
     assert [row[:2] for row in account_emails(app)] == [("account_reset", "known@cafe.example")]
+
+
+def test_staff_reset_a_forgotten_password_by_email_with_one_link_per_company(
+        app, tenant, other, browser):
+    now = [1_800_000_000.0]
+    app.dashboard.clock = lambda: now[0]
+    make_staff(other, "Staff@Acme.example", "the other company's password")
+    gone = make_staff(other, "gone@acme.example")
+    with tenant.db.write() as conn:
+        ordering.disable_staff(conn, other.id, gone["id"])
+    visitor = webtest.TestApp(app)
+    sign_in = visitor.get("/dashboard/sign-in")
+    assert sign_in.html.find("a", string="Forgot your password?")["href"] == "/dashboard/reset"
+    requests = []
+    for email in ("staff@ACME.example", "nobody@acme.example", "gone@acme.example"):
+        before = app.service.db.conn.execute("SELECT COUNT(*) FROM account_requests").fetchone()
+        form = main_form(visitor.get("/dashboard/reset"))
+        form["email"] = email
+        answer = form.submit(status=303)
+        requests.append((answer.location, app.service.db.conn.execute(
+            "SELECT COUNT(*) FROM account_requests").fetchone()[0] - before[0]))
+    assert requests == [("/dashboard/check-email?sent=reset", 1)] * 3
+    assert html_text(ordering.render(ordering.MAIL_SENT, what="with a link that sets your "
+                                     "password", then="")) in visitor.get(requests[0][0]).text
+    sent = account_emails(app, "staff_reset")
+    assert [(address, data["company"]) for _, address, data in sent] == [
+        ("staff@acme.example", "Acme Wholesale"), ("Staff@Acme.example", "Other Company")]
+    path = sent[0][2]["path"]
+    page = visitor.get(path)
+    main_form(page)["password"] = "x" * 11
+    refused = main_form(page).submit(status=400)
+    assert field_error(refused, "password") == \
+        f"must be at least {ordering.PASSWORD_MIN} characters"
+    form = main_form(refused)
+    form["password"] = "a brand new staff password"
+    done = form.submit(status=303)
+    assert done.location == "/dashboard/sign-in?done=password-set"
+    assert notice_of(done.follow()) == ordering.PASSWORD_SET
+    assert browser.get("/dashboard/orders", status=303).location.endswith("/sign-in")
+    signed_in(app, password="a brand new staff password")
+    assert ordering.find_account(app.service.db.conn, ordering.STAFF, "staff@acme.example",
+                                 "the other company's password")["company_id"] == other.id
+    assert [address for _, address, _ in account_emails(app, "staff_password_changed")] == [
+        "staff@acme.example"]
+    again = visitor.get(path, status=400)
+    assert alert_of(again) == ordering.LINK_EXPIRED
+    other_link = sent[1][2]["path"]
+    now[0] += ordering.ACCOUNT_LINK_SECONDS
+    assert alert_of(visitor.get(other_link, status=400)) == ordering.LINK_EXPIRED
+    for path in ("/dashboard/reset", other_link):  # no other site sends these in its name
+        visitor.post(path, {"email": "staff@acme.example", "password": "forged password",
+                            "csrf": "0" * 64}, status=403)
+
+
+def test_an_owner_invites_staff_who_set_a_password_from_the_email_and_work_in_their_role(
+        app, tenant, browser):
+    form = form_to(browser.get("/dashboard/staff"), "/staff/invite")
+    form["email"], form["role"] = "new@acme.example", "read-only"
+    page = form.submit(status=303).follow()
+    assert notice_of(page) == ordering.DONE["staff-invited"]
+    assert ["new@acme.example", "read-only"] in [row[:2] for row in table_rows(page)]
+    form = form_to(page, "/staff/invite")
+    form["email"] = "NEW@acme.example"
+    refused = form.submit(status=409)
+    assert field_error(refused, "email") == ordering.STAFF_EMAIL_TAKEN
+    [(_, address, data)] = account_emails(app, "staff_invite")
+    assert (address, data["company"]) == ("new@acme.example", "Acme Wholesale")
+    set_password = webtest.TestApp(app).get(data["path"])
+    main_form(set_password)["password"] = "the new member's password"
+    main_form(set_password).submit(status=303)
+    newcomer = signed_in(app, "new@acme.example", "the new member's password")
+    staff_page = newcomer.get("/dashboard/staff")
+    assert not [f for f in staff_page.forms.values() if "/staff/" in f.action]
+
+
+def test_staff_invite_makes_the_account_and_emails_its_link(db_path):
+    company = cli_json(db_path, "company-create", "--name", "Cli Foods")
+    invited = cli_json(db_path, "staff-invite", "--company", company["id"], "--email",
+                       "packer@cli.example")
+    assert invited == {"id": invited["id"], "email": "packer@cli.example",
+                       "companyId": company["id"], "role": "staff"}
+    rows = sqlite3.connect(db_path).execute("SELECT kind, to_address FROM emails").fetchall()
+    assert rows == [("staff_invite", "packer@cli.example")]
+    cli_refuses(db_path, "staff-invite", "--company", company["id"], "--email",
+                "Packer@cli.example", message=ordering.STAFF_EMAIL_TAKEN)
 
 
 # 10.6 Contacts -------------------------------------------------------------------------------
@@ -14177,7 +14269,7 @@ def test_forms_within_the_limits_are_read_as_before(app, tenant):
     page = store_visitor(app).get(store_of(tenant) + "/register")
     form = main_form(page)
     form["email"], form["name"], form["password"] = "new@cafe.example", "Cafe", BUYER_PASSWORD
-    assert "Check your email" in form.submit(status=200).text
+    assert "Check your email" in form.submit(status=303).follow().text
     refused = store_visitor(app).post(store_of(tenant) + "/register",
                                       "&".join(f"f{n}=1" for n in range(1001)), status=413)
     assert refused.text == ordering.FORM_TOO_LARGE
@@ -14526,7 +14618,7 @@ def test_the_customer_page_sets_payment_terms_and_links_its_statement(app, tenan
                                  "85.00"], ["", "", "Balance", "", "85.00"]]
     form = form_to(page, f"/customers/{customer['id']}/statement")
     form["since"] = "2026-11-02"
-    assert table_rows(form.submit()) == [["2026-11-02", "", "Opening balance", "", "85.00"],
+    assert table_rows(form.submit()) == [["2 Nov 2026", "", "Opening balance", "", "85.00"],
                                          ["", "", "Balance", "", "85.00"]]
     assert table_rows(page.click("The whole history")) == table_rows(page)[1:]
     form["since"] = "someday"
@@ -14696,7 +14788,7 @@ def test_billing_page_lists_the_companys_paid_invoices_newest_first(app, tenant,
         [evil, "1 Mar 2026 to 1 Apr 2026", "12.345 KWD", rows[0][3], "View invoice"],
         ["ACME-0001", "1 Feb 2026 to 1 Mar 2026", "1,200 JPY", rows[1][3], "View invoice"],
         ["ACME-0000", "1 Jan 2026 to 1 Feb 2026", "49.00 USD", rows[2][3], "View invoice"]]
-    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", row[3]) for row in rows)
+    assert all(re.fullmatch(r"\d{1,2} \w{3} \d{4}, \d\d:\d\d UTC", row[3]) for row in rows)
     assert [a["href"] for a in page.html.find("tbody").find_all("a")] == [
         f"https://invoice.stripe.com/i/in_{n}?a=1&b=2" for n in (2, 1, 0)]
     assert evil not in page.text and "OTHER-1" not in page.text
@@ -14853,7 +14945,7 @@ def test_a_browser_holding_its_form_cookie_still_needs_the_forms_token(app, tena
             assert ordering.CSRF_REFUSED in refused.text
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 1
     assert account_emails(app) == []
-    browser.post(store_of(tenant) + "/register", dict(forged, csrf=csrf_of(page)), status=200)
+    browser.post(store_of(tenant) + "/register", dict(forged, csrf=csrf_of(page)), status=303)
     assert app.service.db.conn.execute("SELECT COUNT(*) FROM customers").fetchone()[0] == 2
 
 
@@ -15181,7 +15273,7 @@ def test_a_buyer_sees_and_prints_its_own_invoices_and_its_statement_and_no_one_e
                                 [ordering.day_text(invoice["issued_at"]), "Invoice", "INV-000001", "91.80",
                                  "91.80"], ["", "", "Balance", "", "91.80"]]
     later = buyer.get(f"{store_of(tenant)}/statement?since=2999-01-01")
-    assert table_rows(later)[0] == ["2999-01-01", "", "Opening balance", "", "91.80"]
+    assert table_rows(later)[0] == ["1 Jan 2999", "", "Opening balance", "", "91.80"]
     # the invoices listed: the period's and any still open
     assert [row.find("td").get_text() for row in later.html.find_all("tbody")[1].find_all(
         "tr")] == ["INV-000001"]
@@ -15701,7 +15793,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 44
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 45
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
