@@ -116,6 +116,7 @@ import ssl
 import string
 import struct
 import sys
+import textwrap
 import threading
 import time
 import unicodedata
@@ -716,8 +717,11 @@ MIGRATIONS = {
          add_column("staff", "role TEXT NOT NULL DEFAULT 'owner' CHECK "
                              "(role IN ('owner', 'staff', 'read-only'))")),
     # The company's time zone, in which its pages show times. Staff reset their passwords
-    # by email (staff_tokens is new), and their requests are kept with no company.
-    13: (add_column("companies", "time_zone TEXT"), rebuild_table("account_requests")),
+    # by email (staff_tokens is new), and their requests are kept with no company. Two-step
+    # sign-in: a staff account's key, and whether a company's owners must use one.
+    13: (add_column("companies", "time_zone TEXT"), rebuild_table("account_requests"),
+         add_column("companies", "two_step TEXT"), add_column("staff", "totp_secret TEXT"),
+         add_column("staff", "totp_pending TEXT"), add_column("staff", "totp_step INTEGER")),
 }
 
 
@@ -1863,6 +1867,42 @@ def password_matches(password, stored):
     return hmac.compare_digest(candidate.hex(), digest)
 
 
+#: Time-based one-time passwords (RFC 6238, as authenticator apps make them): HMAC-SHA1 of
+#: the 30-second step since the epoch, 6 digits.
+TOTP_PERIOD, TOTP_DIGITS = 30, 6
+
+
+def new_totp_secret():
+    """A new shared key: 160 random bits, in base32 as authenticator apps take it."""
+    return base64.b32encode(secrets.token_bytes(20)).decode("ascii")
+
+
+def totp_code(secret, step):
+    """The code of a key (base32) for one time step."""
+    digest = hmac.new(base64.b32decode(secret), struct.pack(">Q", step), hashlib.sha1).digest()
+    offset = digest[-1] & 0x0F
+    number = struct.unpack(">I", digest[offset:offset + 4])[0] & 0x7FFFFFFF
+    return str(number % 10 ** TOTP_DIGITS).zfill(TOTP_DIGITS)
+
+
+def totp_step(secret, code, now_ms, after=-1):
+    """The time step whose code this is (the current one, or one either side of it, for a
+    clock a little off), if that step is later than after (a code works once); else None."""
+    code = re.sub(r"\s", "", code or "")
+    now_step = now_ms // 1000 // TOTP_PERIOD
+    for step in (now_step - 1, now_step, now_step + 1):
+        if step > after and hmac.compare_digest(totp_code(secret, step), code):
+            return step
+    return None
+
+
+def totp_uri(staff, issuer):
+    """The key as the otpauth:// link authenticator apps take (label: issuer and email)."""
+    label = urllib.parse.quote(f"{issuer}:{staff['email']}")
+    return (f"otpauth://totp/{label}?secret={staff['totp_pending']}&issuer="
+            f"{urllib.parse.quote(issuer)}&digits={TOTP_DIGITS}&period={TOTP_PERIOD}")
+
+
 @functools.lru_cache(maxsize=1)
 def _stand_in_hash():
     """Checked against when no account has the email, or its account no hash of this scheme,
@@ -2067,7 +2107,8 @@ BARE_LAYOUT = Template("prefix title site notice body", _PAGE.replace("<header>{
 
 HEADER = Template("company links prefix csrf email", """\
 <nav aria-label="Sections"><strong class="brand">{company}</strong><ul>{links}</ul></nav>
-<form class="account" method="post" action="{prefix}/sign-out">{csrf}<span>{email}</span>
+<form class="account" method="post" action="{prefix}/sign-out">{csrf}\
+<a href="{prefix}/account" title="Your account">{email}</a>
 <button type="submit">Sign out</button></form>""")
 
 #: A field of a form for a visitor who is not signed in (sign in, register, reset).
@@ -2226,7 +2267,9 @@ nav { display: flex; flex-wrap: wrap; align-items: center; gap: 8px; }
 nav ul { display: flex; flex-wrap: wrap; gap: 4px; margin: 0; padding: 0; list-style: none; }
 .brand { margin-right: 8px; }
 .account { display: flex; align-items: center; gap: 8px; margin: 0; }
-.account span { color: #c9d1dc; font-size: 13px; }
+.account a { color: #c9d1dc; font-size: 13px; }
+code.key { overflow-wrap: anywhere; }
+.codes { columns: 2; }
 .account button { margin-top: 0; }
 main { max-width: 1180px; margin: 0 auto; padding: 16px; }
 h1 { font-size: 22px; margin: 8px 0 16px; overflow-wrap: anywhere; }
@@ -2705,9 +2748,9 @@ EMAIL_FACTS = Template("to subject state written next why again", """\
 <dt>Next attempt</dt><dd>{next}</dd><dt>Last reply</dt><dd><code>{why}</code></dd>\
 </dl>{again}</div>""")
 SETTINGS_FORM = Template(
-    "time_zone server mail_name reply_to alerts reports buyer_emails approval tax_rate terms "
-    "stripe", """\
-<h2>Company</h2>{time_zone}\
+    "time_zone two_step server mail_name reply_to alerts reports buyer_emails approval tax_rate "
+    "terms stripe", """\
+<h2>Company</h2>{time_zone}{two_step}\
 <h2>Email</h2><p class="muted">{server}</p>{mail_name}{reply_to}{alerts}{reports}{buyer_emails}\
 <h2>Storefront</h2>{approval}<h2>Tax and invoices</h2>{tax_rate}{terms}\
 <h2>Carriers</h2><p><a href="/dashboard/settings/carriers">Carriers' names and tracking links\
@@ -2724,6 +2767,25 @@ follow its tracking link, where {{number}} stands for the tracking number (as in
 https://tracking.example/track?n={{number}}). For another carrier, staff give the link as they \
 ship.</p>{carriers}<div><button type="submit">Save</button></div>""")
 CARRIER_FIELDS = Template("code fields", "<fieldset><legend>{code}</legend>{fields}</fieldset>")
+
+#: The dashboard's account page: who is signed in, and two-step sign-in in each of its states.
+STAFF_ACCOUNT = Template("email role company", """\
+<div class="card"><p>Signed in as <strong>{email}</strong>, {role} of {company}.</p></div>\
+<h2>Two-step sign-in</h2>""")
+TWO_STEP_OFF = Template("start", """\
+<p>Off: you sign in with your password alone. With it on, a sign-in also asks for the code an \
+authenticator app on your phone shows (any app of time-based codes, RFC 6238).</p>{start}""")
+TWO_STEP_SETUP = Template("key uri form", """\
+<div class="card"><p>Add this key to your authenticator app (as a time-based key, typed in or \
+pasted):</p><p><code class="key">{key}</code></p><p class="muted">Or, where the app takes a \
+link: <code class="key">{uri}</code></p>{form}</div>""")
+TWO_STEP_ON = Template("left renew off", """\
+<p>On: a sign-in asks for your app's code. Recovery codes left: {left}.</p>{renew}{off}""")
+RECOVERY_CODES_SHOWN = Template("codes", """\
+<div class="notice" role="status"><p>Two-step sign-in is on. These recovery codes sign you in \
+once each if your phone is lost; keep them somewhere safe: this page shows them once.</p>\
+<ul class="codes">{codes}</ul></div>""")
+LIST_ITEM = Template("text", "<li><code>{text}</code></li>")
 
 
 # 4.4 Storefront pages ------------------------------------------------------------------------
@@ -3203,9 +3265,9 @@ CONTACT_ROLE_MESSAGE = f"Role must be one of {', '.join(CONTACT_ROLES)}."
 #: role without it. work: the daily work; money: refunds, invoices, payments, credit;
 #: company: settings, API keys, webhooks and staff.
 STAFF_ROLES = ("owner", "staff", "read-only")
-STAFF_RIGHTS = {"owner": frozenset({"work", "money", "company"}),
-                "staff": frozenset({"work"}),
-                "read-only": frozenset()}
+STAFF_RIGHTS = {"owner": frozenset({"own", "work", "money", "company"}),
+                "staff": frozenset({"own", "work"}),
+                "read-only": frozenset({"own"})}
 STAFF_ROLE_MESSAGE = f"Role must be one of {', '.join(STAFF_ROLES)}."
 STAFF_ROLE_REFUSED = ("Your role does not allow this: an owner of the company can do it, or "
                       "change your role on the Staff page.")
@@ -3239,6 +3301,7 @@ QUANTITY_FITTED = "{name} is sold {rule}: your cart holds {quantity}."
 #: process that starts after downtime catches up at most, and what the commands say.
 REPORT_PERIODS = ("daily", "weekly")
 REPORT_PERIOD_MESSAGE = "Report period must be daily, weekly or off."
+TWO_STEP_MESSAGE = "Two-step sign-in must be owners or off."
 TIME_ZONE_MESSAGE = "Time zone must be a name from the time zone database, such as Europe/Paris."
 REPORT_CATCH_UP = 7
 REPORT_SENT = "The {period} report of the period from {start} was sent already."
@@ -3533,7 +3596,8 @@ COMPANY_FIELDS = (
     ("storefrontApproval", "storefront_approval", "value"), ("taxRate", "tax_rate", "value"),
     ("paymentTermsDays", "payment_terms_days", "value"),
     ("buyerEmailsOff", "buyer_emails_off", "list"), ("reportPeriod", "report_period", "value"),
-    ("timeZone", "time_zone", "value"), ("createdAt", "created_at", "value"))
+    ("timeZone", "time_zone", "value"), ("twoStep", "two_step", "value"),
+    ("createdAt", "created_at", "value"))
 #: A new company as create_company answers (it has no settings yet).
 NEW_COMPANY_FIELDS = COMPANY_FIELDS[:3]
 #: A new API key as create_api_key answers: the key itself, which only its creation has (the
@@ -3931,6 +3995,14 @@ def _time_zone(value):
     return None if value == "UTC" else value
 
 
+def _two_step(value):
+    if value in (None, "", "off"):
+        return None
+    if value != "owners":
+        raise ApiError(400, TWO_STEP_MESSAGE)
+    return value
+
+
 def _report_period(value):
     if value in (None, "", "off"):
         return None
@@ -3945,7 +4017,8 @@ COMPANY_SETTINGS = {"stripe_customer_id": _stripe_customer, "mail_name": _mail_n
                     "reply_to": _reply_to, "staff_alerts": _staff_alerts,
                     "storefront_approval": _storefront_approval, "tax_rate": _tax_rate,
                     "payment_terms_days": payment_terms, "buyer_emails_off": _buyer_emails_off,
-                    "report_period": _report_period, "time_zone": _time_zone}
+                    "report_period": _report_period, "time_zone": _time_zone,
+                    "two_step": _two_step}
 
 
 def update_company(conn, company_id, changes):
@@ -6195,6 +6268,15 @@ SIGN_IN_ACCOUNT_MAX_WAIT = 60
 MAX_SESSIONS = 10
 SIGN_IN_REFUSED = "Wrong email or password."
 STAFF_EMAIL_TAKEN = "A staff account with this email already exists in the company."
+#: Two-step sign-in: recovery codes a set-up gives, and how long a sign-in waits for its code.
+RECOVERY_CODES = 10
+SIGN_IN_STEP_SECONDS = 5 * 60
+SIGN_IN_CODE_REFUSED = "Wrong code. Enter the code your app shows now, or a recovery code."
+SIGN_IN_STEP_EXPIRED = "The sign-in waited too long for its code: sign in again."
+TOTP_CODE_WRONG = "is not the code your app shows now"
+TWO_STEP_NOT_STARTED = "Set-up has not begun: start it again."
+TWO_STEP_KEPT = ("The company requires two-step sign-in of its owners: an owner keeps it on "
+                 "(another owner may change the setting).")
 SIGN_IN_THROTTLED = "Too many failed sign-ins. Try again in {seconds} seconds."
 
 
@@ -6222,9 +6304,11 @@ class Accounts:
         return self.enabled.format(a=alias and alias + ".")
 
 
-#: A session tells the account's role, read afresh at every request.
+#: A session tells the account's role and whether it signs in with a code (and whether its
+#: company requires that of owners), read afresh at every request.
 STAFF = Accounts("Staff account", "staff", "staff_sessions", "staff_id", "{a}disabled = 0",
-                 "staff", "staff_tokens", "a.role, ")
+                 "staff", "staff_tokens",
+                 "a.role, a.totp_secret IS NOT NULL AS two_step_on, c.two_step, ")
 #: The people of a storefront's customers: neither the contact nor its customer blocked (one
 #: whose customer awaits approval may sign in, and sees that it does). A session tells the
 #: contact's customer and role, read afresh at every request.
@@ -6295,6 +6379,102 @@ def disable_staff(conn, company_id, staff_id):
     conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,))
     end_sessions(conn, STAFF, staff_id)
     return {"id": staff_id, "disabled": True}
+
+
+# Two-step sign-in (staff): a key set up from the dashboard's account page, confirmed by a
+# code from it, with recovery codes for a lost phone; a sign-in whose password was right waits
+# for a code in a sign-in step (a cookie of its own, minutes long) before it is a session.
+
+def start_two_step(conn, company_id, staff_id):
+    """A new key for the account to set up (its current one, if any, works until then)."""
+    load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    secret = new_totp_secret()
+    conn.execute("UPDATE staff SET totp_pending = ? WHERE id = ?", (secret, staff_id))
+    return secret
+
+
+def confirm_two_step(conn, company_id, staff_id, code, now_ms):
+    """The key being set up is the account's, once a code from it is right; returns the new
+    recovery codes (shown once: only their hashes are kept)."""
+    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    if staff["totp_pending"] is None:
+        raise ApiError(409, TWO_STEP_NOT_STARTED)
+    step = totp_step(staff["totp_pending"], code, now_ms)
+    if step is None:
+        raise invalid("code", TOTP_CODE_WRONG)
+    conn.execute("UPDATE staff SET totp_secret = totp_pending, totp_pending = NULL, "
+                 "totp_step = ? WHERE id = ?", (step, staff_id))
+    codes = ["-".join(secrets.token_hex(5)[i:i + 5] for i in (0, 5))
+             for _ in range(RECOVERY_CODES)]
+    conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ?", (staff_id,))
+    conn.executemany("INSERT INTO staff_recovery_codes (staff_id, code_hash) VALUES (?, ?)",
+                     [(staff_id, hash_key(code.replace("-", ""))) for code in codes])
+    return codes
+
+
+def end_two_step(conn, company_id, staff_id, password):
+    """Password only again, proven by the password; an owner keeps it while the company
+    requires it."""
+    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    if not password_matches(password or "", staff["password_hash"]):
+        raise invalid("password", CURRENT_PASSWORD_WRONG)
+    if staff["role"] == "owner" and load_company(conn, company_id)["two_step"] == "owners":
+        raise ApiError(409, TWO_STEP_KEPT)
+    conn.execute("UPDATE staff SET totp_secret = NULL, totp_pending = NULL, totp_step = NULL "
+                 "WHERE id = ?", (staff_id,))
+    conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ?", (staff_id,))
+
+
+def recovery_codes_left(conn, staff_id):
+    return conn.execute("SELECT COUNT(*) FROM staff_recovery_codes WHERE staff_id = ?",
+                        (staff_id,)).fetchone()[0]
+
+
+def open_sign_in_step(conn, staff, now_ms):
+    """A sign-in that waits for its code: returns its cookie's value (kept only hashed)."""
+    token = secrets.token_urlsafe(32)
+    conn.execute("DELETE FROM staff_sign_in_steps WHERE expires_at < ?", (iso(now_ms),))
+    conn.execute("INSERT INTO staff_sign_in_steps (token_hash, staff_id, expires_at) "
+                 "VALUES (?, ?, ?)", (hash_key(token), staff["id"],
+                                      iso(now_ms + SIGN_IN_STEP_SECONDS * 1000)))
+    return token
+
+
+def sign_in_step(conn, token, now_ms):
+    """The account (one that may sign in, with its key) whose sign-in waits on this cookie's
+    value; None once it is over or unknown."""
+    return conn.execute(
+        "SELECT a.* FROM staff_sign_in_steps s JOIN staff a ON a.id = s.staff_id WHERE "
+        "s.token_hash = ? AND s.expires_at > ? AND a.disabled = 0 AND a.totp_secret IS NOT "
+        "NULL", (hash_key(token or ""), iso(now_ms))).fetchone()
+
+
+def begin_sign_in(conn, accounts, account, subjects, now_ms, idle_seconds, second_step):
+    """A sign-in whose password was checked: for no account, a failure counted (None); with
+    second_step, a sign-in step that waits for a code; else a session. Returns the cookie's
+    value."""
+    if account is None:
+        record_sign_in_failure(conn, subjects, now_ms)
+        return None
+    if second_step:
+        return open_sign_in_step(conn, account, now_ms)
+    return start_session(conn, accounts, account, subjects, now_ms, idle_seconds)
+
+
+def finish_sign_in(conn, staff, token, code, subjects, now_ms, idle_seconds):
+    """The sign-in step of this cookie's value, ended by a code: the account's current TOTP
+    code (not used before) or one of its recovery codes, which it uses up. Returns the new
+    session's cookie value; None, after counting a failed sign-in, for a wrong code."""
+    step = totp_step(staff["totp_secret"], code, now_ms, staff["totp_step"] or -1)
+    if step is not None:
+        conn.execute("UPDATE staff SET totp_step = ? WHERE id = ?", (step, staff["id"]))
+    elif not conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ? AND "
+                          "code_hash = ?", (staff["id"], hash_key(
+                              re.sub(r"[\s-]", "", code or "").lower()))).rowcount:
+        record_sign_in_failure(conn, subjects, now_ms)
+        return None
+    conn.execute("DELETE FROM staff_sign_in_steps WHERE token_hash = ?", (hash_key(token),))
+    return start_session(conn, STAFF, staff, subjects, now_ms, idle_seconds)
 
 
 def sign_in_subjects(email, address, scope=""):
@@ -6400,6 +6580,10 @@ def end_sessions(conn, accounts, account_id):
     """Every session of an account ends at once."""
     conn.execute(f"DELETE FROM {accounts.sessions} WHERE {accounts.account_column} = ?",
                  (account_id,))
+
+
+def load_staff(conn, company_id, staff_id):
+    return load_row(conn, "staff", STAFF.noun, company_id, staff_id)
 
 
 def staff_account(conn, company_id, email):
@@ -10308,6 +10492,7 @@ FIELD_OF_MESSAGE = {
     MAIL_NAME_MESSAGE: "mailName", REPLY_TO_MESSAGE: "replyTo",
     STAFF_ALERTS_MESSAGE: "staffAlerts", STOREFRONT_APPROVAL_MESSAGE: "storefrontApproval",
     COMPANY_TAX_RATE_MESSAGE: "taxRate", TIME_ZONE_MESSAGE: "timeZone",
+    TWO_STEP_MESSAGE: "twoStep",
     APPROVAL_LIMIT_MESSAGE: "approvalLimit", CONTACT_ROLE_MESSAGE: "role",
     CONTACT_STATUS_MESSAGE: "status",
 }
@@ -10554,6 +10739,9 @@ DONE = {
     "link-sent": VERIFICATION_SENT,
     "link-not-sent": VERIFICATION_NOT_SENT,
     "role": "Saved: the staff member's role is changed; it applies at their next page.",
+    "two-step-required": "The company requires two-step sign-in of its owners: set it up "
+                         "below to open the other pages.",
+    "two-step-off": "Saved: two-step sign-in is off; you sign in with your password alone.",
     "staff-invited": "Saved: the account is made, and an email with a link to set its "
                      "password is on its way.",
 }
@@ -10867,7 +11055,9 @@ class Surface:
             if path.startswith(self.prefix + "/"):
                 app.route(path, method, bind(handler, refused, right))
         app.route(self.prefix + "/style.css", "GET", self.stylesheet)
-        for method, path, callback in self.signed_out_routes():
+        for method, path, callback in self.signed_out_routes() + [
+                ("GET", "/sign-in/code", lambda: self.code_page()),
+                ("POST", "/sign-in/code", self.sign_in_with_code)]:
             app.route(self.prefix + path, method, callback)
         app.route(self.prefix, "GET", lambda: redirect(self.home))
 
@@ -10936,16 +11126,28 @@ class Surface:
                                         403)
             return redirect(self.prefix + "/sign-in")
         visit = Visit(self, found, token)
-        if bottle.request.method == "POST" and not visit.csrf_matches():
-            return visit.page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
-        if bottle.request.method == "POST" and not visit.may_send(right):
-            return visit.page("Refused", render(ALERT, message=STAFF_ROLE_REFUSED), 403)
+        if (stopped := self.stopped(visit, right)) is not None:
+            return stopped
         try:
             return handler(visit, **url_args)
         except ApiError as error:
             if refused is None:
                 return visit.refusal(error)
             return self.show_again(visit, refused, url_args, error)
+
+    def stopped(self, visit, right):
+        """The answer to a visit that may not go on, or None: a form without this browser's
+        token, one its role may not send (right), or any page but the account's for an owner
+        who must set up two-step sign-in first."""
+        posted = bottle.request.method == "POST"
+        if posted and not visit.csrf_matches():
+            return visit.page("Refused", render(ALERT, message=CSRF_REFUSED), 403)
+        if self.must_set_up_two_step(visit.session) and not bottle.request.path.startswith(
+                self.prefix + "/account"):
+            return redirect(self.prefix + "/account", "two-step-required")
+        if posted and not visit.may_send(right):
+            return visit.page("Refused", render(ALERT, message=STAFF_ROLE_REFUSED), 403)
+        return None
 
     @staticmethod
     def show_again(visit, refused, url_args, error):
@@ -11125,16 +11327,60 @@ class Surface:
         if (wait := sign_in_wait(db.conn, subjects, now_ms)) > 0:
             return self.throttled(wait, email)
         account = find_account(db.conn, self.accounts, email, password, self.account_company())
+        step = self.second_step_needed(account)
         with db.write() as conn:
-            if account is None:
-                record_sign_in_failure(conn, subjects, now_ms)
-            else:
-                token = start_session(conn, self.accounts, account, subjects, now_ms,
-                                      self.service.settings.session_idle_seconds)
+            token = begin_sign_in(conn, self.accounts, account, subjects, now_ms,
+                                  self.service.settings.session_idle_seconds, step)
         if account is None:
             bottle.response.status = 401
             return self.sign_in_page(SIGN_IN_REFUSED, email)
-        self.set_session_cookie(token)
+        (self.set_step_cookie if step else self.set_session_cookie)(token)
+        return redirect(self.prefix + "/sign-in/code" if step else self.home)
+
+    def second_step_needed(self, account):
+        """Whether a sign-in of this account (None: none) waits for a code (staff who set
+        one up)."""
+        return account is not None and account["totp_secret"] is not None
+
+    @staticmethod
+    def must_set_up_two_step(session):
+        """An owner without two-step sign-in in a company that requires it of owners: such
+        a session opens only the account page, where it is set up."""
+        return (session["role"] == "owner" and session["two_step"] == "owners"
+                and not session["two_step_on"])
+
+    step_cookie = property(lambda self: self.cookie + "_step")
+
+    def set_step_cookie(self, token, **expiry):
+        bottle.response.set_cookie(
+            self.step_cookie, token, path=self.prefix + "/sign-in", httponly=True,
+            samesite="lax", secure=self.secure_request(bottle.request.environ), **expiry)
+
+    def code_page(self, error=""):
+        return self.form_page("Sign in: your code", self.prefix + "/sign-in/code", (
+            ("code", "Code from your authenticator app (or a recovery code)", "text",
+             "one-time-code", ""),), "Sign in", {"form": error} if error else None,
+            bottle.response.status_code, render(SIGN_IN_LINKS, prefix=self.prefix))
+
+    def sign_in_with_code(self):
+        if not self.form_matches():
+            return self.refused_form()
+        db, token, now_ms = self.service.db, bottle.request.get_cookie(self.step_cookie), self.now_ms()
+        if (staff := sign_in_step(db.conn, token, now_ms)) is None:
+            bottle.response.status = 400
+            return self.sign_in_page(SIGN_IN_STEP_EXPIRED)
+        subjects = self.throttle_subjects(staff["email"])
+        if (wait := sign_in_wait(db.conn, subjects, now_ms)) > 0:
+            bottle.response.status = 429
+            return self.code_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
+        with db.write() as conn:
+            session = finish_sign_in(conn, staff, token, bottle.request.forms.get("code"),
+                                     subjects, now_ms, self.service.settings.session_idle_seconds)
+        if session is None:
+            bottle.response.status = 401
+            return self.code_page(SIGN_IN_CODE_REFUSED)
+        self.set_step_cookie("", max_age=0)
+        self.set_session_cookie(session)
         return redirect(self.home)
 
     def throttled(self, wait, email):
@@ -12443,6 +12689,8 @@ def settings_page(visit):
         SETTINGS_FORM, server=server, stripe=company["stripe_customer_id"] or "none",
         time_zone=visit.select("timeZone", "Time zone (of the times pages show)", [
             (zone, zone) for zone in sorted(time_zones())], company["time_zone"] or "UTC"),
+        two_step=visit.select("twoStep", "Two-step sign-in", TWO_STEP_CHOICES,
+                              company["two_step"] or ""),
         **settings_fields(visit, company))))
 
 
@@ -12454,6 +12702,8 @@ CATALOG_SORT_CHOICES = (("newest", "Newest first"), ("name", "Name"),
 #: The Settings page's choices of new storefront accounts and of a scheduled report.
 APPROVAL_CHOICES = (("required", "wait for approval by staff (required)"),
                     ("automatic", "are active at once (automatic)"))
+TWO_STEP_CHOICES = (("", "optional: each staff member chooses on their account page"),
+                    ("owners", "required of owners (each sets it up at their next page)"))
 REPORT_CHOICES = (("", "none"), ("daily", "every day (the day before)"),
                   ("weekly", "every Monday (the week before)"))
 
@@ -12494,7 +12744,8 @@ def update_settings_action(visit):
                "staff_alerts": (visit.form.get("staffAlerts") or "").split(",")}
     for field, column in (("storefrontApproval", "storefront_approval"),
                           ("taxRate", "tax_rate"), ("paymentTerms", "payment_terms_days"),
-                          ("reportPeriod", "report_period"), ("timeZone", "time_zone")):
+                          ("reportPeriod", "report_period"), ("timeZone", "time_zone"),
+                          ("twoStep", "two_step")):
         if field in visit.form:  # (a form of an older page may not have it)
             changes[column] = visit.form.get(field)
     if "buyerEmailsShown" in visit.form:
@@ -12557,6 +12808,62 @@ def update_staff_action(visit, staff_id):
     with visit.write() as conn:
         update_staff_role(conn, visit.company_id, staff_id, visit.form.get("role"))
     return redirect("/dashboard/staff", "role")
+
+
+@page("GET", "/dashboard/account")
+def staff_account_page(visit):
+    staff = load_staff(visit.conn, visit.company_id, visit.session["account_id"])
+    return visit.page("Your account", join([render(
+        STAFF_ACCOUNT, email=staff["email"], role=staff["role"],
+        company=visit.session["company_name"]), two_step_state(visit, staff)]))
+
+
+def two_step_state(visit, staff):
+    """The account's two-step sign-in: off, being set up (the key, and the code that turns it
+    on), or on (and the ways to a new key or off)."""
+    start = "/dashboard/account/two-step/start"
+    if staff["totp_pending"]:
+        return render(TWO_STEP_SETUP, key=" ".join(textwrap.wrap(staff["totp_pending"], 4)),
+                      uri=totp_uri(staff, visit.session["company_name"]),
+                      form=visit.form_tag("/dashboard/account/two-step", join([
+                          visit.field("code", "The code the app shows now",
+                                      autocomplete="one-time-code", inputmode="numeric"),
+                          render(SUBMIT, text="Turn on")]), css=""))
+    if staff["totp_secret"]:
+        return render(TWO_STEP_ON, left=recovery_codes_left(visit.conn, staff["id"]),
+                      renew=visit.button(start, "Set up a new key", "secondary"),
+                      off=visit.form_tag("/dashboard/account/two-step/off", join([
+                          visit.field("password", "Your password", kind="password",
+                                      autocomplete="current-password"),
+                          render(BUTTON, css="danger", text="Turn off")])))
+    return render(TWO_STEP_OFF, start=visit.button(start, "Set up two-step sign-in"))
+
+
+@page("POST", "/dashboard/account/two-step/start", right="own")
+def start_two_step_action(visit):
+    with visit.write() as conn:
+        start_two_step(conn, visit.company_id, visit.session["account_id"])
+    return redirect("/dashboard/account")
+
+
+@page("POST", "/dashboard/account/two-step", refused=staff_account_page, right="own")
+def confirm_two_step_action(visit):
+    """Answers with the page itself: the recovery codes are shown once."""
+    with visit.write() as conn:
+        codes = confirm_two_step(conn, visit.company_id, visit.session["account_id"],
+                                 visit.form.get("code"), visit.surface.now_ms())
+    visit.notice = render(RECOVERY_CODES_SHOWN, codes=join(
+        render(LIST_ITEM, text=code) for code in codes))
+    visit.session = {**visit.session, "two_step_on": True}
+    return staff_account_page(visit)
+
+
+@page("POST", "/dashboard/account/two-step/off", refused=staff_account_page, right="own")
+def end_two_step_action(visit):
+    with visit.write() as conn:
+        end_two_step(conn, visit.company_id, visit.session["account_id"],
+                     visit.form.get("password"))
+    return redirect("/dashboard/account", "two-step-off")
 
 
 def refuse_greedy_forms():
@@ -12695,6 +13002,13 @@ class StoreSurface(Surface):
 
     def sign_in_links(self):
         return render(STORE_SIGN_IN_LINKS, prefix=self.prefix)
+
+    def second_step_needed(self, account):
+        return False
+
+    @staticmethod
+    def must_set_up_two_step(session):
+        return False
 
     def front_page(self):
         """Signed out, a welcome without prices; signed in, the catalog (or, awaiting
@@ -14131,7 +14445,8 @@ def cmd_company_create(conn, args):
 _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "mail_name"),
                     ("reply_to", "reply_to"), ("storefront_approval", "storefront_approval"),
                     ("tax_rate", "tax_rate"), ("payment_terms", "payment_terms_days"),
-                    ("report", "report_period"), ("time_zone", "time_zone"))
+                    ("report", "report_period"), ("time_zone", "time_zone"),
+                    ("two_step", "two_step"))
 
 
 @command("company-update", "change a company's settings and print the company",
@@ -14157,7 +14472,9 @@ _COMPANY_OPTIONS = (("stripe_customer", "stripe_customer_id"), ("mail_name", "ma
                 help="a summary emailed to the staff alert addresses each day or week"),
          option("--time-zone", metavar="ZONE",
                 help="the time zone its pages show times in, a name such as Europe/Paris "
-                     "(UTC, the default, or '')"))
+                     "(UTC, the default, or '')"),
+         option("--two-step", metavar="owners|off",
+                help="whether its owners must sign in with a code too (two-step sign-in)"))
 def cmd_company_update(conn, args):
     changes = {column: getattr(args, option) for option, column in _COMPANY_OPTIONS
                if getattr(args, option) is not None}

@@ -27,7 +27,8 @@ CREATE TABLE IF NOT EXISTS companies (
     payment_terms_days  INTEGER NOT NULL DEFAULT 0, -- invoices fall due N days after issue (0: on receipt)
     buyer_emails_off    TEXT,               -- JSON array of the buyer emails it does not send
     report_period       TEXT,               -- daily or weekly: its staff get a report (null: none)
-    time_zone           TEXT                -- IANA name its pages show times in (null: UTC)
+    time_zone           TEXT,               -- IANA name its pages show times in (null: UTC)
+    two_step            TEXT                -- 'owners': its owners sign in with a code too (null: optional)
 );
 -- Stripe's invoice.paid names a customer: it is at most one company's.
 CREATE UNIQUE INDEX IF NOT EXISTS companies_by_stripe_customer ON companies (stripe_customer_id);
@@ -587,10 +588,28 @@ CREATE TABLE IF NOT EXISTS staff (
     password_hash  TEXT NOT NULL,
     disabled       INTEGER NOT NULL DEFAULT 0,
     created_at     TEXT NOT NULL,
-    role           TEXT NOT NULL DEFAULT 'owner' CHECK (role IN ('owner', 'staff', 'read-only'))
+    role           TEXT NOT NULL DEFAULT 'owner' CHECK (role IN ('owner', 'staff', 'read-only')),
+    totp_secret    TEXT,                    -- two-step sign-in's key, base32 (null: password only)
+    totp_pending   TEXT,                    -- a key being set up, until a code from it confirms it
+    totp_step      INTEGER                  -- the time step of the last code used: each works once
 );
 CREATE UNIQUE INDEX IF NOT EXISTS staff_unique_email ON staff (company_id, email_key);
 CREATE INDEX IF NOT EXISTS staff_by_email ON staff (email_key);
+
+-- A staff account's recovery codes for two-step sign-in (SHA-256 only); each works once.
+CREATE TABLE IF NOT EXISTS staff_recovery_codes (
+    staff_id   TEXT NOT NULL REFERENCES staff(id) ON DELETE CASCADE,
+    code_hash  TEXT NOT NULL,
+    PRIMARY KEY (staff_id, code_hash)
+) WITHOUT ROWID;
+
+-- A sign-in whose password was right and whose code is still to come (a cookie's SHA-256):
+-- it lasts minutes, and becomes a session only with the code.
+CREATE TABLE IF NOT EXISTS staff_sign_in_steps (
+    token_hash  TEXT PRIMARY KEY,
+    staff_id    TEXT NOT NULL REFERENCES staff(id) ON DELETE CASCADE,
+    expires_at  TEXT NOT NULL
+);
 
 -- A signed-in browser. Only the SHA-256 of the session cookie is kept; last_seen_at moves
 -- forward as the session is used, and the session ends after the idle limit.

@@ -2126,6 +2126,25 @@ def signed_in(app, email="staff@acme.example", password=STAFF_PASSWORD, **enviro
     return browser
 
 
+def sign_in_with_code(app, code, email="staff@acme.example", password=STAFF_PASSWORD,
+                      status=303):
+    """(a browser, the answer to its code) of a sign-in that two-step sign-in asks a code of."""
+    browser = webtest.TestApp(app)
+    form = main_form(browser.get("/dashboard/sign-in"))
+    form["email"], form["password"] = email, password
+    answer = form.submit(status=303)
+    assert answer.location == "/dashboard/sign-in/code"
+    browser.get("/dashboard/orders", status=303)  # no session yet
+    form = main_form(answer.follow())
+    form["code"] = code
+    return browser, form.submit(status=status)
+
+
+def two_step_key(app, email="staff@acme.example"):
+    return app.service.db.conn.execute("SELECT totp_pending FROM staff WHERE email = ?",
+                                       (email,)).fetchone()[0]
+
+
 @pytest.fixture
 def staff(tenant):
     return make_staff(tenant)
@@ -2203,7 +2222,8 @@ def sign_in_response(app, email="staff@acme.example", password=STAFF_PASSWORD, s
 #: Forms whose success is a page of its own, not a redirect: a secret shown once (never kept
 #: to show after a redirect), and a file's check, which changes nothing.
 ANSWERED_WITH_A_PAGE = {"/dashboard/webhooks", "/dashboard/webhooks/<webhook_id>/rotate",
-                        "/dashboard/keys", "/dashboard/spreadsheets/import"}
+                        "/dashboard/keys", "/dashboard/spreadsheets/import",
+                        "/dashboard/account/two-step"}
 
 
 DASHBOARD_PAGES = ("/dashboard/orders", "/dashboard/orders/new", "/dashboard/products",
@@ -3211,7 +3231,8 @@ STAFF_FORM_RIGHTS = {
     "/dashboard/spreadsheets/import/apply": "work",
     "/dashboard/emails/<email_id>/send-again": "work", "/dashboard/settings": "company",
     "/dashboard/settings/carriers": "company", "/dashboard/staff/invite": "company",
-    "/dashboard/staff/<staff_id>": "company"}
+    "/dashboard/staff/<staff_id>": "company", "/dashboard/account/two-step/start": "own",
+    "/dashboard/account/two-step": "own", "/dashboard/account/two-step/off": "own"}
 
 
 def staff_of_each_role(app, tenant):
@@ -5614,7 +5635,7 @@ def test_company_update_maps_the_stripe_customer_and_prints_the_company(db_path)
                        "cus_NffrFeUfNV2Hib")
     unmailed = {"mailName": None, "replyTo": None, "staffAlerts": [], "reportPeriod": None,
                 "storefrontApproval": "required", "taxRate": 0, "timeZone": None,
-                "createdAt": printed["createdAt"]}
+                "twoStep": None, "createdAt": printed["createdAt"]}
     assert printed == dict(company, stripeCustomerId="cus_NffrFeUfNV2Hib", paymentTermsDays=0,
                            buyerEmailsOff=[], **unmailed)
     assert cli_json(db_path, "company-update", company["id"]) == printed
@@ -5660,14 +5681,15 @@ def test_company_update_sets_the_mail_settings_and_prints_the_company(db_path):
     updated = cli_json(db_path, "company-update", company["id"], "--mail-name", "Fresh Foods Sales",
                        "--reply-to", "sales@fresh.example", "--staff-alerts",
                        "a@fresh.example, b@fresh.example,A@fresh.example",
-                       "--time-zone", "Asia/Tokyo")
+                       "--time-zone", "Asia/Tokyo", "--two-step", "owners")
     assert updated == {"id": company["id"], "name": "Fresh Foods", "slug": "fresh-foods",
                        "stripeCustomerId": None,
                        "mailName": "Fresh Foods Sales", "replyTo": "sales@fresh.example",
                        "staffAlerts": ["a@fresh.example", "b@fresh.example"],
                        "storefrontApproval": "required", "taxRate": 0,
                        "paymentTermsDays": 0, "buyerEmailsOff": [], "reportPeriod": None,
-                       "timeZone": "Asia/Tokyo", "createdAt": updated["createdAt"]}
+                       "timeZone": "Asia/Tokyo", "twoStep": "owners",
+                       "createdAt": updated["createdAt"]}
     cleared = cli_json(db_path, "company-update", company["id"], "--mail-name", "",
                        "--staff-alerts", "", "--time-zone", "")
     assert (cleared["mailName"], cleared["replyTo"], cleared["staffAlerts"],
@@ -5684,6 +5706,8 @@ def test_company_update_refuses_bad_settings_and_changes_nothing(db_path):
                 message=ordering.MAIL_NAME_MESSAGE)
     cli_refuses(db_path, "company-update", company["id"], "--time-zone", "Mars/Olympus",
                 message=ordering.TIME_ZONE_MESSAGE)
+    cli_refuses(db_path, "company-update", company["id"], "--two-step", "everyone",
+                message=ordering.TWO_STEP_MESSAGE)
     cli_refuses(db_path, "company-update", company["id"], "--time-zone", "../../etc/passwd",
                 message=ordering.TIME_ZONE_MESSAGE)
     cli_refuses(db_path, "company-update", "co_nope", "--mail-name", "x",
@@ -10328,6 +10352,83 @@ def test_an_owner_invites_staff_who_set_a_password_from_the_email_and_work_in_th
     newcomer = signed_in(app, "new@acme.example", "the new member's password")
     staff_page = newcomer.get("/dashboard/staff")
     assert not [f for f in staff_page.forms.values() if "/staff/" in f.action]
+
+
+def test_two_step_sign_in_asks_a_code_once_set_up_and_takes_each_recovery_code_once(
+        app, tenant, browser):
+    assert [ordering.totp_code(base64.b32encode(b"12345678901234567890").decode(), seconds // 30)
+            for seconds in (59, 1111111109, 20000000000)] == ["287082", "081804", "353130"]
+    now = [float(time.time())]
+    app.dashboard.clock = lambda: now[0]
+    step = int(now[0]) // ordering.TOTP_PERIOD
+    page = browser.get("/dashboard/account")
+    page = form_to(page, "/two-step/start").submit(status=303).follow()
+    key = two_step_key(app)
+    assert page.html.select("code.key")[0].get_text().replace(" ", "") == key
+    assert page.html.select("code.key")[1].get_text().startswith(
+        f"otpauth://totp/Acme%20Wholesale%3Astaff%40acme.example?secret={key}&")
+    form = form_to(page, "/account/two-step")
+    form["code"] = "000000" if ordering.totp_code(key, step) != "000000" else "111111"
+    refused = form.submit(status=400)
+    assert field_error(refused, "code") == ordering.TOTP_CODE_WRONG
+    form = form_to(refused, "/account/two-step")
+    form["code"] = used = ordering.totp_code(key, step)
+    shown = form.submit(status=200)
+    codes = [code.get_text() for code in shown.html.select("ul.codes code")]
+    assert len(codes) == len(set(codes)) == ordering.RECOVERY_CODES
+    assert "Recovery codes left: 10." in browser.get("/dashboard/account").text
+    _, answer = sign_in_with_code(app, used, status=401)  # each code works once
+    assert alert_of(answer) == ordering.SIGN_IN_CODE_REFUSED
+    now[0] += 30
+    signed, answer = sign_in_with_code(app, ordering.totp_code(key, step + 1))
+    assert answer.location == "/dashboard/orders"
+    signed.get("/dashboard/orders", status=200)
+    signed, answer = sign_in_with_code(app, f" {codes[3].upper().replace('-', ' ')} ")
+    signed.get("/dashboard/orders", status=200)
+    sign_in_with_code(app, codes[3], status=401)
+    assert "Recovery codes left: 9." in browser.get("/dashboard/account").text
+    visitor = webtest.TestApp(app)  # a code that comes too late
+    form = main_form(visitor.get("/dashboard/sign-in"))
+    form["email"], form["password"] = "staff@acme.example", STAFF_PASSWORD
+    page = form.submit(status=303).follow()
+    now[0] += ordering.SIGN_IN_STEP_SECONDS + 1
+    form = main_form(page)
+    form["code"] = ordering.totp_code(key, int(now[0]) // 30)
+    assert alert_of(form.submit(status=400)) == ordering.SIGN_IN_STEP_EXPIRED
+    form = form_to(browser.get("/dashboard/account"), "/two-step/off")
+    form["password"] = "not my password"
+    assert field_error(form.submit(status=400), "password") == ordering.CURRENT_PASSWORD_WRONG
+    form = form_to(browser.get("/dashboard/account"), "/two-step/off")
+    form["password"] = STAFF_PASSWORD
+    assert notice_of(form.submit(status=303).follow()) == ordering.DONE["two-step-off"]
+    signed_in(app)  # the password alone again
+
+
+def test_a_company_that_requires_two_step_sends_its_owners_to_set_it_up_first(
+        app, tenant, browser, db_path):
+    with tenant.db.write() as conn:
+        ordering.create_staff(conn, tenant.id, "packer@acme.example", STAFF_PASSWORD, "staff")
+    packer = signed_in(app, "packer@acme.example")
+    form = main_form(browser.get("/dashboard/settings"))
+    form["twoStep"] = "owners"
+    form.submit(status=303)
+    answer = browser.get("/dashboard/orders", status=303)
+    assert answer.location == "/dashboard/account?done=two-step-required"
+    assert notice_of(answer.follow()) == ordering.DONE["two-step-required"]
+    browser.post("/dashboard/settings", {"csrf": csrf_of(answer.follow()), "twoStep": ""},
+                 status=303)  # refused as every page is: the way out is set-up
+    assert ordering.load_company(tenant.db.conn, tenant.id)["two_step"] == "owners"
+    packer.get("/dashboard/orders", status=200)  # staff choose for themselves
+    page = form_to(answer.follow(), "/two-step/start").submit(status=303).follow()
+    form = form_to(page, "/account/two-step")
+    form["code"] = ordering.totp_code(two_step_key(app), int(time.time()) // 30)
+    form.submit(status=200)
+    browser.get("/dashboard/orders", status=200)
+    form = form_to(browser.get("/dashboard/account"), "/two-step/off")
+    form["password"] = STAFF_PASSWORD
+    assert ordering.TWO_STEP_KEPT in form.submit(status=409).html.get_text()
+    assert two_step_key(app) is None and browser.get("/dashboard/account").html.select(
+        "form[action='/dashboard/account/two-step/off']")
 
 
 def test_staff_invite_makes_the_account_and_emails_its_link(db_path):
