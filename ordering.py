@@ -3098,6 +3098,7 @@ ADDRESS_FIELDS = (("name", "Recipient", 200, True), ("line1", "Address", 200, Tr
                   ("line2", "Address line 2", 200, False), ("city", "City", 100, True),
                   ("region", "Region or state", 100, False),
                   ("postalCode", "Postal code", 20, True), ("country", "Country", 100, True))
+COUNTRY_RULE = "must be a country of the list (its ISO 3166-1 code, such as GB)"
 #: The countries an address is shipped to (ISO 3166-1 alpha-2 code: English name), in the
 #: order of their names: checkout's list, whose codes a new address keeps as its country
 #: (an address saved before keeps the text it was given, and shows it).
@@ -7500,7 +7501,9 @@ def parse_address(form):
         elif len(value) > longest or any(unicodedata.category(c)[0] == "C" for c in value):
             details.append({"field": name, "rule": f"must be at most {longest} characters "
                                                    "on one line"})
-        address[name] = value or None
+        elif name == "country" and value.upper() not in COUNTRIES:
+            details.append({"field": name, "rule": COUNTRY_RULE})
+        address[name] = (value.upper() if name == "country" else value) or None
     if details:
         raise ApiError(400, VALIDATION_FAILED, details)
     return address
@@ -11419,6 +11422,24 @@ class Surface:
         return STYLESHEET
 
 
+#: The autocomplete token of each of a shipping address's fields (HTML's autofill names).
+ADDRESS_AUTOCOMPLETE = {
+    "name": "shipping name", "line1": "shipping address-line1",
+    "line2": "shipping address-line2", "city": "shipping address-level2",
+    "region": "shipping address-level1", "postalCode": "shipping postal-code",
+    "country": "shipping country"}
+
+
+def address_controls(visit):
+    """A new shipping address's fields, each with its autofill token; the country a list."""
+    return join(
+        visit.select(name, label, [("", "Choose a country")] + list(COUNTRIES.items()),
+                     autocomplete=ADDRESS_AUTOCOMPLETE[name]) if name == "country" else
+        visit.field(name, label if required else label + " (optional)", maxlength=longest,
+                    autocomplete=ADDRESS_AUTOCOMPLETE[name])
+        for name, label, longest, required in ADDRESS_FIELDS)
+
+
 # 15.1 Dashboard ------------------------------------------------------------------------------
 # The staff's pages, under /dashboard on the same app.
 
@@ -11478,9 +11499,7 @@ def new_order_page(visit):
         for n in range(count))
     return visit.page("New order", visit.form_tag("/dashboard/orders", render(
         NEW_ORDER, customer=visit.select("customerId", "Customer", customers), lines=lines,
-        count=count, error=visit.error("items"), address=join(
-            visit.field(name, label if required else label + " (optional)", maxlength=longest)
-            for name, label, longest, required in ADDRESS_FIELDS),
+        count=count, error=visit.error("items"), address=address_controls(visit),
         po=visit.field("poNumber", "PO number"),
         notes=visit.field("notes", "Notes", kind="textarea"))))
 
@@ -13442,23 +13461,10 @@ def cart_summary(cart):
                         for line in cart["lines"]], cart["total"], cart["taxRate"], cart["tax"])
 
 
-#: The autocomplete token of each of a shipping address's fields (HTML's autofill names).
-ADDRESS_AUTOCOMPLETE = {
-    "name": "shipping name", "line1": "shipping address-line1",
-    "line2": "shipping address-line2", "city": "shipping address-level2",
-    "region": "shipping address-level1", "postalCode": "shipping postal-code",
-    "country": "shipping country"}
-
-
 def address_fields(visit, saved):
     """Where an order ships: one of the buyer's saved addresses, or a new one, whose fields
     show only while it is the one chosen."""
-    fields = render(NEW_ADDRESS, fields=join(
-        visit.select(name, label, [("", "Choose a country")] + list(COUNTRIES.items()),
-                     autocomplete=ADDRESS_AUTOCOMPLETE[name]) if name == "country" else
-        visit.field(name, label if required else label + " (optional)", maxlength=longest,
-                    autocomplete=ADDRESS_AUTOCOMPLETE[name])
-        for name, label, longest, required in ADDRESS_FIELDS))
+    fields = render(NEW_ADDRESS, fields=address_controls(visit))
     if not saved:
         return fields
     return join([render(SHIP_TO_CHOICE, choice=visit.radios("addressId", "Ship to", [

@@ -15187,6 +15187,11 @@ def test_every_value_a_buyer_enters_is_escaped_on_the_store_and_dashboard_pages(
     form = checkout_form(buyer, tenant, poNumber=script, notes=script, **dict(
         {name: script for name in BUYER_ADDRESS if name != "country"}, postalCode="<i>PO1</i>"))
     form["country"].force_value(script)  # a list on the page, but a form may send any text
+    refused = form.submit(status=400)
+    assert field_error(refused, "country") == ordering.COUNTRY_RULE
+    assert script not in refused.text
+    form = main_form(refused)
+    form["country"] = "GB"
     placed = form.submit(status=303)
     order_id = placed.location.split("/")[-1].split("?")[0]
     api.patch_json(f"/api/v1/orders/{order_id}", {"status": "DELIVERED"},
