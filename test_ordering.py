@@ -15432,7 +15432,7 @@ def test_product_images_show_lazily_from_https_only_with_the_name_as_their_text(
 
 def test_every_page_fits_a_phone_with_its_actions_on_the_screen_in_chromium(served):
     """At 390x844, each dashboard and store page (every GET page of the registry that these
-    records reach): the page does not scroll sideways, every button and link of its header and
+    records reach, and the signed-out ones): the page does not scroll sideways, every button and link of its header and
     main part lies within the screen's width, and buttons, header links, pager links and a
     table's links are at least 44 px tall (or 44 wide and 24 tall)."""
     company_id, slug = served.company["id"], served.company["slug"]
@@ -15477,6 +15477,11 @@ def test_every_page_fits_a_phone_with_its_actions_on_the_screen_in_chromium(serv
             served.open(path)
             assert driver.execute_script(check) == [True, []], path
         driver.delete_all_cookies()
+        for path in ("/dashboard/sign-in", "/dashboard/reset", "/dashboard/check-email?sent=reset",
+                     "/dashboard/sign-in/code", "/dashboard/signed-out", f"/store/{slug}/reset",
+                     f"/store/{slug}/check-email?sent=register", f"/store/{slug}/signed-out"):
+            served.open(path)  # the pages of a visitor who is not signed in
+            assert driver.execute_script(check) == [True, []], path
         served.open(f"/store/{slug}/sign-in")
         form = served.form("/sign-in")
         served.fill(form, email="walk@phone.example", password=BUYER_PASSWORD)
