@@ -4173,7 +4173,8 @@ def parse_price_breaks(text):
 
 def price_breaks_of(product):
     """[(units, price in cents)] of a product (a row), by units ascending."""
-    return [tuple(pair) for pair in json.loads(product["price_breaks"] or "[]")]
+    stored = product["price_breaks"]  # most products have none: no JSON to read, per row
+    return [tuple(pair) for pair in json.loads(stored)] if stored else []
 
 
 def price_breaks_text(product):
