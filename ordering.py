@@ -5373,15 +5373,15 @@ def statement(conn, company_id, customer_id, since=None):
     account = {"customerId": customer_id}
     balance = 0
     if since:
-        (balance,) = conn.execute(
-            "SELECT (SELECT COALESCE(SUM(total_cents), 0) FROM customer_invoices WHERE "
-            "company_id = ? AND customer_id = ? AND status <> 'VOID' AND issued_at < ?) - "
-            "(SELECT COALESCE(SUM(p.amount_cents), 0) FROM customer_invoices i JOIN payments p "
-            "ON p.invoice_id = i.id WHERE i.company_id = ? AND i.customer_id = ? AND "
-            "p.paid_at < ?) - (SELECT COALESCE(SUM(amount_cents), 0) FROM credit_notes WHERE "
-            "customer_id = ? AND created_at < ?)", (company_id, customer_id, since, company_id,
-                                                     customer_id, since, customer_id, since)
-        ).fetchone()
+        # What is owed now, less what the period's lines add: the open invoices and the
+        # credit notes, not the whole history, are read (every line's amount is what it
+        # adds to the balance, so the two agree to the cent).
+        (now_owed,) = conn.execute(
+            "SELECT COALESCE((SELECT SUM(total_cents - paid_cents - credited_cents) FROM "
+            "customer_invoices WHERE company_id = ? AND status = 'OPEN' AND customer_id = ?), "
+            "0) - COALESCE((SELECT SUM(remaining_cents) FROM credit_notes WHERE customer_id = "
+            "?), 0)", (company_id, customer_id, customer_id)).fetchone()
+        balance = now_owed - sum(entry[3] for entry in entries)
         account.update(since=since, opening=money(balance))
     lines = []
     for at, kind, reference, cents, invoice_id in sorted(entries, key=lambda entry: (
