@@ -1654,9 +1654,13 @@ MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", 
 
 @functools.cache
 def time_zones():
-    """The IANA names of the time zones this machine's database knows (the system's tzdata;
-    without one, UTC alone)."""
-    return frozenset(zoneinfo.available_timezones()) | {"UTC"}
+    """The IANA names of the places this machine's time zone database knows (the system's
+    tzdata; without one, UTC alone): Region/City, without the database's aliases of old
+    (US/..., SystemV/...), its fixed offsets (Etc/GMT+5 is five hours behind, against
+    reading) and the server's own "localtime"."""
+    return frozenset(zone for zone in zoneinfo.available_timezones() if "/" in zone and
+                     not zone.startswith(("Etc/", "US/", "SystemV/", "posix", "right/"))
+                     ) | {"UTC"}
 
 
 @functools.lru_cache(maxsize=256)
@@ -1672,11 +1676,15 @@ def day_text(day):
     return f"{int(day)} {MONTHS[int(month) - 1]} {year}"
 
 
+def local_moment(timestamp, zone):
+    """An ISO timestamp in a company's time zone (an IANA name; None is UTC), a datetime."""
+    return datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).astimezone(
+        zone_of(zone))
+
+
 def local_time_text(timestamp, zone):
-    """An ISO timestamp as pages write it, in a company's time zone (an IANA name; None is
-    UTC): 26 Nov 2026, 15:05 CET."""
-    moment = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
-    moment = moment.astimezone(zone_of(zone))
+    """An ISO timestamp as pages write it, in a company's time zone: 26 Nov 2026, 15:05 CET."""
+    moment = local_moment(timestamp, zone)
     return (f"{day_text(moment.date().isoformat())}, {moment.hour:02d}:{moment.minute:02d} "
             f"{moment.tzname()}")
 
@@ -2120,9 +2128,11 @@ SIGN_IN_LINKS = Template("prefix", """\
 <p class="narrow"><a href="{prefix}/reset">Forgot your password?</a></p>""")
 #: What a signed-out form that sends an email answers, whoever the address belongs to.
 MAIL_SENT = Template("what then", """\
-<div class="card narrow" role="status"><p>If the address you gave can receive mail from us, a \
-message is on its way to it {what}. It may take a few minutes; look in your spam folder \
-too.</p>{then}</div>""")
+<div class="card narrow" role="status"><p>A message is on its way to the address you gave \
+{what}. It may take a few minutes; look in your spam folder too, and check the address if \
+nothing comes.</p>{then}</div>""")
+#: Where a dashboard's "Check your email" leads on.
+BACK_TO_SIGN_IN = Template("prefix", '<p><a href="{prefix}/sign-in">Back to sign in</a></p>')
 
 SIGNED_OUT = Template("prefix", """\
 <p class="card narrow">Your session has ended. <a href="{prefix}/sign-in">Sign in again</a>.</p>""")
@@ -6387,9 +6397,12 @@ def disable_staff(conn, company_id, staff_id):
 # code from it, with recovery codes for a lost phone; a sign-in whose password was right waits
 # for a code in a sign-in step (a cookie of its own, minutes long) before it is a session.
 
-def start_two_step(conn, company_id, staff_id):
-    """A new key for the account to set up (its current one, if any, works until then)."""
-    load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+def start_two_step(conn, company_id, staff_id, password):
+    """A new key for the account to set up, proven by the password (a session alone must not
+    lock its owner out); its current key, if any, works until then."""
+    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    if not password_matches(password or "", staff["password_hash"]):
+        raise invalid("password", CURRENT_PASSWORD_WRONG)
     secret = new_totp_secret()
     conn.execute("UPDATE staff SET totp_pending = ? WHERE id = ?", (secret, staff_id))
     return secret
@@ -6422,9 +6435,17 @@ def end_two_step(conn, company_id, staff_id, password):
         raise invalid("password", CURRENT_PASSWORD_WRONG)
     if staff["role"] == "owner" and load_company(conn, company_id)["two_step"] == "owners":
         raise ApiError(409, TWO_STEP_KEPT)
+    reset_two_step(conn, company_id, staff_id)
+
+
+def reset_two_step(conn, company_id, staff_id):
+    """The operator's way back in for a lost phone and lost recovery codes: the account's key
+    and codes go (an owner whom the company requires it of sets a new one up at once)."""
+    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
     conn.execute("UPDATE staff SET totp_secret = NULL, totp_pending = NULL, totp_step = NULL "
                  "WHERE id = ?", (staff_id,))
     conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ?", (staff_id,))
+    return staff_json(staff)
 
 
 def recovery_codes_left(conn, staff_id):
@@ -6823,6 +6844,10 @@ def end_contact_access(conn, contact_ids):
 # (STAFF's), at /dashboard/reset. A dashboard address may have an account in several
 # companies: each gets its own link, in an email that names its company.
 
+#: The purposes of a staff account's emailed links: both set its password.
+STAFF_LINKS = ("reset", "invite")
+
+
 def queue_staff_email(conn, staff, kind, path):
     """An email about a staff account, with a link to path on the dashboard."""
     company = load_company(conn, staff["company_id"])
@@ -6853,27 +6878,31 @@ def request_staff_password_reset(conn, email, now_ms):
 
 
 def staff_link(conn, token, now_ms, use=False):
-    """The staff account (one that may sign in) whose password link this is; with use, its
-    every password link ends. An unknown, used or expired link is LINK_EXPIRED."""
+    """(the staff account that may sign in whose password link this is, the link's purpose:
+    reset or invite); with use, its every password link ends. An unknown, used or expired
+    link is LINK_EXPIRED."""
     row = conn.execute(
-        "SELECT t.staff_id, t.expires_at FROM staff_tokens t JOIN staff s ON s.id = t.staff_id "
-        "WHERE t.token_hash = ? AND t.purpose = 'reset' AND s.disabled = 0",
+        "SELECT t.staff_id, t.purpose, t.expires_at FROM staff_tokens t JOIN staff s ON "
+        "s.id = t.staff_id WHERE t.token_hash = ? AND s.disabled = 0",
         (hash_key(token),)).fetchone()
     if row is None or row["expires_at"] <= iso(now_ms):
         raise ApiError(400, LINK_EXPIRED)
     if use:
-        end_account_links(conn, row["staff_id"], accounts=STAFF)
-    return conn.execute("SELECT * FROM staff WHERE id = ?", (row["staff_id"],)).fetchone()
+        end_account_links(conn, row["staff_id"], STAFF_LINKS, STAFF)
+    return conn.execute("SELECT * FROM staff WHERE id = ?", (row["staff_id"],)).fetchone(), \
+        row["purpose"]
 
 
 def reset_staff_password(conn, token, password, now_ms):
-    """The link's form: the password is set, every session of the account ends, its failed
-    sign-ins are forgotten, and an email says so."""
+    """The link's form: the password is set, every session of the account ends and its
+    failed sign-ins are forgotten; but for an invitation's first password, an email says
+    so."""
     check_password(password)
-    staff = staff_link(conn, token, now_ms, use=True)
+    staff, purpose = staff_link(conn, token, now_ms, use=True)
     set_password(conn, STAFF, staff["id"], password)
     clear_sign_in_failures(conn, staff["email"])
-    queue_staff_email(conn, staff, "staff_password_changed", "/reset")
+    if purpose == "reset":
+        queue_staff_email(conn, staff, "staff_password_changed", "/reset")
     return staff_json(staff)
 
 
@@ -6883,7 +6912,7 @@ def invite_staff(conn, company_id, email, role, now_ms):
     created = create_staff(conn, company_id, email, secrets.token_urlsafe(32), role)
     staff = load_row(conn, "staff", STAFF.noun, company_id, created["id"])
     queue_staff_email(conn, staff, "staff_invite",
-                      issue_account_link(conn, staff, "reset", now_ms, STAFF))
+                      issue_account_link(conn, staff, "invite", now_ms, STAFF))
     return created
 
 
@@ -10566,12 +10595,35 @@ class Visit:
         """A timestamp in the signed-in account's company's time zone (time_tag)."""
         return time_tag(timestamp, self.session["time_zone"])
 
+    def day(self, timestamp):
+        """The day of a timestamp in the company's time zone (for when something began, not
+        the books' days, which day_tag shows as they are)."""
+        return day_tag(local_moment(timestamp, self.session["time_zone"]).date().isoformat())
+
     def csrf_matches(self):
         sent = str(self.form.get("csrf", "")).encode("utf-8", "replace")
         return hmac.compare_digest(sent, self.csrf.encode())
 
     def write(self):
         return self.service.db.write()
+
+    @contextlib.contextmanager
+    def proving_password(self, field):
+        """A write transaction for a change the account's password (the form's field) must
+        allow: a wrong one counts as a failed sign-in, and waits as one does, since a browser
+        whose session was taken could otherwise guess the password at the page's speed."""
+        subjects = self.surface.throttle_subjects(self.session["email"])
+        now_ms = self.surface.now_ms()
+        if (wait := sign_in_wait(self.conn, subjects, now_ms)) > 0:
+            raise ApiError(429, SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
+        try:
+            with self.write() as conn:
+                yield conn
+        except ApiError as error:
+            if form_errors(error).get(field) == CURRENT_PASSWORD_WRONG:
+                with self.write() as conn:
+                    record_sign_in_failure(conn, subjects, now_ms)
+            raise
 
     def filters(self):
         """The query parameters given a value (an empty one is no filter, as in the API)."""
@@ -11060,7 +11112,8 @@ class Surface:
                 app.route(path, method, bind(handler, refused, right))
         app.route(self.prefix + "/style.css", "GET", self.stylesheet)
         for method, path, callback in self.signed_out_routes() + [
-                ("GET", "/sign-in/code", lambda: self.code_page()),
+                ("GET", "/sign-in/code", self.code_step_page),
+            ("GET", "/invite/<token>", self.new_password_page),
                 ("POST", "/sign-in/code", self.sign_in_with_code)]:
             app.route(self.prefix + path, method, callback)
         app.route(self.prefix, "GET", lambda: redirect(self.home))
@@ -11277,10 +11330,11 @@ class Surface:
         """Where a signed-out form that emails a link leads (?sent= names which form)."""
         if bottle.request.query.get("sent") == "register":
             return self.public_page("Check your email", render(
-                MAIL_SENT, what="with a link that confirms the address",
-                then=self.after_registration()))
+                MAIL_SENT, what="with a link to confirm it (or, if it has an account here "
+                "already, to sign in)", then=self.after_registration()))
         return self.public_page("Check your email", render(
-            MAIL_SENT, what="with a link that sets your password", then=""))
+            MAIL_SENT, what="with a link that sets your password, if it has an account here",
+            then=render(BACK_TO_SIGN_IN, prefix=self.prefix)))
 
     def new_password_page(self, token, errors=None, status=200):
         if errors is None:
@@ -11329,7 +11383,7 @@ class Surface:
         email, password = form.get("email", ""), form.get("password", "")
         subjects, db, now_ms = self.throttle_subjects(email), self.service.db, self.now_ms()
         if (wait := sign_in_wait(db.conn, subjects, now_ms)) > 0:
-            return self.throttled(wait, email)
+            return self.throttled(wait, lambda error: self.sign_in_page(error, email))
         account = find_account(db.conn, self.accounts, email, password, self.account_company())
         step = self.second_step_needed(account)
         with db.write() as conn:
@@ -11366,6 +11420,13 @@ class Surface:
              "one-time-code", ""),), "Sign in", {"form": error} if error else None,
             bottle.response.status_code, render(SIGN_IN_LINKS, prefix=self.prefix))
 
+    def code_step_page(self):
+        """The code's form, while a sign-in waits for one; the sign-in form otherwise."""
+        if sign_in_step(self.service.db.conn, bottle.request.get_cookie(self.step_cookie),
+                        self.now_ms()) is None:
+            return redirect(self.prefix + "/sign-in")
+        return self.code_page()
+
     def sign_in_with_code(self):
         if not self.form_matches():
             return self.refused_form()
@@ -11375,8 +11436,7 @@ class Surface:
             return self.sign_in_page(SIGN_IN_STEP_EXPIRED)
         subjects = self.throttle_subjects(staff["email"])
         if (wait := sign_in_wait(db.conn, subjects, now_ms)) > 0:
-            bottle.response.status = 429
-            return self.code_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
+            return self.throttled(wait, self.code_page)
         with db.write() as conn:
             session = finish_sign_in(conn, staff, token, bottle.request.forms.get("code"),
                                      subjects, now_ms, self.service.settings.session_idle_seconds)
@@ -11387,11 +11447,12 @@ class Surface:
         self.set_session_cookie(session)
         return redirect(self.home)
 
-    def throttled(self, wait, email):
-        """The sign-in form, refused for wait seconds more."""
+    def throttled(self, wait, form):
+        """A sign-in's form (form: the page that shows it with an error), refused for wait
+        seconds more."""
         bottle.response.status = 429
         bottle.response.set_header("Retry-After", str(math.ceil(wait)))
-        return self.sign_in_page(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)), email)
+        return form(SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
 
     def start_session(self, account):
         """A new session for this browser (after its old ones ended, at a password change)."""
@@ -11843,7 +11904,7 @@ def customers_page(visit):
     result = find_customers(visit.conn, visit.company_id, query)
     rows = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
              status_tag(c["status"]), amount_text(money(c["credit_limit_cents"])),
-             day_tag(c["created_at"])) for c in result["data"]]
+             visit.day(c["created_at"])) for c in result["data"]]
     waiting = awaiting_approval_table(visit)
     return listing(visit, "Customers", "customer", [
         visit.field("search", "Email or name", query.get("search", "")),
@@ -11859,7 +11920,7 @@ def customers_page(visit):
 def awaiting_approval_table(visit):
     """The customers awaiting approval, each with its Approve button (none: nothing)."""
     pending = [(link(f"/dashboard/customers/{c['id']}", c["email"]), c["name"] or "",
-                day_tag(c["created_at"]), "Yes" if c["email_verified"] else "Not yet",
+                visit.day(c["created_at"]), "Yes" if c["email_verified"] else "Not yet",
                 approve_button(visit.for_form(f"/dashboard/customers/{c['id']}/status", c["id"]),
                                c))
                for c in pending_customers(visit.conn, visit.company_id)]
@@ -12514,7 +12575,7 @@ def rotate_webhook_action(visit, webhook_id):
 def keys_page(visit):
     now = now_iso()
     rows = [(key["id"], key["scopes"].replace(" ", ", "), key["rate_limit"],
-             visit.when(key["expires_at"]) or "never", day_tag(key["created_at"]),
+             visit.when(key["expires_at"]) or "never", visit.day(key["created_at"]),
              status_tag("revoked") if key["revoked"] else
              status_tag("expired") if key_expired(key["expires_at"], now) else
              visit.button(f"/dashboard/keys/{key['id']}/revoke", "Revoke", "danger"))
@@ -12841,7 +12902,8 @@ def staff_account_page(visit):
 def two_step_state(visit, staff):
     """The account's two-step sign-in: off, being set up (the key, and the code that turns it
     on), or on (and the ways to a new key or off)."""
-    start = "/dashboard/account/two-step/start"
+    start = password_form(visit, "/dashboard/account/two-step/start", render(
+        SUBMIT, text="Set up a new key" if staff["totp_secret"] else "Set up two-step sign-in"))
     if staff["totp_pending"]:
         return render(TWO_STEP_SETUP, key=" ".join(textwrap.wrap(staff["totp_pending"], 4)),
                       uri=totp_uri(staff, visit.session["company_name"]),
@@ -12851,18 +12913,25 @@ def two_step_state(visit, staff):
                           render(SUBMIT, text="Turn on")]), css=""))
     if staff["totp_secret"]:
         return render(TWO_STEP_ON, left=recovery_codes_left(visit.conn, staff["id"]),
-                      renew=visit.button(start, "Set up a new key", "secondary"),
-                      off=visit.form_tag("/dashboard/account/two-step/off", join([
-                          visit.field("password", "Your password", kind="password",
-                                      autocomplete="current-password"),
-                          render(BUTTON, css="danger", text="Turn off")])))
-    return render(TWO_STEP_OFF, start=visit.button(start, "Set up two-step sign-in"))
+                      renew=start, off=password_form(visit, "/dashboard/account/two-step/off",
+                                                     render(BUTTON, css="danger",
+                                                            text="Turn off")))
+    return render(TWO_STEP_OFF, start=start)
 
 
-@page("POST", "/dashboard/account/two-step/start", right="own")
+def password_form(visit, action, button):
+    """A form whose one field is the account's password, which allows its change (its
+    field's ID its own, and what was refused shown only on it)."""
+    view = visit.for_form(action, action.rsplit("/", 1)[-1])
+    return view.form_tag(action, join([view.field(
+        "password", "Your password", kind="password", autocomplete="current-password"), button]))
+
+
+@page("POST", "/dashboard/account/two-step/start", refused=staff_account_page, right="own")
 def start_two_step_action(visit):
-    with visit.write() as conn:
-        start_two_step(conn, visit.company_id, visit.session["account_id"])
+    with visit.proving_password("password") as conn:
+        start_two_step(conn, visit.company_id, visit.session["account_id"],
+                       visit.form.get("password"))
     return redirect("/dashboard/account")
 
 
@@ -12880,7 +12949,7 @@ def confirm_two_step_action(visit):
 
 @page("POST", "/dashboard/account/two-step/off", refused=staff_account_page, right="own")
 def end_two_step_action(visit):
-    with visit.write() as conn:
+    with visit.proving_password("password") as conn:
         end_two_step(conn, visit.company_id, visit.session["account_id"],
                      visit.form.get("password"))
     return redirect("/dashboard/account", "two-step-off")
@@ -13140,22 +13209,10 @@ def resend_verification_action(visit):
 
 @page("POST", "/store/<slug>/account/password", refused=account_page)
 def change_password_action(visit):
-    """A wrong current password counts as a failed sign-in, and waits as one does: a browser
-    whose session was taken could otherwise guess the password here at the page's speed."""
-    email = visit.session["email"]
-    subjects, now_ms = visit.surface.throttle_subjects(email), visit.surface.now_ms()
-    if (wait := sign_in_wait(visit.conn, subjects, now_ms)) > 0:
-        raise ApiError(429, SIGN_IN_THROTTLED.format(seconds=math.ceil(wait)))
-    try:
-        with visit.write() as conn:
-            change_contact_password(conn, visit.company_id, visit.session["account_id"],
-                                    visit.form.get("currentPassword"),
-                                    visit.form.get("password", ""))
-    except ApiError as error:
-        if form_errors(error).get("currentPassword") == CURRENT_PASSWORD_WRONG:
-            with visit.write() as conn:
-                record_sign_in_failure(conn, subjects, now_ms)
-        raise
+    with visit.proving_password("currentPassword") as conn:
+        change_contact_password(conn, visit.company_id, visit.session["account_id"],
+                                visit.form.get("currentPassword"),
+                                visit.form.get("password", ""))
     visit.surface.start_session(signed_in_contact(visit))
     return redirect(visit.surface.prefix + "/account")
 
@@ -14949,6 +15006,13 @@ def cmd_staff_create(conn, args):
                 help="what the account may do on the dashboard (default: staff)"))
 def cmd_staff_invite(conn, args):
     return invite_staff(conn, args.company, args.email, args.role, int(time.time() * 1000))
+
+
+@command("staff-two-step-off", "turn off a staff account's two-step sign-in (a lost phone "
+                               "and lost recovery codes): its password signs in alone",
+         option("id", metavar="STAFF_ID"))
+def cmd_staff_two_step_off(conn, args):
+    return reset_two_step(conn, company_of(conn, "Staff account", args.id), args.id)
 
 
 @command("staff-update", "change a staff account's role (a company keeps an owner)",

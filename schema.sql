@@ -647,7 +647,7 @@ CREATE INDEX IF NOT EXISTS contact_tokens_of_contact ON contact_tokens (contact_
 CREATE TABLE IF NOT EXISTS staff_tokens (
     token_hash   TEXT PRIMARY KEY,
     staff_id     TEXT NOT NULL REFERENCES staff(id) ON DELETE CASCADE,
-    purpose      TEXT NOT NULL CHECK (purpose IN ('reset')),
+    purpose      TEXT NOT NULL CHECK (purpose IN ('reset', 'invite')),
     created_at   TEXT NOT NULL,
     expires_at   TEXT NOT NULL
 );

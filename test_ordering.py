@@ -10301,8 +10301,10 @@ def test_staff_reset_a_forgotten_password_by_email_with_one_link_per_company(
         requests.append((answer.location, app.service.db.conn.execute(
             "SELECT COUNT(*) FROM account_requests").fetchone()[0] - before[0]))
     assert requests == [("/dashboard/check-email?sent=reset", 1)] * 3
-    assert html_text(ordering.render(ordering.MAIL_SENT, what="with a link that sets your "
-                                     "password", then="")) in visitor.get(requests[0][0]).text
+    sent_page = visitor.get(requests[0][0])
+    assert "A message is on its way to the address you gave with a link that sets your " \
+           "password, if it has an account here." in sent_page.html.get_text(" ", strip=True)
+    assert sent_page.html.find("a", string="Back to sign in")["href"] == "/dashboard/sign-in"
     sent = account_emails(app, "staff_reset")
     assert [(address, data["company"]) for _, address, data in sent] == [
         ("staff@acme.example", "Acme Wholesale"), ("Staff@Acme.example", "Other Company")]
@@ -10346,9 +10348,11 @@ def test_an_owner_invites_staff_who_set_a_password_from_the_email_and_work_in_th
     assert field_error(refused, "email") == ordering.STAFF_EMAIL_TAKEN
     [(_, address, data)] = account_emails(app, "staff_invite")
     assert (address, data["company"]) == ("new@acme.example", "Acme Wholesale")
+    assert data["path"].startswith("/dashboard/invite/")
     set_password = webtest.TestApp(app).get(data["path"])
     main_form(set_password)["password"] = "the new member's password"
     main_form(set_password).submit(status=303)
+    assert account_emails(app, "staff_password_changed") == []  # a first password, not a change
     newcomer = signed_in(app, "new@acme.example", "the new member's password")
     staff_page = newcomer.get("/dashboard/staff")
     assert not [f for f in staff_page.forms.values() if "/staff/" in f.action]
@@ -10362,7 +10366,16 @@ def test_two_step_sign_in_asks_a_code_once_set_up_and_takes_each_recovery_code_o
     app.dashboard.clock = lambda: now[0]
     step = int(now[0]) // ordering.TOTP_PERIOD
     page = browser.get("/dashboard/account")
-    page = form_to(page, "/two-step/start").submit(status=303).follow()
+    form = form_to(page, "/two-step/start")
+    form["password"] = "not my password"  # a session alone sets up no key: it could lock out
+    refused = form.submit(status=400)
+    assert field_error(refused, "password") == ordering.CURRENT_PASSWORD_WRONG
+    assert two_step_key(app) is None and app.service.db.conn.execute(
+        "SELECT failures FROM sign_in_failures WHERE subject = 'email:staff@acme.example'"
+    ).fetchone()[0] == 1  # and counts as a failed sign-in, as every wrong password does
+    form = form_to(refused, "/two-step/start")
+    form["password"] = STAFF_PASSWORD
+    page = form.submit(status=303).follow()
     key = two_step_key(app)
     assert page.html.select("code.key")[0].get_text().replace(" ", "") == key
     assert page.html.select("code.key")[1].get_text().startswith(
@@ -10387,7 +10400,9 @@ def test_two_step_sign_in_asks_a_code_once_set_up_and_takes_each_recovery_code_o
     signed.get("/dashboard/orders", status=200)
     sign_in_with_code(app, codes[3], status=401)
     assert "Recovery codes left: 9." in browser.get("/dashboard/account").text
+    now[0] += ordering.SIGN_IN_ACCOUNT_MAX_WAIT  # (after three wrong tries, a wait)
     visitor = webtest.TestApp(app)  # a code that comes too late
+    assert visitor.get("/dashboard/sign-in/code", status=303).location == "/dashboard/sign-in"
     form = main_form(visitor.get("/dashboard/sign-in"))
     form["email"], form["password"] = "staff@acme.example", STAFF_PASSWORD
     page = form.submit(status=303).follow()
@@ -10397,7 +10412,11 @@ def test_two_step_sign_in_asks_a_code_once_set_up_and_takes_each_recovery_code_o
     assert alert_of(form.submit(status=400)) == ordering.SIGN_IN_STEP_EXPIRED
     form = form_to(browser.get("/dashboard/account"), "/two-step/off")
     form["password"] = "not my password"
-    assert field_error(form.submit(status=400), "password") == ordering.CURRENT_PASSWORD_WRONG
+    refused = form.submit(status=400)
+    assert errors_of(refused) == [ordering.CURRENT_PASSWORD_WRONG]
+    assert refused.html.find(id="password-off")["aria-invalid"] == "true"
+    assert refused.html.find(id="password-start").get("aria-invalid") is None
+    now[0] += ordering.SIGN_IN_ACCOUNT_MAX_WAIT  # (a wrong password here waits as a sign-in)
     form = form_to(browser.get("/dashboard/account"), "/two-step/off")
     form["password"] = STAFF_PASSWORD
     assert notice_of(form.submit(status=303).follow()) == ordering.DONE["two-step-off"]
@@ -10419,8 +10438,9 @@ def test_a_company_that_requires_two_step_sends_its_owners_to_set_it_up_first(
                  status=303)  # refused as every page is: the way out is set-up
     assert ordering.load_company(tenant.db.conn, tenant.id)["two_step"] == "owners"
     packer.get("/dashboard/orders", status=200)  # staff choose for themselves
-    page = form_to(answer.follow(), "/two-step/start").submit(status=303).follow()
-    form = form_to(page, "/account/two-step")
+    form = form_to(answer.follow(), "/two-step/start")
+    form["password"] = STAFF_PASSWORD
+    form = form_to(form.submit(status=303).follow(), "/account/two-step")
     form["code"] = ordering.totp_code(two_step_key(app), int(time.time()) // 30)
     form.submit(status=200)
     browser.get("/dashboard/orders", status=200)
@@ -10429,6 +10449,10 @@ def test_a_company_that_requires_two_step_sends_its_owners_to_set_it_up_first(
     assert ordering.TWO_STEP_KEPT in form.submit(status=409).html.get_text()
     assert two_step_key(app) is None and browser.get("/dashboard/account").html.select(
         "form[action='/dashboard/account/two-step/off']")
+    [owner] = [row["id"] for row in ordering.list_staff(tenant.db.conn, tenant.id)
+               if row["role"] == "owner"]
+    assert cli_json(db_path, "staff-two-step-off", owner)["id"] == owner  # the operator's way
+    assert browser.get("/dashboard/orders", status=303).location.endswith("two-step-required")
 
 
 def test_staff_invite_makes_the_account_and_emails_its_link(db_path):
@@ -14470,7 +14494,7 @@ def test_every_buyer_entered_value_is_escaped_on_the_staffs_pages(app, tenant, b
     email = "o'hara&co@cafe.example"
     buyer = store_buyer(app, tenant, email=email, name="Name " + PAYLOAD)
     address = {name: f"{name} {PAYLOAD}" for name in ADDRESS}
-    address["postalCode"] = "<b>'\"&"
+    address["postalCode"], address["country"] = "<b>'\"&", "GB"  # (a country is a code)
     order = checked_out(tenant, buyer["id"], product["id"], address=address,
                         po_number="PO " + PAYLOAD, notes="Notes " + PAYLOAD)
     with tenant.db.write() as conn:
@@ -14489,7 +14513,8 @@ def test_every_buyer_entered_value_is_escaped_on_the_staffs_pages(app, tenant, b
         assert (html_escape(email) in text) is (path != "/dashboard/returns"), path
     order_page = pages[f"/dashboard/orders/{order['id']}"]
     for value in ["Name ", "PO ", "Notes ", "Reason "] + [f"{name} " for name in ADDRESS
-                                                           if name != "postalCode"]:
+                                                           if name not in ("postalCode",
+                                                                           "country")]:
         assert value + escaped in order_page, value
     assert html_escape("<b>'\"&") in order_page and "<b>'" not in order_page
     assert "PO " + escaped in pages["/dashboard/orders"]
@@ -15904,7 +15929,7 @@ def test_every_command_is_declared_once_by_the_handler_that_runs_it():
     [subcommands] = [action for action in parser._actions
                      if isinstance(action, argparse._SubParsersAction)]
     names = [declared.name for declared in ordering.COMMANDS]
-    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 45
+    assert list(subcommands.choices) == names and len(set(names)) == len(names) == 46
     for declared in ordering.COMMANDS:
         assert declared.handler.__name__ == "cmd_" + declared.name.replace("-", "_")
         assert subcommands.choices[declared.name].get_default("declared") is declared
