@@ -16139,6 +16139,7 @@ def test_copy_to_postgresql_serves_the_same_data(db_path, tmp_path, postgres_ser
                 "credit_applications": 0,
                 "deliveries": 2, "emails": 1, "email_attempts": 0, "idempotency_keys": 1,
                 "staff": 1, "staff_sessions": 2, "contact_sessions": 1, "contact_tokens": 1,
+                "staff_recovery_codes": 0, "staff_sign_in_steps": 0, "staff_tokens": 0,
                 "account_requests": 0, "sign_in_failures": 1, "rate_windows": 0}
     assert result["copiedTo"] == url.replace(":s3cret@", ":***@")
     assert {table: copied["rows"] for table, copied in result["tables"].items()} == expected
