@@ -1880,6 +1880,12 @@ def password_matches(password, stored):
 TOTP_PERIOD, TOTP_DIGITS = 30, 6
 
 
+def recovery_code_key(code):
+    """What is kept of a recovery code, and looked up for one typed: its hash, as written
+    with or without its hyphen, spaces or capitals."""
+    return hash_key(re.sub(r"[\s-]", "", code or "").lower())
+
+
 def new_totp_secret():
     """A new shared key: 160 random bits, in base32 as authenticator apps take it."""
     return base64.b32encode(secrets.token_bytes(20)).decode("ascii")
@@ -6348,6 +6354,10 @@ def create_staff(conn, company_id, email, password, role="owner"):
     return staff_json(row)
 
 
+def load_staff(conn, company_id, staff_id):
+    return load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+
+
 def check_staff_role(role):
     if role not in STAFF_ROLES:
         raise invalid("role", STAFF_ROLE_MESSAGE)
@@ -6362,7 +6372,7 @@ def list_staff(conn, company_id):
 def update_staff_role(conn, company_id, staff_id, role):
     """A staff member's new role; the company keeps an owner (LAST_OWNER)."""
     check_staff_role(role)
-    row = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    row = load_staff(conn, company_id, staff_id)
     if role != "owner":
         _keep_an_owner(conn, company_id, staff_id)
     conn.execute("UPDATE staff SET role = ? WHERE id = ?", (role, staff_id))
@@ -6387,7 +6397,7 @@ def set_password(conn, accounts, account_id, password):
 
 def disable_staff(conn, company_id, staff_id):
     """Ends the account and every session of it at once."""
-    load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    load_staff(conn, company_id, staff_id)
     conn.execute("UPDATE staff SET disabled = 1 WHERE id = ?", (staff_id,))
     end_sessions(conn, STAFF, staff_id)
     return {"id": staff_id, "disabled": True}
@@ -6400,7 +6410,7 @@ def disable_staff(conn, company_id, staff_id):
 def start_two_step(conn, company_id, staff_id, password):
     """A new key for the account to set up, proven by the password (a session alone must not
     lock its owner out); its current key, if any, works until then."""
-    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    staff = load_staff(conn, company_id, staff_id)
     if not password_matches(password or "", staff["password_hash"]):
         raise invalid("password", CURRENT_PASSWORD_WRONG)
     secret = new_totp_secret()
@@ -6411,7 +6421,7 @@ def start_two_step(conn, company_id, staff_id, password):
 def confirm_two_step(conn, company_id, staff_id, code, now_ms):
     """The key being set up is the account's, once a code from it is right; returns the new
     recovery codes (shown once: only their hashes are kept)."""
-    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    staff = load_staff(conn, company_id, staff_id)
     if staff["totp_pending"] is None:
         raise ApiError(409, TWO_STEP_NOT_STARTED)
     step = totp_step(staff["totp_pending"], code, now_ms)
@@ -6423,14 +6433,14 @@ def confirm_two_step(conn, company_id, staff_id, code, now_ms):
              for _ in range(RECOVERY_CODES)]
     conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ?", (staff_id,))
     conn.executemany("INSERT INTO staff_recovery_codes (staff_id, code_hash) VALUES (?, ?)",
-                     [(staff_id, hash_key(code.replace("-", ""))) for code in codes])
+                     [(staff_id, recovery_code_key(code)) for code in codes])
     return codes
 
 
 def end_two_step(conn, company_id, staff_id, password):
     """Password only again, proven by the password; an owner keeps it while the company
     requires it."""
-    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    staff = load_staff(conn, company_id, staff_id)
     if not password_matches(password or "", staff["password_hash"]):
         raise invalid("password", CURRENT_PASSWORD_WRONG)
     if staff["role"] == "owner" and load_company(conn, company_id)["two_step"] == "owners":
@@ -6441,7 +6451,7 @@ def end_two_step(conn, company_id, staff_id, password):
 def reset_two_step(conn, company_id, staff_id):
     """The operator's way back in for a lost phone and lost recovery codes: the account's key
     and codes go (an owner whom the company requires it of sets a new one up at once)."""
-    staff = load_row(conn, "staff", STAFF.noun, company_id, staff_id)
+    staff = load_staff(conn, company_id, staff_id)
     conn.execute("UPDATE staff SET totp_secret = NULL, totp_pending = NULL, totp_step = NULL "
                  "WHERE id = ?", (staff_id,))
     conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ?", (staff_id,))
@@ -6492,8 +6502,7 @@ def finish_sign_in(conn, staff, token, code, subjects, now_ms, idle_seconds):
     if step is not None:
         conn.execute("UPDATE staff SET totp_step = ? WHERE id = ?", (step, staff["id"]))
     elif not conn.execute("DELETE FROM staff_recovery_codes WHERE staff_id = ? AND "
-                          "code_hash = ?", (staff["id"], hash_key(
-                              re.sub(r"[\s-]", "", code or "").lower()))).rowcount:
+                          "code_hash = ?", (staff["id"], recovery_code_key(code))).rowcount:
         record_sign_in_failure(conn, subjects, now_ms)
         return None
     conn.execute("DELETE FROM staff_sign_in_steps WHERE token_hash = ?", (hash_key(token),))
@@ -6603,10 +6612,6 @@ def end_sessions(conn, accounts, account_id):
     """Every session of an account ends at once."""
     conn.execute(f"DELETE FROM {accounts.sessions} WHERE {accounts.account_column} = ?",
                  (account_id,))
-
-
-def load_staff(conn, company_id, staff_id):
-    return load_row(conn, "staff", STAFF.noun, company_id, staff_id)
 
 
 def staff_account(conn, company_id, email):
@@ -6910,7 +6915,7 @@ def invite_staff(conn, company_id, email, role, now_ms):
     """A new staff account of this role, with a password nobody knows until the invited
     person sets one through the emailed link (the reset's)."""
     created = create_staff(conn, company_id, email, secrets.token_urlsafe(32), role)
-    staff = load_row(conn, "staff", STAFF.noun, company_id, created["id"])
+    staff = load_staff(conn, company_id, created["id"])
     queue_staff_email(conn, staff, "staff_invite",
                       issue_account_link(conn, staff, "invite", now_ms, STAFF))
     return created
