@@ -2048,6 +2048,17 @@ def render(template, **values):
                                      for name, value in values.items()}))
 
 
+def render_rows(rows, **values):
+    """Rows made by Template.partial with all but the values every row of a page shares (a
+    form's token), so that a row can be kept from one page to the next: their markup, those
+    values filled in once for the lot."""
+    names = frozenset(values)
+    if any(row.names != names for row in rows):
+        raise TypeError(f"rows take {sorted(rows[0].names)}, not {sorted(names)}")
+    return Markup("".join(row.text for row in rows).format(
+        **{name: escaped_text(value) for name, value in values.items()}))
+
+
 def join(pieces):
     return Markup("".join(escape(piece) for piece in pieces))
 
@@ -2842,7 +2853,7 @@ type="number" min="1" max="{most}" value="{start}"> <button type="submit">Add\
 STORE_ADD_FORM = Template("cart csrf id name most start", _ADD_FORM)
 
 #: A product's row in the storefront's catalog, with its form: one template a row, for a page
-#: of many (see Template.partial).
+#: of many (see catalog_row).
 _CATALOG_ROW = """\
 <tr><td>{image}<a href="{href}">{name}</a><br><span class="muted">{sku} {unit}</span>{terms}</td>\
 <td class="num">{price}</td><td>{level}</td><td>ADD</td></tr>"""
@@ -10730,7 +10741,7 @@ class Visit:
             notice = join([notice, self.error_summary()])
         bottle.response.status = status
         return render(LAYOUT, prefix=self.surface.prefix, title=title,
-                      site=load_company(self.conn, self.company_id)["name"], header=header,
+                      site=self.session["company_name"], header=header,
                       notice=notice, body=body)
 
     def error_summary(self):
@@ -13272,17 +13283,34 @@ def level_tag(product):
     return _LEVEL_TAGS[stock_level(product)]
 
 
-def catalog_row(template, prefix, product, price, adds):
-    """A product's row of the catalog (adds: with the form that puts it in the cart)."""
-    terms = selling_text(product)
-    values = dict(image=product_image(product, "thumb"),
-                  href=f"{prefix}/products/{product['id']}", name=product["name"],
-                  sku=product["sku"] or "", unit=product["unit"] or "",
-                  terms=render(TERMS, text=terms) if terms else "", price=cents_text(price),
-                  level=level_tag(product))
-    if adds:
-        values.update(id=product["id"], start=fitted_quantity(product, 1))
-    return render(template, **values)
+#: How many catalog rows are kept rendered (see catalog_row): a few pages of every store a
+#: process serves, a few megabytes.
+CATALOG_ROWS_KEPT = 4096
+_catalog_rows = {}
+
+
+def catalog_row(prefix, product, price, adds):
+    """A product's row of the catalog (adds: with the form that puts it in the cart, its CSRF
+    token left to fill: see render_rows). The row is all its product (a row, every column read
+    with it), price and form make it, so it is kept under them: a product or price that changed
+    is another key."""
+    key = (prefix, adds, price, tuple(product))
+    row = _catalog_rows.get(key)
+    if row is None:
+        terms = selling_text(product)
+        values = dict(image=product_image(product, "thumb"),
+                      href=f"{prefix}/products/{product['id']}", name=product["name"],
+                      sku=product["sku"] or "", unit=product["unit"] or "",
+                      terms=render(TERMS, text=terms) if terms else "",
+                      price=cents_text(price), level=level_tag(product))
+        if adds:
+            values.update(cart=prefix + "/cart", most=MAX_QUANTITY, id=product["id"],
+                          start=fitted_quantity(product, 1))
+        row = (STORE_CATALOG_ROW if adds else STORE_CATALOG_ROW_VIEW).partial(**values)
+        if len(_catalog_rows) >= CATALOG_ROWS_KEPT:
+            _catalog_rows.clear()
+        _catalog_rows[key] = row
+    return row
 
 
 def product_image(product, css):
@@ -13301,13 +13329,6 @@ def selling_text(product):
     breaks = "; ".join(f"{units} or more: {cents_text(cents)} each"
                        for units, cents in price_breaks_of(product))
     return ". ".join(filter(None, ["Sold " + rule if rule else "", breaks]))
-
-
-def with_add_form(visit, template):
-    """template (holding the form that puts a product in the cart) with all but the product
-    filled in."""
-    return template.partial(cart=visit.surface.prefix + "/cart", csrf=visit.csrf,
-                            most=MAX_QUANTITY)
 
 
 #: What the cart warns of after a quick order (unknown SKUs) or a reorder (products no
@@ -13357,9 +13378,9 @@ def catalog_page(visit):
     query, prefix = visit.filters(), visit.surface.prefix
     result, prices = catalog(visit.conn, visit.company_id, visit.session["customer_id"], query)
     adds = may(visit, "order")
-    row = with_add_form(visit, STORE_CATALOG_ROW) if adds else STORE_CATALOG_ROW_VIEW
-    rows = [catalog_row(row, prefix, product, prices[product["id"]], adds)
+    rows = [catalog_row(prefix, product, prices[product["id"]], adds)
             for product in result["data"]]
+    rows = [render_rows(rows, **{"csrf": visit.csrf} if adds else {})] if rows else []
     return visit.page("Catalog", join([
         catalog_filters(visit, query),
         table(("Product", "Your price", "Availability", ""), rows, numeric=("Your price",)),
@@ -13403,7 +13424,8 @@ def store_product_page(visit, product_id):
         terms=selling_text(product) or "in any quantity",
         description=render(PARAGRAPH, text=product["description"])
         if product["description"] else "",
-        add=render(with_add_form(visit, STORE_ADD_FORM), id=product_id, name=product["name"],
+        add=render(STORE_ADD_FORM, cart=visit.surface.prefix + "/cart", csrf=visit.csrf,
+                   most=MAX_QUANTITY, id=product_id, name=product["name"],
                    start=fitted_quantity(product, 1)) if may(visit, "order") else ""))
 
 

@@ -11229,6 +11229,35 @@ def test_the_catalog_shows_active_products_at_the_buyers_own_price_and_a_stock_l
     assert "7919" not in product.text
 
 
+def test_the_catalogs_kept_rows_follow_every_change_and_carry_each_buyers_own_token(
+        app, tenant):
+    # Rows are kept rendered between pages (catalog_row): each must change with what made it.
+    rice = tenant.product("Rice 25kg", sku="GR-RICE-25", price_cents=4250, stock=50)
+    customer, buyer = shopper(app, tenant)
+    other_buyer = shopper(app, tenant, "other@cafe.example")[1]
+
+    def row_of(browser):
+        page = browser.get(store_of(tenant) + "/products", status=200)
+        tokens = {box["value"] for box in page.html.select("tbody input[name=csrf]")}
+        assert tokens == {csrf_of(browser.get(store_of(tenant) + "/account"))}
+        return table_rows(page)[0]
+
+    assert row_of(buyer) == row_of(other_buyer) == [
+        "Rice 25kg GR-RICE-25 each", "42.50", "In stock",
+        "Quantity of Rice 25kg Add Rice 25kg to cart"]
+    with tenant.db.write() as conn:
+        ordering.update_product(conn, tenant.id, rice["id"], name="Rice 20kg",
+                                low_stock_threshold=60, min_quantity=5)
+    assert row_of(buyer) == [
+        "Rice 20kg GR-RICE-25 each Sold from 5 units", "42.50", "Low stock",
+        "Quantity of Rice 20kg Add Rice 20kg to cart"]
+    with tenant.db.write() as conn:
+        ordering.set_customer_price(conn, tenant.id, customer["id"], rice["id"], 3990)
+        ordering.adjust_stock(conn, tenant.id, rice["id"], -50, "spoilt")
+    assert row_of(buyer)[1:3] == ["39.90", "Out of stock"]
+    assert row_of(other_buyer)[1:3] == ["42.50", "Out of stock"]
+
+
 def test_the_catalog_searches_filters_by_category_and_pages(app, tenant):
     for name, category in (("Jasmine Rice", "Grains"), ("Bread Flour", "Grains"),
                            ("Sea Salt", "Pantry"), ("Basmati Rice", "Grains")):
