@@ -11,9 +11,11 @@ grown by plain inserts of rows shaped as the service writes them:
   statement's), the rest spread over the other customers, a fifth of them open;
 - a product's stock history: 1,000 against 1,000,000 movements of that product;
 - the dashboard's lists (customers, products, returns, invoices, emails; the orders list is
-  dashboard.py's): 1,000 against 100,000 rows each.
+  dashboard.py's): 1,000 against 100,000 rows each;
+- the store's catalog and a buyer's order history, among those 100,000 customers and
+  products.
 
-A staff account is signed in to each, and each page is timed through the WSGI app in this
+A staff account and a buyer are signed in to each, and each page is timed through the WSGI app in this
 process (no network, one thread), the two databases taking turns request by request, so
 that load from elsewhere falls on both alike: the median and p95 of --requests calls, and
 the ratio of the medians (the budget: at most 1.3x).
@@ -28,6 +30,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+import webtest  # noqa: E402
 
 import bench  # noqa: E402
 import dashboard  # noqa: E402
@@ -120,6 +124,28 @@ def pages(owner, product):
     }
 
 
+BUYER_EMAIL, BUYER_PASSWORD = "buyer@growth.example", "growth buyer password"
+
+
+def signed_in_buyer(app, data):
+    """A browser signed in at the store as a buyer of the bench's company, through its form."""
+    with app.service.db.write() as conn:
+        ordering.create_customer(conn, data["company"], {
+            "email": BUYER_EMAIL, "name": "Growth Buyer"}, source="storefront",
+            password=BUYER_PASSWORD, email_verified=True)
+    browser = webtest.TestApp(app)
+    form = browser.get("/store/bench/sign-in").forms[0]
+    form["email"], form["password"] = BUYER_EMAIL, BUYER_PASSWORD
+    form.submit(status=303)
+    return browser
+
+
+#: The store's pages a buyer sees at every size: the lists' 100,000 customers are the
+#: store's other customers, and their 100,000 products its catalog.
+STORE_PAGES = {"the store's catalog (a buyer's)": "/store/bench/products",
+               "the store's order history (a buyer's)": "/store/bench/orders"}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--invoices", type=int, default=10_000)
@@ -134,7 +160,7 @@ def main():
         small, large, args.requests = (20, 20, 20), (200, 200, 200), 5
     print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     workdir = tempfile.mkdtemp(prefix="ordering-growth-bench-")
-    apps, browsers, paths = [], [], []
+    apps, browsers, paths, buyers = [], [], [], []
     for invoices, movements, rows in (small, large):
         path = os.path.join(workdir, f"growth-{invoices}-{movements}-{rows}.db")
         started = time.perf_counter()
@@ -146,8 +172,10 @@ def main():
         apps.append(app)
         browsers.append(browser)
         paths.append(pages(owner, product))
+        buyers.append(signed_in_buyer(app, data))
     try:
         measured = dashboard.time_pages(browsers, paths, args.requests)
+        measured |= dashboard.time_pages(buyers, [STORE_PAGES] * 2, args.requests)
     finally:
         for app in apps:
             app.service.close(grace=0)
