@@ -11306,6 +11306,32 @@ def test_the_catalog_is_served_by_indexes_at_10000_products(app, tenant):
         assert not any(re.fullmatch(r"SCAN \w+", step) for step in plan), (sql, plan)
 
 
+@pytest.mark.sqlite_only
+def test_a_buyers_requests_look_their_customer_up_by_key_never_reading_every_customer(
+        app, tenant):
+    # Every request checks that the buyer's customer is not blocked: a list of every
+    # customer that is not made that check cost each request in proportion to them all.
+    for number in range(3):
+        tenant.customer(name=f"Other {number}")
+    _, buyer = shopper(app, tenant)
+    conn, statements = tenant.db.conn, []
+    conn.set_trace_callback(statements.append)
+    try:
+        for path in ("/products", "/orders", "/cart", "/account"):
+            buyer.get(store_of(tenant) + path, status=200)
+    finally:
+        conn.set_trace_callback(None)
+    tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master "
+                                             "WHERE type = 'table'")}
+    reads = {sql for sql in statements if sql.lstrip().upper().startswith(("SELECT", "WITH"))}
+    assert any("contact_sessions" in sql for sql in reads)
+    for sql in reads:
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql)]
+        scans = [step for step in plan if step.split()[0] == "SCAN"
+                 and step.split()[1] in tables]
+        assert scans == [], (sql, plan)
+
+
 def test_a_product_of_another_store_or_no_longer_sold_is_not_found_and_cannot_be_added(
         app, tenant, other):
     mine = tenant.product("Rice 25kg")
