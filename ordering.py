@@ -4605,13 +4605,13 @@ def unit_price(product, special, units):
     of it: the lowest of the catalog price ("catalog"), the customer's (special: its own or
     its group's, as special_prices gives it, or None) and the price break units reach
     ("from N"). The lowest wins, so a buyer never pays more for a price list of its own."""
-    found = [(product["price_cents"], "catalog")]
-    if special is not None:
-        found.append(special)
-    reached = [pair for pair in price_breaks_of(product) if pair[0] <= units]
-    if reached:
-        found.append((reached[-1][1], f"from {reached[-1][0]}"))
-    return min(found, key=lambda option: option[0])
+    best = (product["price_cents"], "catalog")
+    if special is not None and special[0] < best[0]:
+        best = special
+    for at, cents in reversed(price_breaks_of(product)):
+        if at <= units:  # the highest break reached
+            return (cents, f"from {at}") if cents < best[0] else best
+    return best
 
 
 def next_break(product, units, paid_cents):
