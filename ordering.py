@@ -7361,6 +7361,12 @@ def stock_level(product):
         else STOCK_LEVELS[0]
 
 
+#: What the catalog's rows show of a product and price it by (the rest, a description say, is
+#: the product page's).
+CATALOG_COLUMNS = ("id, name, sku, unit, image_url, price_cents, price_breaks, min_quantity, "
+                   "order_multiple, stock, low_stock_threshold")
+
+
 def catalog(conn, company_id, customer_id, query):
     """A page of the store's active products (search, category, sort: one of CATALOG_SORTS,
     cursor or before, limit) and {product ID: the customer's price in cents for the fewest
@@ -7370,8 +7376,8 @@ def catalog(conn, company_id, customer_id, query):
         raise ApiError(400, CATALOG_SORT_MESSAGE)
     result = find_products(conn, company_id, {
         name: query.get(name) for name in ("search", "category", "cursor", "limit")} | {
-        "active": "true"}, order=CATALOG_ORDERS[sort], before=query.get("before") or None,
-        back=True)
+        "active": "true"}, CATALOG_COLUMNS, CATALOG_ORDERS[sort],
+        before=query.get("before") or None, back=True)
     special = special_prices(conn, customer_id, result["data"])
     return result, {row["id"]: unit_price(row, special.get(row["id"]), row["min_quantity"])[0]
                     for row in result["data"]}
@@ -13309,9 +13315,9 @@ _catalog_rows = {}
 
 def catalog_row(prefix, product, price, adds):
     """A product's row of the catalog (adds: with the form that puts it in the cart, its CSRF
-    token left to fill: see render_rows). The row is all its product (a row, every column read
-    with it), price and form make it, so it is kept under them: a product or price that changed
-    is another key."""
+    token left to fill: see render_rows). The row is all its product (a row of CATALOG_COLUMNS),
+    price and form make it, so it is kept under them: a product or price that changed is
+    another key."""
     key = (prefix, adds, price, tuple(product))
     row = _catalog_rows.get(key)
     if row is None:
