@@ -13307,9 +13307,9 @@ def level_tag(product):
     return _LEVEL_TAGS[stock_level(product)]
 
 
-#: How many catalog rows are kept rendered (see catalog_row): a few pages of every store a
-#: process serves, a few megabytes.
-CATALOG_ROWS_KEPT = 4096
+#: How many catalog rows are kept rendered (see catalog_row): about 4 KiB each with its key,
+#: so at most some 4 MiB a process, twenty pages of 50.
+CATALOG_ROWS_KEPT = 1024
 _catalog_rows = {}
 
 
