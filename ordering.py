@@ -2074,6 +2074,24 @@ def render_rows(rows, **values):
     return Markup("".join(text + filled[name] for row in rows for text, name in row.pieces))
 
 
+class Kept:
+    """Markup kept from one page to the next under a key of everything that makes it, at most
+    `most` of them (forgotten together when full): for rows a long page renders again and
+    again. Each thread may make a missing one; the last made is kept."""
+
+    def __init__(self, most):
+        self.most = most
+        self.kept = {}
+
+    def get(self, key, make):
+        found = self.kept.get(key)
+        if found is None:
+            if len(self.kept) >= self.most:
+                self.kept.clear()
+            found = self.kept[key] = make()
+        return found
+
+
 def join(pieces):
     return Markup("".join(escape(piece) for piece in pieces))
 
@@ -13307,10 +13325,10 @@ def level_tag(product):
     return _LEVEL_TAGS[stock_level(product)]
 
 
-#: How many catalog rows are kept rendered (see catalog_row): about 4 KiB each with its key,
-#: so at most some 4 MiB a process, twenty pages of 50.
+#: The catalog's rows kept rendered (see catalog_row): about 4 KiB each with its key, so at
+#: most some 4 MiB a process, twenty pages of 50.
 CATALOG_ROWS_KEPT = 1024
-_catalog_rows = {}
+_CATALOG_ROWS = Kept(CATALOG_ROWS_KEPT)
 
 
 def catalog_row(prefix, product, price, adds):
@@ -13318,23 +13336,21 @@ def catalog_row(prefix, product, price, adds):
     token left to fill: see render_rows). The row is all its product (a row of CATALOG_COLUMNS),
     price and form make it, so it is kept under them: a product or price that changed is
     another key."""
-    key = (prefix, adds, price, tuple(product))
-    row = _catalog_rows.get(key)
-    if row is None:
-        terms = selling_text(product)
-        values = dict(image=product_image(product, "thumb"),
-                      href=f"{prefix}/products/{product['id']}", name=product["name"],
-                      sku=product["sku"] or "", unit=product["unit"] or "",
-                      terms=render(TERMS, text=terms) if terms else "",
-                      price=cents_text(price), level=level_tag(product))
-        if adds:
-            values.update(cart=prefix + "/cart", most=MAX_QUANTITY, id=product["id"],
-                          start=fitted_quantity(product, 1))
-        row = (STORE_CATALOG_ROW if adds else STORE_CATALOG_ROW_VIEW).partial(**values)
-        if len(_catalog_rows) >= CATALOG_ROWS_KEPT:
-            _catalog_rows.clear()
-        _catalog_rows[key] = row
-    return row
+    return _CATALOG_ROWS.get((prefix, adds, price, tuple(product)),
+                             lambda: new_catalog_row(prefix, product, price, adds))
+
+
+def new_catalog_row(prefix, product, price, adds):
+    terms = selling_text(product)
+    values = dict(image=product_image(product, "thumb"),
+                  href=f"{prefix}/products/{product['id']}", name=product["name"],
+                  sku=product["sku"] or "", unit=product["unit"] or "",
+                  terms=render(TERMS, text=terms) if terms else "", price=cents_text(price),
+                  level=level_tag(product))
+    if adds:
+        values.update(cart=prefix + "/cart", most=MAX_QUANTITY, id=product["id"],
+                      start=fitted_quantity(product, 1))
+    return (STORE_CATALOG_ROW if adds else STORE_CATALOG_ROW_VIEW).partial(**values)
 
 
 def product_image(product, css):
