@@ -11172,7 +11172,7 @@ class Surface:
         app.route(self.prefix + "/style.css", "GET", self.stylesheet)
         for method, path, callback in self.signed_out_routes() + [
                 ("GET", "/sign-in/code", self.code_step_page),
-            ("GET", "/invite/<token>", self.new_password_page),
+                ("GET", "/invite/<token>", self.new_password_page),
                 ("POST", "/sign-in/code", self.sign_in_with_code)]:
             app.route(self.prefix + path, method, callback)
         app.route(self.prefix, "GET", lambda: redirect(self.home))

@@ -200,9 +200,10 @@ def storage_ceiling(path, data, count, synchronous, ledger=False):
                             products).fetchall()
         order_id = f"ceiling_{n}"
         now = ordering.now_iso()
-        number = conn.execute("SELECT COALESCE(MAX(number), 0) + 1 FROM orders WHERE "
-                              "company_id = ?", (data["company"],)).fetchone()[0] if ledger \
-            else None
+        number = None
+        if ledger:
+            number = conn.execute("SELECT COALESCE(MAX(number), 0) + 1 FROM orders WHERE "
+                                  "company_id = ?", (data["company"],)).fetchone()[0]
         conn.execute("INSERT INTO orders (id, company_id, customer_id, status, total_cents, "
                      "source, number, created_at, updated_at) VALUES (?, ?, ?, 'SUBMITTED', ?, "
                      "'api', ?, ?, ?)", (order_id, data["company"], data["customers"][0],
